@@ -1,0 +1,37 @@
+# lmfoundry developer entry points. `make demo` and `make test` work on a fresh machine
+# (CPU only, no internet but the package registries).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# 2-core machines slow down badly when thread pools oversubscribe; tests use one thread.
+OMP ?= 2
+DEMO_OUT ?= demo-out/smollm2-w4a16-g64
+PPL_WINDOWS ?= 40
+
+.PHONY: venv demo test test-slow test-all clean
+
+venv: $(VENV)/.installed
+
+# torch first (2.13.0; on our CPU machines pip takes the local CPU wheel): a bare `torch`
+# requirement resolved later would otherwise pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: venv
+	OMP_NUM_THREADS=$(OMP) $(BIN)/lmfoundry quantize smollm2-135m --recipe recipes/smollm2-w4a16-rtn.yaml \
+		-o $(DEMO_OUT) --overwrite
+	$(BIN)/lmfoundry inspect $(DEMO_OUT)
+	OMP_NUM_THREADS=$(OMP) $(BIN)/lmfoundry eval ppl smollm2-135m $(DEMO_OUT) --max-windows $(PPL_WINDOWS)
+
+test: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+test-slow: venv
+	OMP_NUM_THREADS=$(OMP) $(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf demo-out build *.egg-info

@@ -1,0 +1,213 @@
+"""The sequential layer-wise pipeline every quantization method runs in.
+
+No tracing and no full model in memory: the decoder is rebuilt one layer at a time from the
+safetensors memory maps. For each layer in order we (1) load its float weights, (2) let the
+quantizer calibrate it on the hidden states entering it, (3) quantize its linears, (4) run it
+again to produce the next layer's inputs (from the quantized or the float layer), (5) write its
+tensors to the output shard, and (6) release it. Peak memory is one layer plus the calibration
+activations.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, encode_linear
+from lmfoundry.errors import UserError
+from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
+from lmfoundry.quantizers.qmath import check_group_size
+from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme
+from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.runtime.model import DecoderLayer, RotaryEmbedding
+
+Propagate = Literal["quantized", "float"]
+
+
+def _proc_status(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far. VmHWM belongs to this process image, while
+    getrusage's ru_maxrss survives fork/exec and would report a parent's peak."""
+    hwm = _proc_status("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    rss = _proc_status("VmRSS")
+    return rss if rss is not None else peak_rss_bytes()
+
+
+@dataclass
+class PipelineReport:
+    layers: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    peak_rss_bytes: int = 0
+    wall_s: float = 0.0
+
+
+def layer_schemes(plan: QuantizationPlan, config: ModelConfig, layer_idx: int) -> dict[str, Scheme]:
+    """Local linear name -> scheme for one decoder layer (ignored/untargeted linears omitted)."""
+    out = {}
+    for local in config.linear_shapes:
+        scheme = plan.scheme_for(f"model.layers.{layer_idx}.{local}")
+        if scheme is not None:
+            out[local] = scheme
+    return out
+
+
+def check_plan(plan: QuantizationPlan, config: ModelConfig) -> None:
+    """Fail before any work if a group size does not divide a targeted linear's input dimension."""
+    for local, (_, in_features) in config.linear_shapes.items():
+        for i in range(config.num_layers):
+            scheme = plan.scheme_for(f"model.layers.{i}.{local}")
+            if scheme is None or scheme.weights.strategy != "group":
+                continue
+            g = int(scheme.weights.group_size)
+            if in_features % g:
+                dims = sorted({k for _, k in config.linear_shapes.values()})
+                ok = [s for s in (32, 64, 128, 256) if all(d % s == 0 for d in dims)]
+                raise UserError(
+                    f"group size {g} does not divide the input dimension {in_features} of {local}; "
+                    f"group sizes that divide every layer: {', '.join(map(str, ok)) or 'none of 32/64/128/256'}"
+                    " (or use --per-channel)"
+                )
+            break
+
+
+def load_layer(reader: CheckpointReader, config: ModelConfig, idx: int, dtype: torch.dtype) -> DecoderLayer:
+    """Build decoder layer `idx` with its weights, nothing else of the model."""
+    with torch.device("meta"):
+        layer = DecoderLayer(config, idx)
+    state = {k: v.to(dtype) for k, v in reader.prefixed(f"model.layers.{idx}").items()}
+    missing = set(layer.state_dict()) - set(state)
+    if missing:
+        raise UserError(f"{reader.folder}: layer {idx} lacks {sorted(missing)[:3]}")
+    layer.load_state_dict(state, assign=True, strict=False)
+    return layer.eval()
+
+
+def run_pipeline(
+    reader: CheckpointReader,
+    config: ModelConfig,
+    plan: QuantizationPlan,
+    quantizer: Quantizer,
+    writer: CheckpointWriter,
+    calib_ids: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    propagate: Propagate = "quantized",
+    batch_size: int = 8,
+    extra_layer_passes: list[Any] | None = None,
+    progress: bool = True,
+) -> PipelineReport:
+    """Quantize every decoder layer of `reader`'s model into `writer`; returns per-layer metrics.
+
+    `extra_layer_passes` are callables `(layer, calib, layer_idx, result)` run after the quantizer
+    on layers (e.g. KV-cache scale calibration) that may add to `result.extra_tensors`.
+    """
+    t0 = time.time()
+    report = PipelineReport()
+    quantizer.scale_dtype = out_dtype
+    work_dtype = torch.float32  # calibrate in fp32 whatever the storage dtype
+    needs_data = quantizer.needs_calibration or bool(extra_layer_passes)
+    if needs_data and calib_ids is None:
+        raise UserError(f"method {quantizer.name} needs calibration data")
+
+    # --- embeddings: inputs of layer 0
+    embed = reader.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    writer.write_shard(_shard(0, config), {"model.embed_tokens.weight": embed.to(out_dtype)})
+    calib: LayerCalibration | None = None
+    if needs_data:
+        rotary = RotaryEmbedding(config)
+        ids = calib_ids
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        cos, sin = rotary(positions, work_dtype)
+        emb = embed.to(work_dtype)
+        inputs = [torch.nn.functional.embedding(b, emb) for b in ids.split(batch_size)]
+        calib = LayerCalibration(inputs, cos, sin)
+        del emb
+    del embed
+
+    bar = tqdm(range(config.num_layers), desc=f"{quantizer.name} layers", unit="layer", disable=not progress)
+    for idx in bar:
+        layer = load_layer(reader, config, idx, work_dtype)
+        schemes = layer_schemes(plan, config, idx)
+        # one float pass: outputs (for the error metric / float propagation) and the quantizer's
+        # statistics (Hessians, activation ranges) through its hooks
+        hooks = quantizer.calibration_hooks(layer, schemes, idx) if calib is not None else {}
+        float_out = calib.run(layer, hooks=hooks, keep_outputs=True) if calib is not None else None
+        with torch.no_grad():
+            result: LayerResult = quantizer.quantize_layer(layer, schemes, calib, idx)
+            for name, qw in result.weights.items():
+                layer.get_submodule(name).weight.data = qw.dequantize(work_dtype)
+            for fn in extra_layer_passes or []:  # run on the quantized layer
+                fn(layer, calib, idx, result)
+        layer_metrics: dict[str, Any] = {n: qw.metrics for n, qw in result.weights.items()}
+        layer_metrics.update(result.metrics)
+        report.warnings += [f"layer {idx}: {w}" for w in result.warnings]
+        if calib is not None:
+            q_out = calib.run(layer, keep_outputs=True)
+            err = [weight_error(f, q) for f, q in zip(float_out, q_out)]
+            layer_metrics["output_rel_error"] = sum(err) / len(err)
+            calib.inputs = q_out if propagate == "quantized" else float_out
+        report.layers[f"model.layers.{idx}"] = layer_metrics
+        writer.write_shard(_shard(idx + 1, config), _layer_tensors(layer, idx, result, schemes, out_dtype))
+        del layer, result, float_out
+        bar.set_postfix(rss=f"{peak_rss_bytes() / 2**20:.0f}MiB")
+
+    # --- final norm and LM head
+    tail = {"model.norm.weight": reader.get(["model.norm.weight"])["model.norm.weight"].to(out_dtype)}
+    if reader.has("lm_head.weight") and not config.tie_word_embeddings:
+        w = reader.get(["lm_head.weight"])["lm_head.weight"]
+        scheme = plan.scheme_for("lm_head")
+        if scheme is None:
+            tail["lm_head.weight"] = w.to(out_dtype)
+        else:
+            from lmfoundry.quantizers.rtn import rtn_quantize_weight
+
+            check_group_size("lm_head", w.shape[1], scheme.weights)
+            qw = rtn_quantize_weight(w.float(), scheme.weights, out_dtype)
+            tail.update(encode_linear("lm_head", qw, scheme))
+            report.layers["lm_head"] = {"lm_head": qw.metrics, "method": "rtn (no calibration for lm_head)"}
+    elif plan.scheme_for("lm_head") is not None and config.tie_word_embeddings:
+        raise UserError("lm_head is tied to the embeddings and cannot be quantized; keep it in `ignore`")
+    writer.write_shard(_shard(config.num_layers + 1, config), tail)
+    report.peak_rss_bytes = peak_rss_bytes()
+    report.wall_s = time.time() - t0
+    return report
+
+
+def _shard(i: int, config: ModelConfig) -> str:
+    n = config.num_layers + 2
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _layer_tensors(layer: DecoderLayer, idx: int, result: LayerResult, schemes: dict[str, Scheme],
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    prefix = f"model.layers.{idx}"
+    out: dict[str, torch.Tensor] = {}
+    quantized = set(result.weights)
+    for name, t in layer.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if module in quantized and name.endswith(".weight"):
+            continue
+        out[f"{prefix}.{name}"] = t.to(dtype)
+    for name, qw in result.weights.items():
+        out.update(encode_linear(f"{prefix}.{name}", qw, schemes[name]))
+    for name, t in result.extra_tensors.items():
+        out[f"{prefix}.{name}"] = t
+    return out

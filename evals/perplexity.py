@@ -1,0 +1,60 @@
+"""Perplexity over non-overlapping windows, token-weighted, on the reference execution path.
+
+The text is tokenized as one stream (BOS before each document) and cut into windows of `ctx`
+tokens; every window predicts its `ctx - 1` next tokens with no context carried over, so results
+do not depend on batching. Per-window NLL sums are returned for paired statistics (eval-gate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from lmfoundry.errors import UserError
+from lmfoundry.runtime.model import CausalLM
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    nll: float  # mean negative log-likelihood per predicted token (nats)
+    tokens: int  # predicted tokens
+    windows: int
+    ctx: int
+    window_nll: list[float] = field(default_factory=list)  # summed NLL per window
+
+    def to_dict(self) -> dict:
+        return {"ppl": self.ppl, "nll": self.nll, "tokens": self.tokens, "windows": self.windows, "ctx": self.ctx}
+
+
+def windows_of(stream: torch.Tensor, ctx: int, max_windows: int | None = None) -> torch.Tensor:
+    if ctx < 2:
+        raise UserError("--ctx must be at least 2")
+    n = stream.numel() // ctx
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if n == 0:
+        raise UserError(f"text has {stream.numel()} tokens, fewer than one window of --ctx {ctx}")
+    return stream[: n * ctx].view(n, ctx)
+
+
+@torch.no_grad()
+def perplexity(
+    model: CausalLM, stream: torch.Tensor, ctx: int = 512, max_windows: int | None = None,
+    batch_size: int = 4, progress: bool = True,
+) -> PerplexityResult:
+    wins = windows_of(stream, ctx, max_windows)
+    sums: list[float] = []
+    for batch in tqdm(wins.split(batch_size), desc="perplexity", unit="batch", disable=not progress):
+        logits = model(batch)
+        nll = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+        ).view(batch.shape[0], -1)
+        sums.extend(nll.double().sum(1).tolist())
+    tokens = wins.shape[0] * (ctx - 1)
+    mean = sum(sums) / tokens
+    return PerplexityResult(math.exp(mean), mean, tokens, wins.shape[0], ctx, sums)

@@ -1,0 +1,176 @@
+"""The on-disk checkpoint: a Hugging Face folder in the compressed-tensors format.
+
+Writing: `CheckpointWriter` builds the folder in a temporary sibling and renames it into place at
+the end, so an interrupted run never leaves a folder that looks complete. Tensors are written one
+shard per decoder layer as the layer-wise pipeline produces them (memory stays at one layer).
+
+Reading: `CheckpointReader` memory-maps the shards and hands out tensors by name; `decode_linear`
+turns the stored tensors of one linear back into a `QuantizedWeight` (or a float weight).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lmfoundry.errors import UserError
+from lmfoundry.models import safetensors_files
+from lmfoundry.quantizers.base import QuantizedWeight
+from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme, plan_from_compressed_tensors, to_compressed_tensors
+
+from lmfoundry.manifest import MANIFEST, hash_folder
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
+)
+
+
+# --------------------------------------------------------------------------------------- encode
+def encode_linear(name: str, qw: QuantizedWeight, scheme: Scheme) -> dict[str, torch.Tensor]:
+    """Stored tensors of one quantized linear (`name` is the full module name)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    fmt = scheme.format
+    out: dict[str, torch.Tensor] = {f"{name}.weight_scale": qw.scale.contiguous()}
+    if fmt == "pack-quantized":
+        bits = qw.args.num_bits
+        out[f"{name}.weight_packed"] = pack_to_int32(qw.q.to(torch.int8), bits)
+        out[f"{name}.weight_shape"] = torch.tensor(list(qw.q.shape), dtype=torch.int64)
+        if qw.zero_point is not None:
+            out[f"{name}.weight_zero_point"] = pack_to_int32(qw.zero_point.to(torch.int8), bits, packed_dim=0)
+    else:
+        out[f"{name}.weight"] = qw.q.contiguous()
+        if qw.zero_point is not None:
+            out[f"{name}.weight_zero_point"] = qw.zero_point.contiguous()
+    if qw.g_idx is not None:
+        out[f"{name}.weight_g_idx"] = qw.g_idx.to(torch.int32).contiguous()
+    return out
+
+
+def decode_linear(tensors: dict[str, torch.Tensor], scheme: Scheme) -> QuantizedWeight:
+    """Inverse of `encode_linear`; `tensors` uses local names (weight_packed, weight_scale, ...)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    args = scheme.weights
+    scale = tensors["weight_scale"]
+    zp = tensors.get("weight_zero_point")
+    if "weight_packed" in tensors:
+        shape = torch.Size(tensors["weight_shape"].tolist())
+        q = unpack_from_int32(tensors["weight_packed"], args.num_bits, shape)
+        if zp is not None:
+            zp = unpack_from_int32(zp, args.num_bits, torch.Size([shape[0], scale.shape[-1]]), packed_dim=0)
+    elif "weight" in tensors:
+        q = tensors["weight"]
+    else:
+        raise UserError(f"quantized linear is missing weight_packed/weight (has {sorted(tensors)})")
+    g_idx = tensors.get("weight_g_idx")
+    return QuantizedWeight(q, scale, zp, args, g_idx.long() if g_idx is not None else None)
+
+
+# --------------------------------------------------------------------------------------- write
+class CheckpointWriter:
+    """Builds an output folder atomically. Use as a context manager; call `finish()` last."""
+
+    def __init__(self, out_dir: str | os.PathLike, overwrite: bool = False) -> None:
+        self.out_dir = Path(out_dir).resolve()
+        if self.out_dir.exists() and any(self.out_dir.iterdir()) and not overwrite:
+            raise UserError(f"{self.out_dir} exists and is not empty (pass --overwrite to replace it)")
+        self.tmp = self.out_dir.with_name(f".{self.out_dir.name}.partial-{os.getpid()}")
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+
+    def __enter__(self) -> "CheckpointWriter":
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.tmp.exists():  # not finished: leave nothing behind
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def write_shard(self, filename: str, tensors: dict[str, torch.Tensor]) -> None:
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(self.tmp / filename), metadata={"format": "pt"})
+        for k, v in tensors.items():
+            self.weight_map[k] = filename
+            self.total_bytes += v.numel() * v.element_size()
+
+    def copy_files(self, src: Path, names: Iterable[str]) -> None:
+        for n in names:
+            if (src / n).is_file():
+                shutil.copy2(src / n, self.tmp / n)
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None:
+        (self.tmp / name).write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+    def finish(self, config: dict[str, Any], manifest: dict[str, Any]) -> Path:
+        self.write_json("config.json", config)
+        self.write_json("model.safetensors.index.json",
+                        {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map.items()))})
+        manifest["files"] = hash_folder(self.tmp)
+        self.write_json(MANIFEST, manifest)
+        if self.out_dir.exists():
+            shutil.rmtree(self.out_dir)
+        os.replace(self.tmp, self.out_dir)
+        return self.out_dir
+
+
+def quantized_config(source_config: dict[str, Any], plan: QuantizationPlan, dtype: torch.dtype) -> dict[str, Any]:
+    cfg = dict(source_config)
+    cfg["quantization_config"] = to_compressed_tensors(plan)
+    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    cfg.pop("dtype", None)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------- read
+class CheckpointReader:
+    """Lazy access to a model folder's tensors (safetensors memory maps, opened per request)."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        self.config = json.loads((self.folder / "config.json").read_text())
+        qcfg = self.config.get("quantization_config")
+        self.plan: QuantizationPlan | None = plan_from_compressed_tensors(qcfg) if qcfg else None
+        self.files = safetensors_files(self.folder)
+        self.index: dict[str, Path] = {}
+        for f in self.files:
+            with safe_open(str(f), "pt") as st:
+                for k in st.keys():
+                    self.index[k] = f
+
+    @property
+    def dtype(self) -> torch.dtype:
+        name = self.config.get("torch_dtype") or self.config.get("dtype") or "float32"
+        return getattr(torch, str(name).replace("torch.", ""))
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def get(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Load the named tensors, opening each shard once and closing it afterwards (so its
+        pages leave the resident set)."""
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            if n not in self.index:
+                raise UserError(f"{self.folder}: tensor {n} not found in the checkpoint")
+            by_file.setdefault(self.index[n], []).append(n)
+        out = {}
+        for f, keys in by_file.items():
+            with safe_open(str(f), "pt") as st:
+                for k in keys:
+                    out[k] = st.get_tensor(k)
+        return out
+
+    def prefixed(self, prefix: str) -> dict[str, torch.Tensor]:
+        """All tensors under `prefix.` with the prefix stripped."""
+        names = [k for k in self.index if k.startswith(prefix + ".")]
+        return {k[len(prefix) + 1 :]: v for k, v in self.get(names).items()}

@@ -1,0 +1,94 @@
+"""The `lmfoundry` command line.
+
+Subcommands are imported lazily (`LazyGroup`) so that `lmfoundry --help` and light commands such
+as `plan` or `inspect` start without importing torch. Each stage owns its command in its own
+module; this file only lists them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import click
+
+from lmfoundry.errors import UserError
+
+# name -> "module:attribute". Keep in the order shown by --help.
+COMMANDS: dict[str, str] = {
+    "quantize": "lmfoundry.commands.quantize:quantize",
+    "doctor": "lmfoundry.quantizers.doctor_cli:doctor",
+    "inspect": "lmfoundry.commands.inspect:inspect_cmd",
+    "eval": "lmfoundry.evals.cli:eval_group",
+    "eval-gate": "lmfoundry.evals.gate_cli:eval_gate",
+    "compile": "lmfoundry.compile.cli:compile_cmd",
+    "serve": "lmfoundry.runtime.server.cli:serve",
+    "bench": "lmfoundry.runtime.bench_cli:bench",
+    "plan": "lmfoundry.plan:plan",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name, target in COMMANDS.items() if _module_exists(target)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None or not _module_exists(target):
+            return None
+        module_name, attr = target.split(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+
+def _module_exists(target: str) -> bool:
+    import importlib.util
+
+    module_name = target.split(":")[0]
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="lmfoundry")
+def cli() -> None:
+    """lmfoundry: quantize an open-weights LLM, compile its kernels, serve it, and gate it.
+
+    \b
+    Typical flow:
+      lmfoundry quantize smollm2-135m --method rtn --scheme w4a16 --group-size 64 -o out/
+      lmfoundry inspect out/
+      lmfoundry eval ppl out/
+      lmfoundry compile out/ --arch hopper
+      lmfoundry serve out/
+      lmfoundry eval-gate out/ --baseline smollm2-135m
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning `UserError` into one line on stderr and a non-zero exit."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except UserError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

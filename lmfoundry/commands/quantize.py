@@ -1,0 +1,189 @@
+"""`lmfoundry quantize`: calibrate a model layer by layer and write a compressed-tensors checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lmfoundry.errors import UserError
+
+KV_CHOICES = ("int8", "fp8")
+
+
+@click.command("quantize")
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@click.option("--recipe", default=None, help="Recipe YAML (path, or name of one in recipes/). Flags override it.")
+@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
+              help="Quantization algorithm. [recipe default: rtn]")
+@click.option("--scheme", default=None, help="wNa16 (N=2..8: w4a16, w8a16), w8a8, fp8-dynamic, fp8-static. [w4a16]")
+@click.option("--group-size", type=int, default=None, help="Weight group size for wNa16 (default 128).")
+@click.option("--per-channel", is_flag=True, default=None, help="One scale per output channel instead of groups.")
+@click.option("--sym/--asym", "symmetric", default=None, help="Symmetric (default) or asymmetric weights.")
+@click.option("--observer", type=click.Choice(["minmax", "mse"]), default=None, help="Weight range statistic.")
+@click.option("--actorder", type=click.Choice(["static", "dynamic"]), default=None, help="GPTQ activation order.")
+@click.option("--kv-cache", type=click.Choice(KV_CHOICES), default=None, help="Also quantize the KV cache.")
+@click.option("--calib", default=None, help="Calibration text/JSONL/datasets folder or built-in name. [c4]")
+@click.option("--num-samples", type=int, default=None, help="Calibration samples. [128]")
+@click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample. [512]")
+@click.option("--seed", type=int, default=None, help="Sampling seed. [0]")
+@click.option("--propagate", type=click.Choice(["quantized", "float"]), default=None,
+              help="Feed the next layer the quantized (default) or the float layer's outputs.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              help="Storage dtype of scales and unquantized tensors (auto = the source's).")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="Method option, e.g. dampening_frac=0.01.")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+@click.option("--allow-pickle", is_flag=True, help="Convert pickle (*.bin) weights; pickle can run code.")
+@click.option("--skip-doctor", is_flag=True, help="Do not run the pre-flight checks.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def quantize(model: str, output: str, recipe: str | None, method: str | None, scheme: str | None,
+             group_size: int | None, per_channel: bool | None, symmetric: bool | None, observer: str | None,
+             actorder: str | None, kv_cache: str | None, calib: str | None, num_samples: int | None,
+             seq_len: int | None, seed: int | None, propagate: str | None, dtype: str | None,
+             options: tuple[str, ...], overwrite: bool, allow_pickle: bool, skip_doctor: bool, quiet: bool) -> None:
+    """Quantize MODEL (a HF folder, a .gguf file, or `smollm2-135m`) into a checkpoint that vLLM,
+    SGLang and transformers load (compressed-tensors), plus lmfoundry.json (recipe, versions,
+    hashes, per-layer errors). Prints the peak RSS at the end."""
+    from lmfoundry.recipe import apply_overrides, load_recipe
+
+    rec = load_recipe(recipe)
+    apply_overrides(rec, "quantize", method=method, scheme=scheme, group_size=group_size,
+                    per_channel=per_channel or None, symmetric=symmetric, observer=observer,
+                    actorder=actorder, kv_cache=kv_cache, dtype=dtype)
+    if options:
+        rec["quantize"]["options"] = {**rec["quantize"]["options"], **parse_options(options)}
+    apply_overrides(rec, "calibration", source=calib, num_samples=num_samples, seq_len=seq_len,
+                    seed=seed, propagate=propagate)
+    summary = run_quantize(model, Path(output), rec, overwrite=overwrite, allow_pickle=allow_pickle,
+                           doctor=not skip_doctor, progress=not quiet)
+    click.echo(summary)
+
+
+def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"--option {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def build_plan(q: dict[str, Any]):
+    """The QuantizationPlan a recipe's `quantize` section describes."""
+    from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, SchemeGroup, make_scheme
+
+    scheme = make_scheme(q["scheme"], group_size=q["group_size"], symmetric=q["symmetric"],
+                         per_channel=bool(q["per_channel"]), observer=q["observer"], actorder=q["actorder"])
+    kv = None
+    if q.get("kv_cache"):
+        if q["kv_cache"] not in KV_CHOICES:
+            raise UserError(f"kv_cache {q['kv_cache']!r}: expected one of {', '.join(KV_CHOICES)}")
+        kv = QuantArgs(8, "float" if q["kv_cache"] == "fp8" else "int", True, q.get("kv_strategy", "tensor"), None)
+    return QuantizationPlan([SchemeGroup(scheme, tuple(q["targets"]))], list(q["ignore"]), kv)
+
+
+def run_quantize(model: str, output: Path, rec: dict[str, Any], overwrite: bool = False,
+                 allow_pickle: bool = False, doctor: bool = True, progress: bool = True) -> str:
+    """The whole quantize job; returns the summary text. Raises UserError before any output on
+    bad input."""
+    import torch
+
+    from lmfoundry.calibration.data import load_calibration
+    from lmfoundry.calibration.pipeline import check_plan, current_rss_bytes, run_pipeline
+    from lmfoundry.checkpoint import TOKENIZER_FILES, CheckpointReader, CheckpointWriter, quantized_config
+    from lmfoundry.manifest import sha256_file, tool_versions
+    from lmfoundry.models import resolve_model, safetensors_files
+    from lmfoundry.quantizers.base import get_quantizer
+    from lmfoundry.runtime.config import ModelConfig
+    from lmfoundry.runtime.loader import load_tokenizer
+
+    t0 = time.time()
+    baseline_rss = current_rss_bytes()
+    q, c = rec["quantize"], rec["calibration"]
+    plan = build_plan(q)
+    quantizer = get_quantizer(q["method"], q.get("options"))
+    for group in plan.groups:
+        quantizer.validate(group.scheme)
+    folder = resolve_model(model, allow_pickle=allow_pickle)
+    reader = CheckpointReader(folder)
+    if reader.plan is not None:
+        raise UserError(f"{folder}: already quantized; quantize a float model")
+    config = ModelConfig.from_dict(reader.config)
+    check_plan(plan, config)
+    if doctor:
+        _preflight(model, rec)
+    out_dtype = reader.dtype if q["dtype"] in (None, "auto") else getattr(torch, q["dtype"])
+    tokenizer = load_tokenizer(folder)
+    calib = load_calibration(c["source"], tokenizer, int(c["num_samples"]), int(c["seq_len"]), int(c["seed"]))
+    extra = []
+    if plan.kv_cache is not None:
+        from lmfoundry.quantizers.kv_cache import kv_calibration_pass
+
+        extra.append(kv_calibration_pass(plan.kv_cache, out_dtype))
+    needs_data = quantizer.needs_calibration or bool(extra)
+
+    with CheckpointWriter(output, overwrite=overwrite) as writer:
+        report = run_pipeline(reader, config, plan, quantizer, writer,
+                              calib.token_ids if needs_data else None, out_dtype,
+                              propagate=c["propagate"], batch_size=int(c.get("batch_size", 8)),
+                              extra_layer_passes=extra, progress=progress)
+        writer.copy_files(folder, TOKENIZER_FILES)
+        source_hashes = {f.name: sha256_file(f) for f in safetensors_files(folder)}
+        manifest = {
+            "kind": "quantized-checkpoint",
+            "created_unix": int(time.time()),
+            "tool_versions": tool_versions(),
+            "recipe": {k: v for k, v in rec.items() if k != "source_file"},
+            "recipe_file": rec.get("source_file"),
+            "source_model": {"spec": model, "path": str(folder), "sha256": source_hashes,
+                             "config_sha256": sha256_file(folder / "config.json")},
+            "calibration": {**calib.describe(), "used": needs_data},
+            "quantization_config_format": plan.format(),
+            "layers": report.layers,
+            "warnings": report.warnings + _loader_notes(plan),
+            "peak_rss_bytes": report.peak_rss_bytes,
+            "baseline_rss_bytes": baseline_rss,
+            "wall_s": round(time.time() - t0, 2),
+        }
+        out = writer.finish(quantized_config(reader.config, plan, out_dtype), manifest)
+    errs = [m.get("weight_rel_error") for layer in report.layers.values() for m in layer.values()
+            if isinstance(m, dict) and m.get("weight_rel_error") is not None]
+    mean_err = sum(errs) / len(errs) if errs else float("nan")
+    lines = [
+        f"wrote {out} ({plan.format()}, {q['method']} {plan.groups[0].scheme.weights.describe()}"
+        f"{', kv ' + q['kv_cache'] if q.get('kv_cache') else ''})",
+        f"mean relative weight error {mean_err:.4f} over {len(errs)} linears; {len(report.warnings)} warning(s)",
+        f"time {time.time() - t0:.1f} s; peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB "
+        f"(process baseline {baseline_rss / 2**20:.0f} MiB)",
+    ]
+    return "\n".join(lines)
+
+
+def _loader_notes(plan) -> list[str]:
+    """Known limits of other loaders for this checkpoint (recorded so users are not surprised)."""
+    notes = []
+    for g in plan.groups:
+        w = g.scheme.weights
+        if g.scheme.format == "pack-quantized" and not w.symmetric:
+            notes.append("asymmetric pack-quantized: vLLM loads the packed zero points; transformers 5.x "
+                         "re-initializes them (upstream llm-compressor#1618) - use our runtime or vLLM")
+    return notes
+
+
+def _preflight(model: str, rec: dict[str, Any]) -> None:
+    """Run the doctor's blocking checks when the doctor is available."""
+    try:
+        from lmfoundry.quantizers.doctor import preflight
+    except ModuleNotFoundError as exc:
+        if exc.name != "lmfoundry.quantizers.doctor":
+            raise
+        return
+    preflight(model, rec)

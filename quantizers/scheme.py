@@ -1,0 +1,245 @@
+"""Quantization schemes: what to quantize (weights, activations, KV) and how.
+
+A `QuantArgs` is one tensor's recipe (bits, int or float, symmetric, strategy, group size,
+static/dynamic). A `Scheme` bundles the weight and input-activation args of a linear with the
+compressed-tensors storage format it implies. Names on the CLI (`w4a16`, `w8a8`, `fp8-dynamic`, ...)
+map to schemes here; `to_compressed_tensors` emits the exact config schema vLLM and transformers
+read, validated by the compressed-tensors library itself.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from lmfoundry.errors import UserError
+
+Strategy = Literal["tensor", "channel", "group", "token", "head"]
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    num_bits: int = 4
+    type: Literal["int", "float"] = "int"
+    symmetric: bool = True
+    strategy: Strategy = "group"
+    group_size: int | None = 128
+    dynamic: bool = False
+    observer: str = "minmax"
+    actorder: str | None = None  # GPTQ: None | "static" | "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.type == "int" and not 2 <= self.num_bits <= 8:
+            raise UserError(f"integer quantization supports 2..8 bits, got {self.num_bits}")
+        if self.type == "float" and self.num_bits != 8:
+            raise UserError("float quantization supports 8 bits (fp8 e4m3) only")
+        if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
+            raise UserError(f"group quantization needs a positive group size, got {self.group_size}")
+
+    @property
+    def qmin(self) -> float:
+        return -448.0 if self.type == "float" else float(-(1 << (self.num_bits - 1)))
+
+    @property
+    def qmax(self) -> float:
+        return 448.0 if self.type == "float" else float((1 << (self.num_bits - 1)) - 1)
+
+    def describe(self) -> str:
+        kind = "fp8" if self.type == "float" else f"int{self.num_bits}"
+        how = f"g{self.group_size}" if self.strategy == "group" else self.strategy
+        sym = "sym" if self.symmetric else "asym"
+        return f"{kind} {how} {sym}{' dynamic' if self.dynamic else ''}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one linear is quantized, and the compressed-tensors format that stores it."""
+
+    name: str
+    weights: QuantArgs
+    input_activations: QuantArgs | None = None
+
+    @property
+    def format(self) -> str:
+        if self.weights.type == "float":
+            return "float-quantized"
+        if self.input_activations is not None:
+            return "int-quantized"
+        return "pack-quantized"
+
+    @property
+    def needs_activation_calibration(self) -> bool:
+        act = self.input_activations
+        return act is not None and not act.dynamic
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "format": self.format,
+            "weights": self.weights.to_dict(),
+            "input_activations": self.input_activations.to_dict() if self.input_activations else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Scheme":
+        act = d.get("input_activations")
+        return cls(d["name"], QuantArgs(**d["weights"]), QuantArgs(**act) if act else None)
+
+
+SCHEME_NAMES = ("wNa16 (N=2..8, e.g. w4a16, w8a16)", "w8a8", "fp8-dynamic", "fp8-static")
+_WNA16 = re.compile(r"^w([2-8])a16$")
+
+
+def make_scheme(
+    name: str,
+    group_size: int | None = None,
+    symmetric: bool | None = None,
+    per_channel: bool = False,
+    observer: str | None = None,
+    actorder: str | None = None,
+) -> Scheme:
+    """Build a scheme from its CLI name and the overriding flags (None = scheme default)."""
+    key = name.lower()
+    if m := _WNA16.match(key):
+        bits = int(m.group(1))
+        strategy: Strategy = "channel" if per_channel or group_size == 0 else "group"
+        weights = QuantArgs(
+            num_bits=bits,
+            symmetric=True if symmetric is None else symmetric,
+            strategy=strategy,
+            group_size=(group_size or 128) if strategy == "group" else None,
+            observer=observer or "minmax",
+            actorder=actorder,
+        )
+        return Scheme(key, weights)
+    if key == "w8a8":
+        weights = QuantArgs(8, "int", True, "channel", None, observer=observer or "minmax", actorder=actorder)
+        return Scheme(key, weights, QuantArgs(8, "int", True, "token", None, dynamic=True))
+    if key in ("fp8-dynamic", "fp8-static"):
+        dynamic = key == "fp8-dynamic"
+        weights = QuantArgs(8, "float", True, "channel" if dynamic else "tensor", None,
+                            observer=observer or "minmax")
+        act = QuantArgs(8, "float", True, "token" if dynamic else "tensor", None, dynamic=dynamic)
+        return Scheme(key, weights, act)
+    raise UserError(f"unknown scheme {name!r}; known: {', '.join(SCHEME_NAMES)}")
+
+
+def with_static_activations(scheme: Scheme) -> Scheme:
+    """W8A8 with per-tensor static (calibrated) int8 activations instead of dynamic per-token."""
+    act = replace(scheme.input_activations or QuantArgs(8, "int", True), strategy="tensor", dynamic=False)
+    return replace(scheme, input_activations=act)
+
+
+@dataclass(frozen=True)
+class SchemeGroup:
+    """A scheme and the modules it targets (compressed-tensors `config_groups` entry)."""
+
+    scheme: Scheme
+    targets: tuple[str, ...] = ("Linear",)
+
+
+@dataclass
+class QuantizationPlan:
+    """Everything a checkpoint's `quantization_config` states."""
+
+    groups: list[SchemeGroup]
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    kv_cache: QuantArgs | None = None
+
+    def scheme_for(self, module_name: str) -> Scheme | None:
+        if matches_any(module_name, self.ignore):
+            return None
+        for group in self.groups:
+            if matches_any(module_name, group.targets):
+                return group.scheme
+        return None
+
+    def format(self) -> str:
+        formats = {g.scheme.format for g in self.groups}
+        return formats.pop() if len(formats) == 1 else "mixed-precision"
+
+
+def matches_any(module_name: str, patterns: tuple[str, ...] | list[str], is_linear: bool = True) -> bool:
+    """compressed-tensors target semantics: a class name ("Linear"), "re:REGEX" (re.match on the
+    full module name), or an exact module name / name suffix."""
+    for pat in patterns:
+        if pat == "Linear":
+            if is_linear:
+                return True
+        elif pat.startswith("re:"):
+            if re.match(pat[3:], module_name):
+                return True
+        elif module_name == pat or module_name.endswith("." + pat):
+            return True
+    return False
+
+
+def _ct_args(args: QuantArgs) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "num_bits": args.num_bits,
+        "type": args.type,
+        "symmetric": args.symmetric,
+        "strategy": args.strategy,
+        "group_size": args.group_size if args.strategy == "group" else None,
+        "dynamic": args.dynamic,
+        "observer": None if args.dynamic else args.observer,
+    }
+    if args.actorder:
+        out["actorder"] = {"static": "weight", "dynamic": "group"}.get(args.actorder, args.actorder)
+    return out
+
+
+def to_compressed_tensors(plan: QuantizationPlan) -> dict[str, Any]:
+    """The `quantization_config` dict, validated through compressed-tensors' own pydantic schema."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    groups = {}
+    for i, g in enumerate(plan.groups):
+        groups[f"group_{i}"] = {
+            "targets": list(g.targets),
+            "weights": _ct_args(g.scheme.weights),
+            "input_activations": _ct_args(g.scheme.input_activations) if g.scheme.input_activations else None,
+            "output_activations": None,
+            "format": g.scheme.format,
+        }
+    cfg = QuantizationConfig(
+        config_groups=groups,
+        quant_method="compressed-tensors",
+        format=plan.format(),
+        quantization_status="compressed",
+        ignore=list(plan.ignore),
+        kv_cache_scheme=_ct_args(plan.kv_cache) if plan.kv_cache else None,
+    )
+    return cfg.model_dump(exclude_none=False, mode="json")
+
+
+def plan_from_compressed_tensors(qcfg: dict[str, Any]) -> QuantizationPlan:
+    """Read back a checkpoint's `quantization_config` (ours or another tool's)."""
+    if qcfg.get("quant_method") != "compressed-tensors":
+        raise UserError(f"unsupported quantization_config quant_method {qcfg.get('quant_method')!r}")
+
+    def args(d: dict[str, Any] | None) -> QuantArgs | None:
+        if not d:
+            return None
+        actorder = d.get("actorder")
+        actorder = {"weight": "static", "group": "dynamic"}.get(actorder, actorder) if actorder else None
+        strategy = d.get("strategy") or ("group" if d.get("group_size") else "tensor")
+        return QuantArgs(
+            num_bits=int(d.get("num_bits", 8)), type=d.get("type", "int"),
+            symmetric=bool(d.get("symmetric", True)), strategy=strategy,
+            group_size=d.get("group_size") if strategy == "group" else None,
+            dynamic=bool(d.get("dynamic", False)), observer=d.get("observer") or "minmax",
+            actorder=actorder,
+        )
+
+    groups = []
+    for gname, g in (qcfg.get("config_groups") or {}).items():
+        w = args(g.get("weights"))
+        if w is None:
+            raise UserError(f"quantization group {gname} has no weight quantization (unsupported)")
+        groups.append(SchemeGroup(Scheme(gname, w, args(g.get("input_activations"))), tuple(g.get("targets") or ())))
+    return QuantizationPlan(groups, list(qcfg.get("ignore") or []), args(qcfg.get("kv_cache_scheme")))

@@ -1,0 +1,29 @@
+"""The built-in serving engine (paged KV cache, continuous batching, prefix caching, chunked
+prefill, quantized KV). Public API:
+
+    from lmfoundry.runtime.engine import LLMEngine, EngineConfig, SamplingParams
+    engine = LLMEngine(model, tokenizer, EngineConfig())      # or LLMEngine.from_pretrained(path)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
+    scores = engine.loglikelihood([(context_ids, continuation_ids), ...])
+
+and `AsyncLLMEngine(engine).generate(...)` (an async iterator of `StepEvent`s) for servers.
+"""
+
+from lmfoundry.runtime.engine.async_engine import AsyncLLMEngine, QueueFull
+from lmfoundry.runtime.engine.config import EngineConfig
+from lmfoundry.runtime.engine.llm_engine import LLMEngine
+from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
+from lmfoundry.runtime.engine.sampling_params import SamplingParams
+from lmfoundry.runtime.engine.sequence import TokenLogprob
+
+__all__ = [
+    "AsyncLLMEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "QueueFull",
+    "RequestOutput",
+    "SamplingParams",
+    "StepEvent",
+    "TokenLogprob",
+]

@@ -1,0 +1,106 @@
+"""Load a model folder (float or compressed-tensors) into the reference `CausalLM`.
+
+The model is built on the meta device and each module receives exactly its tensors from the
+safetensors memory maps; quantized linears are decoded and swapped for their runtime module
+(`lmfoundry.runtime.linears`). A checkpoint that declares a KV-cache scheme must carry its scales.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmfoundry.checkpoint import CheckpointReader, decode_linear
+from lmfoundry.errors import UserError
+from lmfoundry.models import resolve_model
+from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.runtime.linears import build_linear, dense_linear
+from lmfoundry.runtime.model import CausalLM
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_model(
+    path_or_name: str | Path, dtype: torch.dtype | None = None, allow_pickle: bool = False
+) -> tuple[CausalLM, Any]:
+    """(model, tokenizer) for a model folder, GGUF file, built-in name or quantized checkpoint."""
+    folder = resolve_model(path_or_name, allow_pickle=allow_pickle)
+    model = load_causal_lm(CheckpointReader(folder), dtype)
+    return model, load_tokenizer(folder)
+
+
+@torch.no_grad()
+def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -> CausalLM:
+    config = ModelConfig.from_dict(reader.config)
+    dtype = dtype or reader.dtype
+    with torch.device("meta"):
+        model = CausalLM(config)
+    plan = reader.plan
+    linear_names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for name in sorted(linear_names):
+        if name == "lm_head" and config.tie_word_embeddings and not reader.has("lm_head.weight"):
+            continue
+        tensors = reader.prefixed(name)
+        scheme = plan.scheme_for(name) if plan else None
+        bias = tensors.get("bias")
+        if scheme is None or "weight" in tensors and tensors["weight"].is_floating_point() and tensors["weight"].element_size() > 1:
+            if "weight" not in tensors:
+                raise UserError(f"{reader.folder}: missing {name}.weight")
+            module = dense_linear(tensors["weight"].to(dtype), bias.to(dtype) if bias is not None else None)
+        else:
+            module = build_linear(decode_linear(tensors, scheme), bias, scheme, dtype)
+        model.set_submodule(name, module)
+    # everything that is not a linear: embeddings, norms, KV scales
+    rest = {}
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        module = name.rsplit(".", 1)[0]
+        if module in linear_names or name.endswith("inv_freq"):
+            continue
+        rest[name] = name
+    tensors = reader.get(rest)
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    if config.tie_word_embeddings and not reader.has("lm_head.weight"):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = _materialized_rotary(model, config)
+    attach_kv_cache_scheme(model, reader)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise UserError(f"{reader.folder}: tensors missing from the checkpoint: {leftover[:3]}")
+    return model.eval()
+
+
+def _materialized_rotary(model: CausalLM, config: ModelConfig) -> nn.Module:
+    from lmfoundry.runtime.model import RotaryEmbedding
+
+    return RotaryEmbedding(config)
+
+
+def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader) -> None:
+    """Give each attention its KV round trip from the checkpoint's kv_cache_scheme and scales.
+
+    A declared scheme without scales is refused: silently using 1.0 (as some runtimes do) gives
+    garbage for FP8 and INT8 caches."""
+    plan = reader.plan
+    if plan is None or plan.kv_cache is None:
+        return
+    from lmfoundry.quantizers.kv_cache import kv_round_trip_from_checkpoint
+
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}.self_attn"
+        missing = [s for s in ("k_scale", "v_scale") if not reader.has(f"{prefix}.{s}")]
+        if missing:
+            raise UserError(
+                f"{reader.folder}: kv_cache_scheme is declared but {prefix}.{missing[0]} is missing; "
+                "refusing to fall back to a scale of 1.0"
+            )
+        scales = reader.get([f"{prefix}.k_scale", f"{prefix}.v_scale"])
+        layer.self_attn.kv_round_trip = kv_round_trip_from_checkpoint(
+            plan.kv_cache, scales[f"{prefix}.k_scale"], scales[f"{prefix}.v_scale"]
+        )

@@ -1,0 +1,33 @@
+"""Test-wide settings.
+
+- Threads: 2-core CI machines slow down by orders of magnitude when several OpenMP pools
+  oversubscribe them, so tests use OMP_NUM_THREADS (default 1).
+- Triton runs kernels through its interpreter on machines without a GPU; the variable must be set
+  before any kernel module is imported.
+- Nothing is downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+try:
+    import torch  # noqa: E402
+
+    _cuda = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _cuda = False
+if not _cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if "torch" in globals():
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...`

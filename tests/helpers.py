@@ -1,0 +1,95 @@
+"""Builders shared by tests: tiny random Llama-family checkpoints written as HF folders.
+
+Import in tests as `from helpers import tiny_model_folder` (tests/ is on sys.path through
+conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.runtime.model import CausalLM
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "tie_word_embeddings": False,
+        "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256,
+        "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "hidden_act": "silu",
+        "use_sliding_window": False,
+    },
+}
+TINY_CONFIGS["qwen3"] = dict(TINY_CONFIGS["llama"], architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                             head_dim=48, rope_theta=1000000.0, tie_word_embeddings=True)
+TINY_CONFIGS["mistral"] = dict(TINY_CONFIGS["llama"], architectures=["MistralForCausalLM"], model_type="mistral",
+                               sliding_window=None)
+
+
+def tiny_tokenizer(vocab_size: int = 256):
+    """A byte-level-ish word tokenizer with a chat template (no downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    extra = [f"<x{i}>" for i in range(vocab_size - len(vocab))]
+    vocab.update({t: len(vocab) + i for i, t in enumerate(extra)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return fast
+
+
+def tiny_model_folder(path: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Write a random model of `model_type` as a HF folder (config, safetensors, tokenizer)."""
+    cfg = dict(TINY_CONFIGS[model_type], **overrides)
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig.from_dict(cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 2:
+                p.normal_(0.0, 0.02 if "embed" in name else 1.0 / p.shape[1] ** 0.5)
+            else:
+                p.normal_(0.0, 0.02)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight")
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    tiny_tokenizer(cfg["vocab_size"]).save_pretrained(str(path))
+    return path
+
+
+def write_text(path: Path, n_words: int = 4000, seed: int = 0) -> Path:
+    """Deterministic pseudo-English text for calibration in tests."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["the", "model", "layer", "weight", "scale", "token", "cache", "block", "group", "value",
+             "quantize", "attention", "matrix", "error", "data", "of", "and", "to", "in", "is"]
+    path.write_text(" ".join(rng.choice(words) for _ in range(n_words)) + "\n")
+    return path
