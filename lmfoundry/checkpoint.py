@@ -72,7 +72,8 @@ def decode_linear(tensors: dict[str, torch.Tensor], scheme: Scheme) -> Quantized
     else:
         raise UserError(f"quantized linear is missing weight_packed/weight (has {sorted(tensors)})")
     g_idx = tensors.get("weight_g_idx")
-    return QuantizedWeight(q, scale, zp, args, g_idx.long() if g_idx is not None else None)
+    return QuantizedWeight(q, scale, zp, args, g_idx.long() if g_idx is not None else None,
+                           input_scale=tensors.get("input_scale"))
 
 
 # --------------------------------------------------------------------------------------- write

@@ -29,6 +29,7 @@ class QuantizedWeight:
     zero_point: torch.Tensor | None
     args: QuantArgs
     g_idx: torch.Tensor | None = None  # group of each input column (GPTQ act-order "dynamic")
+    input_scale: torch.Tensor | None = None  # static activation scale (w8a8-static, fp8-static)
     metrics: dict[str, float] = field(default_factory=dict)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:

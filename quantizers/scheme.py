@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from lmfoundry.errors import UserError
 
-Strategy = Literal["tensor", "channel", "group", "token", "head"]
+# "attn_head" (compressed-tensors' name) = one scale per attention head, for the KV cache
+Strategy = Literal["tensor", "channel", "group", "token", "attn_head"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Scheme:
         return cls(d["name"], QuantArgs(**d["weights"]), QuantArgs(**act) if act else None)
 
 
-SCHEME_NAMES = ("wNa16 (N=2..8, e.g. w4a16, w8a16)", "w8a8", "fp8-dynamic", "fp8-static")
+SCHEME_NAMES = ("wNa16 (N=2..8, e.g. w4a16, w8a16)", "w8a8", "w8a8-static", "fp8-dynamic", "fp8-static")
 _WNA16 = re.compile(r"^w([2-8])a16$")
 
 
@@ -116,9 +117,10 @@ def make_scheme(
             actorder=actorder,
         )
         return Scheme(key, weights)
-    if key == "w8a8":
+    if key in ("w8a8", "w8a8-static"):
         weights = QuantArgs(8, "int", True, "channel", None, observer=observer or "minmax", actorder=actorder)
-        return Scheme(key, weights, QuantArgs(8, "int", True, "token", None, dynamic=True))
+        scheme = Scheme(key, weights, QuantArgs(8, "int", True, "token", None, dynamic=True))
+        return with_static_activations(scheme) if key == "w8a8-static" else scheme
     if key in ("fp8-dynamic", "fp8-static"):
         dynamic = key == "fp8-dynamic"
         weights = QuantArgs(8, "float", True, "channel" if dynamic else "tensor", None,

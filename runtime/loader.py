@@ -70,6 +70,7 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = _materialized_rotary(model, config)
     attach_kv_cache_scheme(model, reader)
+    model.requires_grad_(False)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise UserError(f"{reader.folder}: tensors missing from the checkpoint: {leftover[:3]}")

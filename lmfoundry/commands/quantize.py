@@ -20,7 +20,7 @@ KV_CHOICES = ("int8", "fp8")
 @click.option("--recipe", default=None, help="Recipe YAML (path, or name of one in recipes/). Flags override it.")
 @click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
               help="Quantization algorithm. [recipe default: rtn]")
-@click.option("--scheme", default=None, help="wNa16 (N=2..8: w4a16, w8a16), w8a8, fp8-dynamic, fp8-static. [w4a16]")
+@click.option("--scheme", default=None, help="wNa16 (N=2..8: w4a16, w8a16), w8a8 (dynamic per-token int8 activations), w8a8-static, fp8-dynamic, fp8-static. [w4a16]")
 @click.option("--group-size", type=int, default=None, help="Weight group size for wNa16 (default 128).")
 @click.option("--per-channel", is_flag=True, default=None, help="One scale per output channel instead of groups.")
 @click.option("--sym/--asym", "symmetric", default=None, help="Symmetric (default) or asymmetric weights.")
@@ -86,7 +86,8 @@ def build_plan(q: dict[str, Any]):
     if q.get("kv_cache"):
         if q["kv_cache"] not in KV_CHOICES:
             raise UserError(f"kv_cache {q['kv_cache']!r}: expected one of {', '.join(KV_CHOICES)}")
-        kv = QuantArgs(8, "float" if q["kv_cache"] == "fp8" else "int", True, q.get("kv_strategy", "tensor"), None)
+        strategy = {"head": "attn_head"}.get(q.get("kv_strategy") or "tensor", q.get("kv_strategy") or "tensor")
+        kv = QuantArgs(8, "float" if q["kv_cache"] == "fp8" else "int", True, strategy, None)
     return QuantizationPlan([SchemeGroup(scheme, tuple(q["targets"]))], list(q["ignore"]), kv)
 
 
@@ -119,7 +120,7 @@ def run_quantize(model: str, output: Path, rec: dict[str, Any], overwrite: bool 
     config = ModelConfig.from_dict(reader.config)
     check_plan(plan, config)
     if doctor:
-        _preflight(model, rec)
+        _preflight(str(folder), rec)  # the resolved folder: no second conversion or opt-in
     out_dtype = reader.dtype if q["dtype"] in (None, "auto") else getattr(torch, q["dtype"])
     tokenizer = load_tokenizer(folder)
     calib = load_calibration(c["source"], tokenizer, int(c["num_samples"]), int(c["seq_len"]), int(c["seed"]))

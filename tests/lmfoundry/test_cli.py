@@ -103,3 +103,23 @@ def test_help_lists_commands(capsys):
     out = capsys.readouterr().out
     for cmd in ("quantize", "inspect", "eval"):
         assert cmd in out
+
+
+def test_allow_pickle_converts_once(tmp_path, capsys, monkeypatch, model):
+    import torch
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "pickled"
+    src.mkdir()
+    for f in model.iterdir():
+        if f.suffix != ".safetensors":
+            (src / f.name).write_bytes(f.read_bytes())
+    torch.save(load_file(str(model / "model.safetensors")), src / "pytorch_model.bin")
+    out = tmp_path / "q"
+    code, err = run_cli(quantize_args(src, out), capsys)
+    assert code == 2 and "--allow-pickle" in err and not out.exists()
+    code, err = run_cli(quantize_args(src, out, "--allow-pickle"), capsys)
+    assert code == 0, err
+    assert (out / "lmfoundry.json").exists()
+    assert list((tmp_path / "cache" / "models").glob("pickle-*/model.safetensors"))

@@ -1,0 +1,368 @@
+"""Pre-flight checks for a quantization plan (or an existing checkpoint): fail in a second, not
+after an hour of calibration or at vLLM load time.
+
+Checks, each a row of the report (status ok / info / warn / FAIL; any FAIL blocks):
+- method × scheme: the quantizer accepts the scheme (e.g. smoothquant needs w8a8);
+- quantization_config: the plan serializes through compressed-tensors' own schema;
+- group size: divides every targeted linear's input dimension;
+- fused modules: q/k/v share one scheme and gate/up share one, in every layer — vLLM loads them
+  as one fused linear (qkv_proj, gate_up_proj) and rejects a checkpoint where they differ;
+- target arch: FP8 needs sm_89+ (Ada, Hopper, Blackwell); our INT8 W8A8 and weight-only kernels
+  need sm_80+ (Ampere);
+- KV cache: what is quantized, how scales are obtained, who can serve it; for a checkpoint, that
+  every layer carries `k_scale` and `v_scale`;
+- memory: estimated peak host memory of calibration, and GPU memory of serving (weights + KV per
+  token × context), checked against --gpu-mem.
+
+`preflight(model, recipe)` runs the same checks at the start of `quantize` and raises `UserError`
+on a blocking one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lmfoundry.errors import UserError
+from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, Scheme
+from lmfoundry.runtime.config import ModelConfig
+
+FUSED_GROUPS = (
+    ("qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+
+# name -> CUDA compute capability (major * 10 + minor)
+ARCHS: dict[str, int] = {
+    "volta": 70, "turing": 75, "ampere": 80, "ada": 89, "lovelace": 89, "hopper": 90, "blackwell": 100,
+    "v100": 70, "t4": 75, "a100": 80, "a10": 86, "a10g": 86, "a40": 86, "l4": 89, "l40": 89, "l40s": 89,
+    "rtx4090": 89, "h100": 90, "h200": 90, "gh200": 90, "b200": 100, "gb200": 100, "rtx5090": 120,
+}
+FP8_MIN_CC = 89
+INT_KERNEL_MIN_CC = 80
+
+OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+
+
+@dataclass
+class DoctorReport:
+    subject: str
+    checks: list[Check] = field(default_factory=list)
+    estimates: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, status: str, detail: str) -> None:
+        self.checks.append(Check(name, status, detail))
+
+    @property
+    def blocking(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    @property
+    def warnings(self) -> list[Check]:
+        return [c for c in self.checks if c.status == WARN]
+
+    def verdict(self) -> str:
+        if self.blocking:
+            names = ", ".join(dict.fromkeys(c.name for c in self.blocking))
+            return f"verdict: BLOCKED - {len(self.blocking)} blocking problem(s) ({names})"
+        return f"verdict: READY - no blocking problem ({len(self.warnings)} warning(s))"
+
+    def table(self) -> str:
+        w = max(len(c.name) for c in self.checks) if self.checks else 5
+        lines = [f"doctor: {self.subject}", f"{'check':<{w}}  status  detail", f"{'-' * w}  ------  {'-' * 40}"]
+        for c in self.checks:
+            lines.append(f"{c.name:<{w}}  {c.status:<6}  {c.detail}")
+        lines.append(self.verdict())
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"subject": self.subject, "checks": [asdict(c) for c in self.checks],
+                "estimates": self.estimates, "blocking": len(self.blocking), "verdict": self.verdict()}
+
+
+# ------------------------------------------------------------------------------------- parsing
+def parse_arch(text: str) -> tuple[str, int]:
+    """`hopper`, `h100`, `sm_90`, `sm90a`, `8.9`, `89` -> (name, compute capability)."""
+    t = text.strip().lower()
+    if t in ARCHS:
+        return t, ARCHS[t]
+    m = re.fullmatch(r"(?:sm_?)?(\d)\.?(\d{1,2})a?", t)
+    if m:
+        cc = int(m.group(1)) * 10 + int(m.group(2)) if len(m.group(2)) == 1 else int(m.group(1) + m.group(2))
+        return f"sm_{cc}", cc
+    raise UserError(f"unknown --arch {text!r}; use a name ({', '.join(sorted(ARCHS))}) or sm_XY")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """`80GiB`, `80GB`, `81920MiB`, `80` (GiB) -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UserError(f"cannot read memory size {text!r}; write e.g. 80GiB, 24GB or 81920MiB")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    return int(value * (_UNITS[unit] if unit else 2**30))
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# ------------------------------------------------------------------------------------- checks
+def scheme_label(s: Scheme | None) -> str:
+    if s is None:
+        return "not quantized"
+    act = f", act {s.input_activations.describe()}" if s.input_activations else ""
+    return f"{s.weights.describe()}{act}"
+
+
+def check_fused(report: DoctorReport, plan: QuantizationPlan, config: ModelConfig) -> None:
+    problems = []
+    for i in range(config.num_layers):
+        for fused, members in FUSED_GROUPS:
+            schemes = {m: plan.scheme_for(f"model.layers.{i}.{m}") for m in members}
+            keys = {None if s is None else (s.weights, s.input_activations) for s in schemes.values()}
+            if len(keys) > 1:
+                parts = "; ".join(f"{m.split('.')[-1]}: {scheme_label(s)}" for m, s in schemes.items())
+                problems.append(f"layer {i} {fused}: {parts}")
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        report.add("fused modules", FAIL, f"{problems[0]}{more}; vLLM fuses these linears into one and "
+                   "rejects mixed schemes: quantize all of them alike (targets/ignore)")
+    else:
+        report.add("fused modules", OK, "q/k/v and gate/up share one scheme in every layer")
+
+
+def arch_requirements(plan: QuantizationPlan) -> list[tuple[int, str]]:
+    """(minimum compute capability, why) for everything the plan uses."""
+    reqs = []
+    for g in plan.groups:
+        s = g.scheme
+        if s.weights.type == "float" or (s.input_activations and s.input_activations.type == "float"):
+            reqs.append((FP8_MIN_CC, f"{s.name}: FP8 tensor cores (sm_89+: Ada, Hopper, Blackwell)"))
+        elif s.input_activations is not None:
+            reqs.append((INT_KERNEL_MIN_CC, f"{s.name}: INT8 tensor-core W8A8 kernels (sm_80+)"))
+        else:
+            reqs.append((INT_KERNEL_MIN_CC, f"{s.name}: weight-only int{s.weights.num_bits} kernels (sm_80+)"))
+    if plan.kv_cache is not None and plan.kv_cache.type == "float":
+        reqs.append((INT_KERNEL_MIN_CC, "fp8 KV cache (stored fp8; sm_80/86 convert on read, sm_89+ native)"))
+    return reqs
+
+
+def check_arch(report: DoctorReport, plan: QuantizationPlan, arch: str | None) -> None:
+    reqs = arch_requirements(plan)
+    need = max((cc for cc, _ in reqs), default=0)
+    why = "; ".join(w for _, w in reqs)
+    if arch is None:
+        report.add("target arch", INFO, f"needs sm_{need}+ ({why}); pass --arch to check a GPU")
+        return
+    name, cc = parse_arch(arch)
+    failing = [w for c, w in reqs if cc < c]
+    if failing:
+        report.add("target arch", FAIL, f"{name} (sm_{cc}) cannot run: {'; '.join(failing)}")
+    else:
+        report.add("target arch", OK, f"{name} (sm_{cc}) runs {why or 'float weights'}")
+
+
+def check_kv_plan(report: DoctorReport, kv: QuantArgs | None, config: ModelConfig,
+                  checkpoint: Any = None, calib_samples: int | None = None) -> None:
+    if kv is None:
+        report.add("kv cache", INFO, "not quantized (16-bit KV)")
+        return
+    from lmfoundry.quantizers.kv_cache import check_kv_args
+
+    try:
+        per_head = check_kv_args(kv)
+    except UserError as exc:
+        report.add("kv cache", FAIL, str(exc))
+        return
+    kind = "fp8 e4m3" if kv.type == "float" else "int8"
+    shape = f"[{config.num_kv_heads}, 1, 1] per KV head" if per_head else "[1] per tensor"
+    if checkpoint is not None:
+        missing = [f"model.layers.{i}.self_attn.{s}" for i in range(config.num_layers)
+                   for s in ("k_scale", "v_scale") if not checkpoint.has(f"model.layers.{i}.self_attn.{s}")]
+        if missing:
+            report.add("kv scales", FAIL, f"kv_cache_scheme {kind} declared but {len(missing)} scale tensor(s) "
+                       f"missing (first: {missing[0]}); runtimes would fall back to 1.0 and produce garbage")
+        else:
+            report.add("kv scales", OK, f"k_scale/v_scale {shape} present in all {config.num_layers} layers")
+    else:
+        if calib_samples is not None and calib_samples < 1:
+            report.add("kv scales", FAIL, "KV scales are calibrated from data but calibration has no samples")
+        else:
+            report.add("kv scales", OK, f"{kind} k_scale/v_scale {shape}, calibrated per layer "
+                       "(absmax of post-rotary K and V on the quantized layer)")
+    if kv.type == "int":
+        report.add("kv cache", WARN, "int8 KV runs in lmfoundry's runtime; vLLM's compressed-tensors KV cache "
+                   "is fp8 only, so vLLM will not serve this KV scheme as int8")
+    else:
+        report.add("kv cache", OK, f"fp8 KV {'per head (attn_head)' if per_head else 'per tensor'} "
+                   "(vLLM: kv_cache_scheme from the checkpoint)")
+
+
+# ------------------------------------------------------------------------------------- memory
+def _quant_spec(scheme: Scheme | None):
+    from lmfoundry.plan_math import QuantSpec
+
+    if scheme is None:
+        return QuantSpec("bf16", 16, "none")
+    w = scheme.weights
+    precision = "fp8" if w.type == "float" else f"int{w.num_bits}"
+    strategy = w.strategy if w.strategy in ("tensor", "channel", "group") else "channel"
+    return QuantSpec(precision, w.num_bits, strategy, group_size=w.group_size if strategy == "group" else None,
+                     zero_points=not w.symmetric, g_idx=w.actorder == "dynamic")
+
+
+def serving_bytes(config: ModelConfig, plan: QuantizationPlan, ctx: int) -> dict[str, int]:
+    """GPU bytes to serve one sequence of `ctx` tokens: stored weights (16-bit non-linear parts)
+    plus the KV cache; the activation workspace is not counted."""
+    from lmfoundry.plan_math import kv_bytes_per_token, weight_bytes
+
+    scheme = plan.groups[0].scheme if plan.groups else None
+    lm_head_quantized = plan.scheme_for("lm_head") is not None and not config.tie_word_embeddings
+    weights = weight_bytes(config, _quant_spec(scheme), 1, lm_head_quantized)["total"]
+    kv_dtype = "bf16" if plan.kv_cache is None else ("fp8" if plan.kv_cache.type == "float" else "int8")
+    per_token = kv_bytes_per_token(config, kv_dtype, 1)
+    return {"weights": weights, "kv_per_token": per_token, "kv_at_ctx": per_token * ctx, "ctx": ctx,
+            "total": weights + per_token * ctx}
+
+
+def calibration_bytes(config: ModelConfig, method: str | None, num_samples: int, seq_len: int,
+                      batch_size: int, needs_data: bool) -> dict[str, int]:
+    """Estimated peak host memory of the layer-wise pipeline (fp32 work dtype):
+    one layer's weights twice (float + dequantized/quantized), the fp32 embedding, three copies of
+    the calibration hidden states (inputs, float outputs, quantized outputs), one batch's largest
+    intermediates (MLP and attention scores), and the method's statistics (GPTQ Hessians)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    layer_params = sum(o * k for o, k in config.linear_shapes.values()) + 2 * h
+    parts = {"layer": layer_params * 4 * 2, "embedding": config.vocab_size * h * 4 * 2}
+    if needs_data:
+        parts["hidden_states"] = 3 * num_samples * seq_len * h * 4
+        b = min(batch_size, num_samples)
+        parts["batch_intermediates"] = b * seq_len * (3 * i + 4 * config.num_heads * d) * 4 \
+            + b * config.num_heads * seq_len * seq_len * 4
+    if method == "gptq":  # one fp32 Hessian per distinct linear input
+        parts["method_state"] = sum(k * k * 4 for k in (h, config.num_heads * d, h, i))
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def check_memory(report: DoctorReport, config: ModelConfig, plan: QuantizationPlan, ctx: int,
+                 gpu_mem: int | None, calib: dict[str, int] | None) -> None:
+    serve = serving_bytes(config, plan, ctx)
+    report.estimates["serving"] = serve
+    detail = (f"weights {gib(serve['weights'])} + KV {serve['kv_per_token'] / 1024:.1f} KiB/token x {ctx} "
+              f"= {gib(serve['total'])} for one {ctx}-token sequence")
+    if gpu_mem is None:
+        report.add("serving memory", INFO, detail)
+    elif serve["weights"] > gpu_mem:
+        report.add("serving memory", FAIL, f"weights alone ({gib(serve['weights'])}) exceed --gpu-mem {gib(gpu_mem)}")
+    elif serve["total"] > gpu_mem:
+        report.add("serving memory", FAIL, f"{detail} exceeds --gpu-mem {gib(gpu_mem)}")
+    else:
+        seqs = (gpu_mem - serve["weights"]) // max(1, serve["kv_at_ctx"])
+        report.add("serving memory", OK, f"{detail}; about {seqs} such sequences fit in {gib(gpu_mem)} "
+                   "(before activation workspace)")
+    if calib is not None:
+        report.estimates["calibration"] = calib
+        report.add("calibration memory", INFO, f"peak about {gib(calib['total'])} host RAM "
+                   f"({', '.join(f'{k} {gib(v)}' for k, v in calib.items() if k != 'total')})")
+
+
+# ------------------------------------------------------------------------------------- entry points
+def diagnose_plan(config: ModelConfig, recipe: dict[str, Any], arch: str | None = None,
+                  gpu_mem: int | None = None, ctx: int | None = None, subject: str = "") -> DoctorReport:
+    """Every check for quantizing a float model with `recipe` (the applied recipe dict)."""
+    from lmfoundry.calibration.pipeline import check_plan
+    from lmfoundry.commands.quantize import build_plan
+    from lmfoundry.quantizers.base import get_quantizer
+    from lmfoundry.quantizers.scheme import to_compressed_tensors
+
+    q, c = recipe["quantize"], recipe.get("calibration", {})
+    report = DoctorReport(subject or f"quantize with {q['method']} {q['scheme']}")
+    report.add("model", INFO, f"{config.model_type}: {config.num_layers} layers, hidden {config.hidden_size}, "
+               f"{config.num_heads} heads / {config.num_kv_heads} KV heads, head_dim {config.head_dim}")
+    try:
+        plan = build_plan(q)
+    except UserError as exc:
+        report.add("scheme", FAIL, str(exc))
+        return report
+    report.add("scheme", OK, "; ".join(f"{scheme_label(g.scheme)} -> {plan.format()}" for g in plan.groups))
+    needs_data = True
+    try:
+        quantizer = get_quantizer(q["method"], q.get("options"))
+        for g in plan.groups:
+            quantizer.validate(g.scheme)
+        needs_data = quantizer.needs_calibration or plan.kv_cache is not None
+        report.add("method x scheme", OK, f"{q['method']} produces {plan.groups[0].scheme.name}"
+                   f"{'' if needs_data else ' without calibration data'}")
+    except UserError as exc:
+        report.add("method x scheme", FAIL, str(exc))
+    try:
+        to_compressed_tensors(plan)
+        report.add("quantization_config", OK, "valid compressed-tensors schema")
+    except Exception as exc:  # pydantic ValidationError and friends: the message is the finding
+        first = str(exc).strip().splitlines()
+        report.add("quantization_config", FAIL, f"compressed-tensors rejects the plan: {' '.join(first[:3])[:300]}")
+    try:
+        check_plan(plan, config)
+        report.add("group size", OK, "divides every targeted linear")
+    except UserError as exc:
+        report.add("group size", FAIL, str(exc))
+    check_fused(report, plan, config)
+    static = [g.scheme.name for g in plan.groups if g.scheme.needs_activation_calibration]
+    if static:
+        report.add("activations", INFO, "static per-tensor input_scale calibrated per linear (shared by fused linears)")
+    check_arch(report, plan, arch)
+    check_kv_plan(report, plan.kv_cache, config, None, int(c.get("num_samples", 1)) if needs_data else None)
+    calib = calibration_bytes(config, q["method"], int(c.get("num_samples", 128)), int(c.get("seq_len", 512)),
+                              int(c.get("batch_size", 8)), needs_data)
+    check_memory(report, config, plan, ctx or config.max_position_embeddings, gpu_mem, calib)
+    return report
+
+
+def diagnose_checkpoint(reader: Any, arch: str | None = None, gpu_mem: int | None = None,
+                        ctx: int | None = None) -> DoctorReport:
+    """Checks for an existing compressed-tensors checkpoint (what a runtime will find)."""
+    config = ModelConfig.from_dict(reader.config)
+    plan: QuantizationPlan = reader.plan
+    report = DoctorReport(f"checkpoint {reader.folder}")
+    report.add("model", INFO, f"{config.model_type}: {config.num_layers} layers, format {plan.format()}")
+    check_fused(report, plan, config)
+    check_arch(report, plan, arch)
+    check_kv_plan(report, plan.kv_cache, config, checkpoint=reader)
+    check_memory(report, config, plan, ctx or config.max_position_embeddings, gpu_mem, None)
+    return report
+
+
+def diagnose(model: str, recipe: dict[str, Any], arch: str | None = None, gpu_mem: int | None = None,
+             ctx: int | None = None, allow_pickle: bool = False) -> DoctorReport:
+    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.models import resolve_model
+
+    folder = resolve_model(model, allow_pickle=allow_pickle)
+    reader = CheckpointReader(folder)
+    if reader.plan is not None:
+        return diagnose_checkpoint(reader, arch, gpu_mem, ctx)
+    config = ModelConfig.from_dict(reader.config)
+    return diagnose_plan(config, recipe, arch, gpu_mem, ctx, subject=f"{model} -> {recipe['quantize']['method']} "
+                         f"{recipe['quantize']['scheme']}")
+
+
+def preflight(model_spec: str, recipe: dict[str, Any]) -> DoctorReport:
+    """Run at the start of `quantize`: raise UserError naming every blocking problem."""
+    report = diagnose(model_spec, recipe)
+    if report.blocking:
+        raise UserError("pre-flight checks failed (run `lmfoundry doctor` for the full table): "
+                        + "; ".join(f"{c.name}: {c.detail}" for c in report.blocking))
+    return report

@@ -1,0 +1,75 @@
+"""KV-cache storage arithmetic: what a quantized cache stores and what it hands back.
+
+One place for the math, shared by the reference attention (`kv_round_trip`), the calibration
+pass that chooses the scales and the paged cache of the serving runtime. Conventions follow vLLM
+and compressed-tensors: a stored value is `k / k_scale` (fp8 e4m3, saturated to ±448) or
+`round(k / k_scale)` (int8, saturated to [-128, 127]), and reading multiplies by the scale again.
+All arithmetic runs in float32 whatever the model dtype, as the CUDA cache kernels do.
+
+Scales are per tensor (shape [1], compressed-tensors strategy "tensor") or per KV head
+(compressed-tensors strategy "attn_head", stored as [Hkv, 1, 1]); K/V tensors are laid out
+[..., T, Hkv, D] here, so a per-head scale broadcasts as [Hkv, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INT8_MIN, INT8_MAX = -128.0, 127.0
+
+# strategy names accepted for a KV cache (ours and compressed-tensors' spelling of per-head)
+PER_TENSOR = ("tensor",)
+PER_HEAD = ("head", "attn_head")
+
+
+def kv_storage_dtype(kind: str) -> torch.dtype:
+    """torch dtype of the cache for `kind` ("int" or "float", compressed-tensors' `type`)."""
+    if kind == "float":
+        return FP8_DTYPE
+    if kind == "int":
+        return torch.int8
+    raise ValueError(f"KV cache type must be 'int' or 'float', got {kind!r}")
+
+
+def kv_qmax(kind: str) -> float:
+    """Largest magnitude a stored KV element can take (the denominator of absmax scales)."""
+    return FP8_MAX if kind == "float" else INT8_MAX
+
+
+def broadcast_scale(scale: torch.Tensor, num_kv_heads: int | None = None) -> torch.Tensor:
+    """A [1] / 0-d / [Hkv] / [Hkv, 1, 1] scale reshaped to broadcast against [..., Hkv, D], in fp32."""
+    s = scale.detach().float()
+    if s.numel() == 1:
+        return s.reshape(1, 1)
+    if num_kv_heads is not None and s.numel() != num_kv_heads:
+        raise ValueError(f"per-head KV scale has {s.numel()} entries for {num_kv_heads} KV heads")
+    return s.reshape(-1, 1)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """Store `x` [..., Hkv, D]: int8 codes or float8_e4m3fn values."""
+    s = broadcast_scale(scale, x.shape[-2])
+    y = x.float() / s
+    if kind == "float":
+        return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return torch.round(y).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Read stored KV back: `q * scale` in float32, cast to the attention dtype."""
+    return (q.float() * broadcast_scale(scale, q.shape[-2])).to(dtype)
+
+
+def kv_scales_from_absmax(absmax: torch.Tensor, kind: str, dtype: torch.dtype, per_head: bool) -> torch.Tensor:
+    """Scale = absmax / qmax, stored in `dtype`; never zero (an all-zero head gets a tiny scale),
+    and rounded *up* when the storage dtype is coarser than float32 so the observed maximum is
+    never clipped by the rounding of its own scale."""
+    s = absmax.float() / kv_qmax(kind)
+    s = torch.where(s > 0, s, torch.full_like(s, torch.finfo(torch.float32).tiny))
+    stored = s.to(dtype)
+    if dtype != torch.float32:
+        low = stored.float() < s
+        stored = torch.where(low, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored)
+    return stored.reshape(-1, 1, 1) if per_head else stored.reshape(1)

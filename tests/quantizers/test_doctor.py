@@ -1,0 +1,126 @@
+"""The pre-flight doctor: blocking problems are found before any calibration work."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from helpers import tiny_model_folder, write_text
+from lmfoundry.checkpoint import CheckpointReader
+from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.errors import UserError
+from lmfoundry.quantizers.doctor import FAIL, diagnose, parse_arch, parse_bytes, preflight
+from lmfoundry.quantizers.doctor_cli import doctor
+from lmfoundry.recipe import load_recipe
+
+
+def rec(**q):
+    r = load_recipe(None)
+    r["quantize"].update(q)
+    return r
+
+
+def failed(report):
+    return {c.name for c in report.checks if c.status == FAIL}
+
+
+@pytest.fixture
+def model(tmp_path):
+    return str(tiny_model_folder(tmp_path / "float"))
+
+
+def test_q_and_k_quantized_but_not_v_is_blocking(model, tmp_path):
+    r = rec(method="rtn", scheme="w8a16", per_channel=True, ignore=["lm_head", "re:.*v_proj$"])
+    report = diagnose(model, r)
+    assert failed(report) == {"fused modules"}
+    detail = next(c.detail for c in report.checks if c.name == "fused modules")
+    assert "layer 0 qkv_proj" in detail and "v_proj: not quantized" in detail
+    # quantize runs the doctor first and writes nothing
+    r["calibration"].update(source=str(write_text(tmp_path / "c.txt")), num_samples=2, seq_len=16)
+    with pytest.raises(UserError, match="fused modules"):
+        run_quantize(model, tmp_path / "out", r, progress=False)
+    assert not (tmp_path / "out").exists()
+    # the same plan with v included passes
+    assert not failed(diagnose(model, rec(method="rtn", scheme="w8a16", per_channel=True)))
+
+
+def test_gate_without_up_is_blocking(model):
+    r = rec(method="rtn", scheme="w4a16", group_size=32, targets=["re:.*(q|k|v|o|gate|down)_proj$"])
+    assert failed(diagnose(model, r)) == {"fused modules"}
+
+
+def test_fp8_for_ampere_is_blocking(model):
+    r = rec(method="fp8", scheme="fp8-dynamic")
+    assert failed(diagnose(model, r, arch="ampere")) == {"target arch"}
+    assert failed(diagnose(model, r, arch="a100")) == {"target arch"}
+    for ok in ("hopper", "sm_89", "ada", "blackwell"):
+        assert not failed(diagnose(model, r, arch=ok)), ok
+    # int8 W8A8 runs on ampere, not on turing
+    w8a8 = rec(method="smoothquant", scheme="w8a8")
+    assert not failed(diagnose(model, w8a8, arch="ampere"))
+    assert failed(diagnose(model, w8a8, arch="turing")) == {"target arch"}
+
+
+def test_kv_scheme_without_scales_is_blocking(model, tmp_path):
+    r = rec(method="rtn", scheme="w8a16", per_channel=True, kv_cache="fp8")
+    r["calibration"].update(source=str(write_text(tmp_path / "c.txt")), num_samples=2, seq_len=16, batch_size=2)
+    out = tmp_path / "kv"
+    run_quantize(model, out, r, progress=False)
+    assert not failed(diagnose(str(out), load_recipe(None)))
+    reader = CheckpointReader(out)
+    path = reader.index["model.layers.0.self_attn.k_scale"]
+    tensors = load_file(str(path))
+    del tensors["model.layers.0.self_attn.k_scale"]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    report = diagnose(str(out), load_recipe(None))
+    assert failed(report) == {"kv scales"}
+    assert "model.layers.0.self_attn.k_scale" in next(c.detail for c in report.checks if c.name == "kv scales")
+
+
+def test_method_scheme_mismatch_and_invalid_kv_strategy(model):
+    assert "method x scheme" in failed(diagnose(model, rec(method="fp8", scheme="w8a8")))
+    assert "method x scheme" in failed(diagnose(model, rec(method="smoothquant", scheme="w4a16", group_size=32)))
+    bad_kv = rec(method="rtn", scheme="w8a16", per_channel=True, kv_cache="int8", kv_strategy="channel")
+    assert failed(diagnose(model, bad_kv)) >= {"kv cache"}
+    with pytest.raises(UserError, match="kv cache"):
+        preflight(model, bad_kv)
+
+
+def test_int8_kv_warns_about_vllm(model):
+    report = diagnose(model, rec(method="rtn", scheme="w8a16", per_channel=True, kv_cache="int8"))
+    assert any(c.status == "warn" and "vLLM" in c.detail for c in report.checks)
+    assert report.verdict().startswith("verdict: READY")
+
+
+def test_memory_estimates_and_gpu_mem(model):
+    r = rec(method="rtn", scheme="w8a16", per_channel=True)
+    report = diagnose(model, r, gpu_mem=parse_bytes("1GiB"), ctx=256)
+    serve = report.estimates["serving"]
+    # tiny llama: 2 layers x 2 (K, V) x 2 KV heads x 32 dims x 2 bytes
+    assert serve["kv_per_token"] == 2 * 2 * 2 * 32 * 2 and serve["kv_at_ctx"] == serve["kv_per_token"] * 256
+    assert serve["weights"] > 0 and not failed(report)
+    assert failed(diagnose(model, r, gpu_mem=parse_bytes("100KiB"), ctx=256)) == {"serving memory"}
+    assert report.estimates["calibration"]["total"] > 0
+
+
+def test_cli_prints_table_and_exits_nonzero_on_blocking(model):
+    runner = CliRunner()
+    res = runner.invoke(doctor, [model, "--method", "fp8", "--scheme", "fp8-static", "--arch", "ampere"])
+    assert "target arch" in res.output and "verdict: BLOCKED" in res.output
+    assert isinstance(res.exception, UserError) and res.exception.exit_code != 0
+    res = runner.invoke(doctor, [model, "--method", "fp8", "--scheme", "fp8-static", "--arch", "hopper",
+                                 "--gpu-mem", "80GiB", "--kv-cache", "fp8"])
+    assert res.exit_code == 0, res.output
+    assert "verdict: READY" in res.output and "kv scales" in res.output
+
+
+def test_parsers():
+    assert parse_arch("hopper") == ("hopper", 90)
+    assert parse_arch("sm_89")[1] == 89 and parse_arch("sm90a")[1] == 90 and parse_arch("8.0")[1] == 80
+    assert parse_arch("sm_100")[1] == 100 and parse_arch("120")[1] == 120
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("24GB") == 24 * 10**9 and parse_bytes("2") == 2 * 2**30
+    with pytest.raises(UserError):
+        parse_arch("pascalish")
+    with pytest.raises(UserError):
+        parse_bytes("lots")
