@@ -24,6 +24,11 @@ except ImportError:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton 3.7's interpreter converts bf16/fp8 and computes bf16 dots wrongly (triton#11584);
+    # patch it once for every suite that runs kernels.
+    from lmfoundry.kernels.interpreter import patch_interpreter  # noqa: E402
+
+    patch_interpreter()
 if "torch" in globals():
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

@@ -1,0 +1,271 @@
+"""Check every lmfoundry kernel against its PyTorch reference on a GPU, and time it.
+
+    python benchmarks/gpu_kernels.py                 # all kernels: check + time (Triton JIT)
+    python benchmarks/gpu_kernels.py --engine ENGINE # also: launch ENGINE's shipped cubins (no JIT)
+    python benchmarks/gpu_kernels.py --quick --json out.json
+
+First it measures its own ceilings on this GPU — device copy bandwidth (GB/s) and dense matmul
+throughput (bf16, int8, fp8 where available) — then, for each kernel and shape: a correctness check
+at a small row count (error bounds from `lmfoundry.kernels.checks`, poisoned outputs), and the
+median time at each benchmark shape (`triton.testing.do_bench`), printed as achieved GB/s and
+TFLOP/s with their fraction of the measured ceilings.
+
+`--engine` is the cross-version test of the cubin path: a bundle built on a CPU machine with
+Triton 3.7.1 is loaded here (whatever torch/Triton this machine has), must select its cubins for
+this arch, run every shipped specialization through the CUDA driver and pass the same checks,
+with zero Triton compiles (counted) and zero JIT fallbacks.
+
+Runs from a checkout without installing lmfoundry (the package folders are mapped on import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bootstrap_import() -> None:
+    """Make `import lmfoundry.kernels` work from a bare checkout (no editable install needed)."""
+    try:
+        import lmfoundry.kernels  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    import importlib.machinery
+    import importlib.util
+
+    mapping = {"lmfoundry": REPO / "lmfoundry", "lmfoundry.kernels": REPO / "kernels",
+               "lmfoundry.compile": REPO / "compile", "lmfoundry.runtime": REPO / "runtime",
+               "lmfoundry.runtime.engine": REPO / "runtime" / "engine", "lmfoundry.runtime.server": REPO / "runtime" / "server",
+               "lmfoundry.quantizers": REPO / "quantizers", "lmfoundry.calibration": REPO / "calibration",
+               "lmfoundry.evals": REPO / "evals", "lmfoundry.recipes": REPO / "recipes"}
+
+    class Finder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name in mapping:
+                return importlib.util.spec_from_file_location(name, mapping[name] / "__init__.py",
+                                                              submodule_search_locations=[str(mapping[name])])
+            return None
+
+    sys.meta_path.insert(0, Finder)
+
+
+_bootstrap_import()
+
+import torch  # noqa: E402
+
+from lmfoundry.kernels import examples  # noqa: E402
+from lmfoundry.kernels.dispatch import JitExecutor  # noqa: E402
+
+BF, F16 = "bf16", "fp16"
+
+
+def bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def ceilings(cap: int) -> dict[str, float]:
+    """Copy bandwidth and matmul throughput measured on this GPU."""
+    out: dict[str, float] = {}
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    out["copy_GBps"] = 2 * n / bench(lambda: dst.copy_(src)) / 1e6  # read + write
+    src = dst = None  # free 2 GiB before the matmuls
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    out["bf16_TFLOPs"] = 2 * m**3 / bench(lambda: a @ b) / 1e9
+    ai = torch.randint(-127, 128, (m, m), device="cuda", dtype=torch.int8)
+    bi = torch.randint(-127, 128, (m, m), device="cuda", dtype=torch.int8).t()
+    try:
+        out["int8_TOPs"] = 2 * m**3 / bench(lambda: torch._int_mm(ai, bi)) / 1e9
+    except Exception as exc:  # noqa: BLE001 - report what is missing, keep going
+        print(f"  (int8 ceiling unavailable: {exc})")
+    if cap >= 89:
+        af = a.to(torch.float8_e4m3fn)
+        bf = b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+        try:
+            out["fp8_TFLOPs"] = 2 * m**3 / bench(lambda: torch._scaled_mm(af, bf, one, one, out_dtype=torch.bfloat16)) / 1e9
+        except Exception as exc:  # noqa: BLE001
+            print(f"  (fp8 ceiling unavailable: {exc})")
+    return out
+
+
+def cases(cap: int, quick: bool) -> list[tuple[str, dict, dict, dict, list[int]]]:
+    """(kernel, types, semantics, shape, rows to time) — the default model's shapes and a 4096 one."""
+    w4 = {"BITS": 4, "GROUP_SIZE": 64, "HAS_ZP": False, "HAS_GIDX": False, "HAS_BIAS": False}
+    w4a = {"BITS": 4, "GROUP_SIZE": 128, "HAS_ZP": True, "HAS_GIDX": True, "HAS_BIAS": False}
+    mm8 = {"A_PER_TOKEN": True, "B_PER_CHANNEL": True, "HAS_BIAS": False}
+    attn = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "PAGE": 16}
+    big = [(4096, 4096)] if not quick else []
+    out = []
+    for n, k in [(960, 576), (3072, 576), (576, 1536)] + big:
+        out.append(("w4a16_gemv", {"act": BF, "scale": BF}, w4, {"N": n, "K": k, "bits": 4}, [1, 4]))
+        out.append(("w4a16_gemm", {"act": BF, "scale": BF}, w4, {"N": n, "K": k, "bits": 4}, [16, 256, 4096]))
+    out.append(("w4a16_gemm", {"act": F16, "scale": F16}, w4a, {"N": 4096, "K": 4096, "bits": 4}, [256, 4096]))
+    for n, k in [(960, 576)] + big:
+        out.append(("w8a8_gemm", {"a": "i8", "bscale": BF, "out": BF}, {**mm8, "ACC_INT": True}, {"N": n, "K": k},
+                    [16, 256, 4096]))
+        if cap >= 89:
+            out.append(("fp8_gemm", {"a": "fp8e4nv", "bscale": BF, "out": BF}, {**mm8, "ACC_INT": False},
+                        {"N": n, "K": k}, [16, 256, 4096]))
+    for q in (0, 1) + ((2,) if cap >= 89 else ()):
+        out.append(("rmsnorm_quant", {"act": BF, "out": {0: BF, 1: "i8", 2: "fp8e4nv"}[q]},
+                    {"APPLY_NORM": True, "HAS_RESIDUAL": True, "QUANT": q, "STATIC_SCALE": False}, {"H": 4096}, [1, 4096]))
+    out.append(("silu_mul", {"act": BF}, {}, {"I": 14336}, [1, 4096]))
+    out.append(("rotary", {"act": BF}, {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128}, {}, [1, 4096]))
+    for kv, code in ((BF, 0), ("i8", 1)) + ((("fp8e4nv", 2),) if cap >= 89 else ()):
+        out.append(("store_kv", {"act": BF, "kv": kv}, {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "PAGE": 16, "KV_QUANT": code},
+                    {}, [1, 4096]))
+        out.append(("paged_prefill", {"act": BF, "kv": kv}, {**attn, "KV_QUANT": code}, {"B": 4}, [512, 2048]))
+        out.append(("paged_decode", {"act": BF, "kv": kv}, {**attn, "KV_QUANT": code}, {}, [8, 64]))
+    return out
+
+
+def bench_shape(kernel: str, shape: dict, rows: int) -> dict:
+    s = dict(shape)
+    if kernel == "paged_prefill":
+        s.update({"ctx": rows, "q_len": rows})
+    elif kernel == "paged_decode":
+        s.update({"B": rows, "ctx": 2048})
+    else:
+        s = examples.shape_for(kernel, s, rows)
+    return s
+
+
+def check_rows(kernel: str) -> int:
+    return {"w4a16_gemv": 3, "paged_prefill": 80, "paged_decode": 3}.get(kernel, 37)
+
+
+def acc_unit(kernel: str, cap: int) -> float:
+    # Tensor cores may truncate while accumulating; Hopper's fp8 wgmma keeps ~14 bits per K tile.
+    return 2.0**-13 if kernel == "fp8_gemm" else 2.0**-22
+
+
+def run_all(args, cap: int, ceil: dict) -> list[dict]:
+    from lmfoundry.compile import tiles
+
+    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    rows_out = []
+    failures = 0
+    for kernel, types, sem, shape, rows_list in cases(cap, args.quick):
+        label = f"{kernel} {types} {sem} {shape}"
+        try:
+            ex = examples.build(kernel, types, sem, bench_shape(kernel, shape, check_rows(kernel)), "cuda")
+            examples.run_and_check(ex, jit, acc_unit(kernel, cap))
+            status = "ok"
+        except AssertionError as exc:
+            status, failures = f"FAIL {exc}", failures + 1
+        print(f"[check {status[:4]}] {label}" + ("" if status == "ok" else f"\n    {status}"))
+        for rows in rows_list:
+            ex = examples.build(kernel, types, sem, bench_shape(kernel, shape, rows), "cuda")
+            ms = examples.time_ms(ex, jit)
+            gbps = ex.bytes / ms / 1e6
+            tflops = ex.flops / ms / 1e9
+            peak = {"w8a8_gemm": ceil.get("int8_TOPs"), "fp8_gemm": ceil.get("fp8_TFLOPs")}.get(kernel, ceil["bf16_TFLOPs"])
+            row = {"kernel": kernel, "types": types, "semantics": sem, "shape": bench_shape(kernel, shape, rows),
+                   "ms": ms, "GBps": gbps, "TFLOPs": tflops, "pct_copy_bw": 100 * gbps / ceil["copy_GBps"],
+                   "pct_matmul": 100 * tflops / peak if peak and ex.flops else None, "check": status}
+            rows_out.append(row)
+            mm = f" {tflops:7.1f} TFLOP/s ({row['pct_matmul']:5.1f}% of matmul)" if ex.flops else ""
+            print(f"    rows={rows:<5} {ms * 1e3:9.1f} us {gbps:8.0f} GB/s ({row['pct_copy_bw']:5.1f}% of copy){mm}")
+    print(f"{failures} check failures")
+    return rows_out
+
+
+def verify_engine(path: str, cap: int) -> bool:
+    """Load a bundle built elsewhere; every shipped kernel must run from its cubin and pass."""
+    import triton
+
+    from lmfoundry.compile.loader import load_engine
+    from lmfoundry.kernels import registry
+
+    compiles = {"n": 0}
+
+    def counting(fn):
+        def wrapper(*a, **kw):
+            compiles["n"] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    # JITFunction binds `triton.compiler.compile` when it first runs: patch where it is looked up.
+    triton.compiler.compiler.compile = counting(triton.compiler.compiler.compile)
+    triton.compiler.compile = triton.compiler.compiler.compile
+    for kd in registry.KERNELS.values():
+        if hasattr(kd.fn, "compile"):
+            kd.fn.compile = counting(kd.fn.compile)
+    t0 = time.perf_counter()
+    ks = load_engine(path, "cuda")
+    print(f"engine {path}: mode={ks.mode} ({ks.reason}), loaded in {time.perf_counter() - t0:.2f} s; "
+          f"torch {torch.__version__}, triton {triton.__version__} here, built with triton "
+          f"{ks.manifest['toolchain']['triton']}")
+    if ks.mode != "cubin":
+        print("FAIL: the bundle was not used as cubins on this GPU")
+        return False
+    ok = True
+    shipped = [k for ks_list in ks.executor.index.values() for k in ks_list]
+    for kernel in shipped:
+        e = kernel.entry
+        cover = e["covers"][0]
+        lo, hi = cover["rows"]
+        rows = min(hi, max(lo, check_rows(e["kernel"])))
+        shape = bench_shape(e["kernel"], cover["shape"], rows)
+        if e["kernel"] in ("paged_prefill", "paged_decode"):
+            shape.update({"B": 2, "ctx": 80})
+        try:
+            ex = examples.build(e["kernel"], e["types"], e["semantics"], shape, "cuda")
+            before = dict(ks.stats)
+            examples.run_and_check(ex, ks.executor, acc_unit(e["kernel"], cap))
+            used = {k: ks.stats.get(k, 0) - before.get(k, 0) for k in ("cubin", "jit")}
+            status = "ok" if used == {"cubin": 1, "jit": 0} else f"not from the cubin: {used}"
+            ms = examples.time_ms(ex, ks.executor)
+            print(f"[{status}] {e['key']} {e['sm']} {shape} {ms * 1e3:.1f} us")
+            ok &= status == "ok"
+        except AssertionError as exc:
+            print(f"[FAIL] {e['key']} {shape}: {exc}")
+            ok = False
+    print(f"Triton compiles during the engine run: {compiles['n']}; stats {ks.stats}")
+    return ok and compiles["n"] == 0 and ks.stats.get("jit", 0) == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", help="engine bundle to verify (cubin launch, zero compiles)")
+    parser.add_argument("--quick", action="store_true", help="skip the 4096-wide shapes")
+    parser.add_argument("--skip-kernels", action="store_true", help="only verify --engine")
+    parser.add_argument("--json", help="write the timing rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA GPU: this benchmark needs one (the CPU tests cover correctness via the interpreter)")
+    import triton
+
+    major, minor = torch.cuda.get_device_capability()
+    cap = major * 10 + minor
+    print(f"{torch.cuda.get_device_name()} sm_{cap}; torch {torch.__version__}; triton {triton.__version__}")
+    ok = True
+    if args.engine:
+        ok &= verify_engine(args.engine, cap)
+    rows = []
+    if not args.skip_kernels:
+        ceil = ceilings(cap)
+        print("ceilings: " + ", ".join(f"{k} {v:.0f}" for k, v in ceil.items()))
+        rows = run_all(args, cap, ceil)
+        ok &= all(r["check"] == "ok" for r in rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""`lmfoundry compile CHECKPOINT --arch hopper [--arch ampere ...] [-o ENGINE]`."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import click
+
+
+@click.command("compile")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--arch", "archs", multiple=True, required=True,
+              help="Target GPU architecture: ampere (sm_80), ada (sm_89) or hopper (sm_90a). Repeatable.")
+@click.option("-o", "--output", type=click.Path(path_type=str), default=None,
+              help="Engine folder to write (default: CHECKPOINT-engine next to the checkpoint).")
+@click.option("--weights", type=click.Choice(["link", "copy", "repack"]), default="link", show_default=True,
+              help="Symlink the checkpoint's files, copy them, or write them with the GEMM fusions applied.")
+@click.option("--jobs", "workers", type=int, default=2, show_default=True, help="Compile worker processes.")
+@click.option("--block-size", type=int, default=16, show_default=True, help="Paged KV cache block size (tokens).")
+@click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16"]), default="auto", show_default=True,
+              help="Activation dtype of the kernels (auto: the checkpoint's, bfloat16 for float32 ones).")
+@click.option("--tune", is_flag=True, help="Time the tile candidates on the local GPU for its own arch.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, weights: str, workers: int,
+                block_size: int, dtype: str, tune: bool, quiet: bool) -> None:
+    """Cross-compile the Triton kernels CHECKPOINT needs into an engine bundle (no GPU needed).
+
+    \b
+    Example:
+      lmfoundry compile out/ --arch hopper --arch ampere -o engine/
+    """
+    from lmfoundry.compile.bundle import build_engine
+
+    result = build_engine(checkpoint, list(archs), output, weights=weights, workers=workers, block_size=block_size,
+                          dtype=None if dtype == "auto" else dtype, tune=tune, progress=not quiet,
+                          log=(lambda m: None) if quiet else (lambda m: click.echo(m, err=True)))
+    kernels = result.kernels
+    per_arch = Counter(k["sm"] for k in kernels)
+    fusions = [f["name"] for f in result.manifest["fusions"] if f["applied"]]
+    click.echo(f"engine: {result.output}")
+    click.echo(f"kernels: {len(kernels)} ({', '.join(f'{sm}: {n}' for sm, n in sorted(per_arch.items()))}), "
+               f"SASS checks passed, built in {result.seconds:.1f} s")
+    click.echo(f"fusions: {', '.join(fusions) or 'none'}")

@@ -1,0 +1,147 @@
+"""Error bounds derived from floating-point arithmetic, shared by the kernel tests and the GPU
+benchmark, plus the "every output element was written" check.
+
+Model: a result rounded to a format with unit roundoff u is within u·|x| of the exact value
+(plus the format's smallest normal, covering underflow); a sum of n products accumulated in a
+format with unit roundoff u_acc is within γ_n·Σ|a_i·b_i| of the exact sum, γ_n = n·u/(1 - n·u),
+whatever the summation order. A kernel and its reference each round once to the output format and
+each accumulate in fp32, so their difference is bounded by twice each term.
+"""
+
+from __future__ import annotations
+
+import torch
+
+U32 = 2.0**-24
+UNIT_ROUNDOFF = {
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+    torch.float32: 2.0**-24,
+    torch.float64: 2.0**-53,
+    torch.float8_e4m3fn: 2.0**-4,
+}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return UNIT_ROUNDOFF[dtype]
+
+
+def gamma(n: int, u: float = U32) -> float:
+    """γ_n: relative bound on the rounding error of an n-term sum/product chain."""
+    if n * u >= 1:
+        raise ValueError(f"gamma undefined for n={n}, u={u}")
+    return n * u / (1.0 - n * u)
+
+
+def dot_bound(
+    ref: torch.Tensor, abs_products: torch.Tensor, k: int, out_dtype: torch.dtype, acc_u: float = U32
+) -> torch.Tensor:
+    """Bound on |kernel - reference| for an fp32-accumulated dot product rounded to out_dtype.
+
+    `abs_products` is Σ_k |a_k b_k| per output element (computed in float64); `acc_u` is the
+    accumulator's unit roundoff (tensor-core accumulation on a GPU may be coarser than fp32
+    round-to-nearest — pass it explicitly there).
+    """
+    u_out = unit_roundoff(out_dtype)
+    tiny = torch.finfo(out_dtype).tiny
+    return 2 * u_out * ref.double().abs() + 2 * gamma(k + 2, acc_u) * abs_products.double() + 2 * tiny
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, what: str = "") -> None:
+    """Raise AssertionError naming the worst element when |out - ref| exceeds `bound` anywhere."""
+    err = (out.double() - ref.double()).abs()
+    bound_t = torch.as_tensor(bound, dtype=torch.float64, device=err.device).expand_as(err)
+    bad = ~(err <= bound_t)  # NaN counts as a violation
+    if bool(bad.any()):
+        ratio = torch.where(bad, err / bound_t.clamp_min(1e-300), torch.zeros_like(err))
+        ratio = torch.nan_to_num(ratio, nan=float("inf"))
+        idx = tuple(int(i) for i in torch.unravel_index(ratio.argmax(), err.shape))
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{err.numel()} elements outside the bound; worst at {idx}: "
+            f"out={out[idx].item()!r} ref={ref[idx].item()!r} err={err[idx].item():.3e} "
+            f"bound={bound_t[idx].item():.3e}"
+        )
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An output buffer every element of which a correct kernel must overwrite."""
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device).to(dtype)
+    return torch.full(shape, POISON_INT, dtype=dtype, device=device)
+
+
+POISON_INT = -128  # never produced by symmetric int8 quantization (codes are clamped to ±127)
+
+
+def assert_written(out: torch.Tensor, what: str = "") -> None:
+    """Raise unless no poison value (NaN, or POISON_INT for integer tensors) is left in `out`."""
+    if out.dtype.is_floating_point:
+        left = torch.isnan(out.float())
+    else:
+        left = out == POISON_INT
+    if bool(left.any()):
+        raise AssertionError(f"{what}: {int(left.sum())}/{out.numel()} output elements never written")
+
+
+def rmsnorm_bound(x: torch.Tensor, weight: torch.Tensor, ref: torch.Tensor, eps: float) -> torch.Tensor:
+    """|kernel - reference| for Hugging Face RMSNorm in dtype u: the normalised value (rounded to the
+    dtype) may differ by one rounding (fp32 rsqrt vs 1/sqrt differ by a few fp32 ulps), the weight
+    product by one more; each side rounds its result once."""
+    u = unit_roundoff(ref.dtype)
+    xf = x.double()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).abs()
+    nw = normed * weight.double().abs()
+    return 2 * u * nw * (1 + 8 * U32 / u) + 2 * u * ref.double().abs() + 2 * torch.finfo(ref.dtype).tiny
+
+
+def quantization_error(h_abs: torch.Tensor, scale: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
+    """Bound on |code * scale - h| for symmetric quantization with `scale` (fp32 division):
+    int8 rounds to the nearest code (s/2); e4m3 rounds relative 2^-4, or 2^-10 s in subnormals."""
+    s = scale.double()
+    if code_dtype == torch.int8:
+        return s / 2 * (1 + 8 * U32) + 4 * U32 * h_abs
+    return 2.0**-4 * h_abs * (1 + 8 * U32) + 2.0**-10 * s
+
+
+def attention_bound(
+    q: torch.Tensor,
+    cache,  # lmfoundry.kernels.kv_cache.PagedKVCache
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    ref: torch.Tensor,
+    sm_scale: float,
+    p_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Per (token, head, dim) bound on |kernel - reference| for causal paged attention.
+
+    Each softmax weight p_j is off by a relative ε: the score's dot-product error (γ_D·Σ|q||k|
+    scaled), fp32 exp and scale roundings, and P rounded to `p_dtype` for the PV product. A weighted
+    mean with weights perturbed by ≤ ε moves by ≤ 2ε/(1-ε)·max|v|; the PV and normaliser sums add
+    γ_N·max|v|; each side rounds the output once.
+    """
+    from lmfoundry.kernels.kv_cache import dequantize_kv
+
+    q, block_table, cu_seqlens_q, ctx_lens, ref = (t.cpu() for t in (q, block_table, cu_seqlens_q, ctx_lens, ref))
+    hq, d = q.shape[1], q.shape[2]
+    hkv, page = cache.num_kv_heads, cache.block_size
+    key_cache, value_cache = cache.key_cache.cpu(), cache.value_cache.cpu()
+    k_scale, v_scale = cache.k_scale.cpu(), cache.v_scale.cpu()
+    bound = torch.zeros(ref.shape, dtype=torch.float64)
+    u_p = unit_roundoff(p_dtype)
+    for b in range(len(ctx_lens)):
+        start, stop, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(ctx_lens[b])
+        if stop == start:
+            continue
+        blocks = block_table[b, : -(-n // page)].long()
+        k = dequantize_kv(key_cache[blocks].reshape(-1, hkv, d)[:n], k_scale).double()
+        v = dequantize_kv(value_cache[blocks].reshape(-1, hkv, d)[:n], v_scale).double()
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+        abs_scores = torch.einsum("qhd,khd->hqk", q[start:stop].double().abs(), k.abs()) * sm_scale
+        delta = (2 * gamma(d + 4) + 8 * U32) * abs_scores.amax(-1)  # [h, q]
+        eps = u_p + delta + 16 * U32
+        vmax = v.abs().amax(0)  # [h, d]
+        per = (2 * eps / (1 - eps) + 2 * gamma(n + 2))[..., None] * vmax[:, None, :]
+        bound[start:stop] = per.permute(1, 0, 2)
+    return bound + 2 * unit_roundoff(ref.dtype) * ref.double().abs() + 2 * torch.finfo(ref.dtype).tiny

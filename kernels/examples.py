@@ -1,0 +1,349 @@
+"""Random, non-zero inputs for any kernel specialization, with a check against the reference.
+
+`build(kernel, types, semantics, shape, device)` returns an `Example`: a ready `KernelCall`, the
+names of its output arguments, the bytes it must move and the flops it must do (for GB/s and
+TFLOP/s), and `check(ran, reference)` applying the error bounds of `checks`. Used by the GPU
+benchmark (every kernel, and every kernel shipped in a bundle), by `compile --tune`, and by a CPU
+test that runs every example through the interpreter so the benchmark's harness is itself tested.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lmfoundry.kernels import activation, checks, kv_cache, norm_quant, paged_attention, rotary, scaled_mm, w4a16
+from lmfoundry.kernels.dispatch import Executor, ReferenceExecutor
+from lmfoundry.kernels.spec import KernelCall
+
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,
+               "fp8e4nv": torch.float8_e4m3fn}
+
+
+@dataclass
+class Example:
+    call: KernelCall
+    outputs: tuple[str, ...]
+    bytes: int
+    flops: int
+    check: Callable[[KernelCall, KernelCall], None]
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def clone(self) -> KernelCall:
+        """The call with fresh copies of its output buffers (inputs shared)."""
+        args = dict(self.call.args)
+        for name in self.outputs:
+            args[name] = args[name].clone()
+        return KernelCall(self.call.kernel, args, dict(self.call.types), dict(self.call.semantics), dict(self.call.shape))
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _w4a16(kernel, types, sem, shape, device, gen) -> Example:
+    m, n, k, bits = shape["M"], shape["N"], shape["K"], sem["BITS"]
+    act, sdt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["scale"]]
+    group = sem["GROUP_SIZE"]
+    groups = 1 if group == 0 else k // group
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    from lmfoundry.kernels.w4a16 import PackedLinear
+
+    def pack(q: torch.Tensor, dim: int) -> torch.Tensor:
+        per = 32 // bits
+        u = (q.to(torch.int32) - lo)
+        u = u if dim == 1 else u.t()
+        pad = (-u.shape[1]) % per
+        u = torch.nn.functional.pad(u, (0, pad)).reshape(u.shape[0], -1, per)
+        words = (u << (torch.arange(per, dtype=torch.int32) * bits)).sum(-1, dtype=torch.int64).to(torch.int64)
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return words if dim == 1 else words.t().contiguous()
+
+    q = torch.randint(lo, hi, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, groups, generator=gen) * 0.02 + 0.002).to(sdt)
+    zp = pack(torch.randint(lo, hi, (n, groups), generator=gen, dtype=torch.int8), 0) if sem["HAS_ZP"] else None
+    gidx = ((torch.arange(k) // (group or k))[torch.randperm(k, generator=gen)]).to(torch.int32) if sem["HAS_GIDX"] else None
+    bias = torch.randn(n, generator=gen).to(act) if sem["HAS_BIAS"] else None
+    w = PackedLinear(pack(q, 1), scale, bits, group, k, zp, gidx, bias)
+    x = torch.randn(m, k, generator=gen).to(act)
+    w_dev = PackedLinear(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in
+                           (w.weight_packed, w.weight_scale, bits, group, k, zp, gidx, bias)))
+    out = checks.poisoned((m, n), act, device)
+    call = w4a16.make_call(x.to(device), w_dev, out)
+    if call.kernel.name != kernel:
+        raise ValueError(f"{kernel} does not serve M={m} (the op picks {call.kernel.name})")
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        abs_products = x.double().abs() @ w.dequantize().to(act).double().abs().t()
+        if bias is not None:
+            abs_products = abs_products + bias.double().abs()
+        out_ref = ref.args["out_ptr"].cpu()
+        checks.assert_written(ran.args["out_ptr"], kernel)
+        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, checks.dot_bound(out_ref, abs_products, k, act, acc_u), kernel)
+
+    return Example(call, ("out_ptr",), _nbytes(x, w.weight_packed, scale, zp, gidx, bias, out), 2 * m * n * k, check)
+
+
+def _scaled(kernel, types, sem, shape, device, gen) -> Example:
+    m, n, k = shape["M"], shape["N"], shape["K"]
+    out_dt, bsdt = TORCH_DTYPE[types["out"]], TORCH_DTYPE[types["bscale"]]
+    if types["a"] == "i8":
+        a = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    else:
+        a = (torch.randn(m, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+        b = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    a_s = torch.rand(m if sem["A_PER_TOKEN"] else 1, generator=gen) * 0.01 + 1e-3
+    b_s = (torch.rand(n if sem["B_PER_CHANNEL"] else 1, generator=gen) * 0.01 + 1e-3).to(bsdt)
+    bias = torch.randn(n, generator=gen).to(out_dt) if sem["HAS_BIAS"] else None
+    out = checks.poisoned((m, n), out_dt, device)
+    from lmfoundry.kernels import registry
+
+    call = scaled_mm.make_call(registry.kernel(kernel), a.to(device), a_s.to(device), b.to(device), b_s.to(device),
+                               None if bias is None else bias.to(device), out,
+                               a_per_token=sem["A_PER_TOKEN"], b_per_channel=sem["B_PER_CHANNEL"])
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        abs_products = (a.double().abs() @ b.double().abs().t()) * a_s.double().reshape(-1, 1) * b_s.double().reshape(1, -1)
+        if bias is not None:
+            abs_products = abs_products + bias.double().abs()
+        out_ref = ref.args["out_ptr"].cpu()
+        checks.assert_written(ran.args["out_ptr"], kernel)
+        bound = checks.dot_bound(out_ref, abs_products, k + 2, out_dt, acc_u if types["a"] != "i8" else checks.U32)
+        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
+
+    return Example(call, ("out_ptr",), _nbytes(a, b, a_s, b_s, bias, out), 2 * m * n * k, check)
+
+
+def _norm(kernel, types, sem, shape, device, gen) -> Example:
+    rows, h = shape["M"], shape["H"]
+    act, out_dt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["out"]]
+    x = (torch.randn(rows, h, generator=gen) * (torch.rand(rows, 1, generator=gen) * 3 + 0.1)).to(act)
+    w = (torch.rand(h, generator=gen) + 0.5).to(act) if sem["APPLY_NORM"] else None
+    res = torch.randn(rows, h, generator=gen).to(act) if sem["HAS_RESIDUAL"] else None
+    static = (x.float().abs().amax() / norm_quant.QMAX[sem["QUANT"]]).reshape(1) if sem["STATIC_SCALE"] else None
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out = checks.poisoned((rows, h), out_dt, device)
+    scale_out = checks.poisoned((rows,), torch.float32, device) if sem["QUANT"] and not sem["STATIC_SCALE"] else None
+    res_out = checks.poisoned((rows, h), act, device) if res is not None else None
+    calls: list[KernelCall] = []
+
+    class Capture:
+        def run(self, call: KernelCall) -> None:
+            calls.append(call)
+
+    norm_quant.rmsnorm_quant(x.to(device), dev(w), 1e-6, quant_dtype=None if not sem["QUANT"] else out_dt,
+                             residual=dev(res), static_scale=dev(static), out=out, scale_out=scale_out,
+                             residual_out=res_out, executor=Capture())
+    call = calls[0]
+    outputs = tuple(n for n in ("out_ptr", "res_out_ptr", "scale_ptr") if
+                    (n == "out_ptr") or (n == "res_out_ptr" and res is not None) or (n == "scale_ptr" and scale_out is not None))
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        h_ref, _, res_ref = norm_quant.reference(x, w, 1e-6, res, norm_quant.QUANT_NONE)
+        src = res_ref if res is not None else x
+        h_err = checks.rmsnorm_bound(src, w, h_ref, 1e-6) if w is not None else torch.zeros_like(h_ref, dtype=torch.float64)
+        for name in outputs:
+            checks.assert_written(ran.args[name], f"{kernel}.{name}")
+        if res is not None:
+            assert torch.equal(ran.args["res_out_ptr"].cpu(), res_ref), "residual sum"
+        got = ran.args["out_ptr"].cpu()
+        if not sem["QUANT"]:
+            checks.assert_within(got, h_ref, h_err, kernel)
+            return
+        s = (static if static is not None else ran.args["scale_ptr"].cpu()).double().reshape(-1, 1)
+        q_err = checks.quantization_error(h_ref.double().abs() + h_err, s, out_dt)
+        checks.assert_within(got.double() * s, h_ref, q_err + h_err, kernel)
+
+    return Example(call, outputs, _nbytes(x, w, res, out, scale_out, res_out), 0, check)
+
+
+def _silu(kernel, types, sem, shape, device, gen) -> Example:
+    rows, inter = shape["M"], shape["I"]
+    act = TORCH_DTYPE[types["act"]]
+    x = (torch.randn(rows, 2 * inter, generator=gen) * 3).to(act)
+    out = checks.poisoned((rows, inter), act, device)
+    call = KernelCall(activation.KERNEL, {"x_ptr": x.to(device), "out_ptr": out, "INTER": inter,
+                                          "stride_x": 2 * inter, "stride_o": inter}, dict(types), {}, {"M": rows, "I": inter})
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        g, u = x.double().chunk(2, dim=-1)
+        exact = torch.nn.functional.silu(g) * u
+        out_ref = ref.args["out_ptr"].cpu()
+        checks.assert_written(ran.args["out_ptr"], kernel)
+        bound = 2 * checks.unit_roundoff(act) * out_ref.double().abs() + 16 * checks.U32 * exact.abs() + 1e-30
+        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
+
+    return Example(call, ("out_ptr",), _nbytes(x, out), 0, check)
+
+
+def _rotary(kernel, types, sem, shape, device, gen) -> Example:
+    t, hq, hkv, d = shape["T"], sem["NUM_Q_HEADS"], sem["NUM_KV_HEADS"], sem["HEAD_DIM"]
+    act = TORCH_DTYPE[types["act"]]
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(act).to(device)
+    q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rotary.rope_tables(inv, 4096)
+    pos = torch.randint(0, 4096, (t,), generator=gen)
+    q_out, k_out = checks.poisoned((t, hq, d), act, device), checks.poisoned((t, hkv, d), act, device)
+    calls: list[KernelCall] = []
+
+    class Capture:
+        def run(self, call: KernelCall) -> None:
+            calls.append(call)
+
+    rotary.apply_rotary(q, k, pos.to(device), cos.to(device), sin.to(device), q_out, k_out, executor=Capture())
+
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        for name, x in (("q_out_ptr", q), ("k_out_ptr", k)):
+            checks.assert_written(ran.args[name], kernel)
+            out_ref = ref.args[name].cpu()
+            half = d // 2
+            c, s = cos[pos][:, None, :].double().abs(), sin[pos][:, None, :].double().abs()
+            xa = x.cpu().double().abs()
+            mag = torch.cat((xa[..., :half] * c + xa[..., half:] * s, xa[..., half:] * c + xa[..., :half] * s), -1)
+            bound = 2 * checks.unit_roundoff(act) * out_ref.double().abs() + 4 * checks.U32 * mag + 1e-30
+            checks.assert_within(ran.args[name].cpu(), out_ref, bound, kernel)
+
+    return Example(calls[0], ("q_out_ptr", "k_out_ptr"), 2 * _nbytes(q, k) + _nbytes(pos), 0, check)
+
+
+def _cache(t_lens: list[int], hkv: int, d: int, page: int, act: torch.dtype, cache_dt: torch.dtype, gen, device):
+    per_seq = [-(-n // page) for n in t_lens]
+    nblocks = sum(per_seq) + 2
+    perm = torch.randperm(nblocks, generator=gen)
+    table = torch.zeros(len(t_lens), max(per_seq), dtype=torch.int32)
+    used = 0
+    for b, nb in enumerate(per_seq):
+        table[b, :nb] = perm[used : used + nb]
+        used += nb
+    quantized = cache_dt in (torch.int8, torch.float8_e4m3fn)
+    slots = torch.cat([table[b, torch.arange(n) // page].long() * page + torch.arange(n) % page for b, n in enumerate(t_lens)])
+    k = torch.randn(sum(t_lens), hkv, d, generator=gen).to(act)
+    v = torch.randn(sum(t_lens), hkv, d, generator=gen).to(act)
+
+    def scale(x: torch.Tensor) -> torch.Tensor | None:
+        # Calibrated per-head scales (absmax / code max, 0-10 % headroom): nothing saturates.
+        if not quantized:
+            return None
+        amax = x.float().abs().amax(dim=(0, 2))
+        return amax / kv_cache.kv_code_max(cache_dt) * (1 + 0.1 * torch.rand(hkv, generator=gen))
+
+    cache = kv_cache.PagedKVCache.allocate(nblocks, page, hkv, d, cache_dt, "cpu", scale(k), scale(v))
+    kv_cache.store_reference(k, v, cache, slots.to(torch.int32))
+    return cache, table, slots.to(torch.int32), k, v
+
+
+def _to(cache: kv_cache.PagedKVCache, device) -> kv_cache.PagedKVCache:
+    return kv_cache.PagedKVCache(*(t.to(device) for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)))
+
+
+def _store(kernel, types, sem, shape, device, gen) -> Example:
+    t, hkv, d, page = shape["T"], sem["NUM_KV_HEADS"], sem["HEAD_DIM"], sem["PAGE"]
+    act, cdt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["kv"]]
+    cache, _, slots, k, v = _cache([t], hkv, d, page, act, cdt, gen, "cpu")
+    empty = kv_cache.PagedKVCache(checks.poisoned(tuple(cache.key_cache.shape), cdt, device),
+                                  checks.poisoned(tuple(cache.key_cache.shape), cdt, device),
+                                  cache.k_scale.to(device), cache.v_scale.to(device))
+    calls: list[KernelCall] = []
+
+    class Capture:
+        def run(self, call: KernelCall) -> None:
+            calls.append(call)
+
+    kv_cache.store_kv(k.to(device), v.to(device), empty, slots.to(device), executor=Capture())
+    written = slots.long()
+
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        for name, src, scale in (("key_cache_ptr", k, cache.k_scale), ("value_cache_ptr", v, cache.v_scale)):
+            got = ran.args[name].cpu().view(-1, hkv, d)[written]
+            checks.assert_written(got, kernel)
+            deq = kv_cache.dequantize_kv(got, scale)
+            bound = (checks.quantization_error(src.double().abs(), scale.double()[:, None], cdt)
+                     if cdt in (torch.int8, torch.float8_e4m3fn) else torch.zeros_like(deq, dtype=torch.float64))
+            checks.assert_within(deq, src, bound, kernel)
+
+    return Example(calls[0], ("key_cache_ptr", "value_cache_ptr"), 2 * _nbytes(k) + 2 * t * hkv * d * cdt.itemsize, 0, check)
+
+
+def _attention(kernel, types, sem, shape, device, gen) -> Example:
+    hq, hkv, d, page = sem["NUM_Q_HEADS"], sem["NUM_KV_HEADS"], sem["HEAD_DIM"], sem["PAGE"]
+    act, cdt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["kv"]]
+    nseq, ctx_len = shape.get("B", 2), shape.get("ctx", 80)
+    lens = [ctx_len - 3 * i for i in range(nseq)]
+    cache, table, _, _, _ = _cache(lens, hkv, d, page, act, cdt, gen, "cpu")
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    sm = 1 / math.sqrt(d)
+    calls: list[KernelCall] = []
+
+    class Capture:
+        def run(self, call: KernelCall) -> None:
+            calls.append(call)
+
+    dcache = _to(cache, device)
+    if kernel == "paged_prefill":
+        q_lens = [min(n, shape.get("q_len", n)) for n in lens]
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(sum(q_lens), hq, d, generator=gen).to(act)
+        out = checks.poisoned(tuple(q.shape), act, device)
+        paged_attention.paged_prefill(q.to(device), dcache, table.to(device), cu.to(device), ctx.to(device),
+                                      max(q_lens), sm, out, executor=Capture())
+        flops = 4 * d * hq * sum(ql * n for ql, n in zip(q_lens, lens))
+        p_dtype = act
+    else:
+        cu = torch.arange(nseq + 1, dtype=torch.int32)
+        q = torch.randn(nseq, hq, d, generator=gen).to(act)
+        out = checks.poisoned(tuple(q.shape), act, device)
+        paged_attention.paged_decode(q.to(device), dcache, table.to(device), ctx.to(device), sm, out, executor=Capture())
+        flops = 4 * d * hq * sum(lens)
+        p_dtype = torch.float32
+    kv_bytes = 2 * sum(lens) * hkv * d * cdt.itemsize
+
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        checks.assert_written(ran.args["out_ptr"], kernel)
+        out_ref = ref.args["out_ptr"].cpu()
+        bound = checks.attention_bound(q, cache, table, cu, ctx, out_ref, sm, p_dtype)
+        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
+
+    return Example(calls[0], ("out_ptr",), kv_bytes + 2 * _nbytes(q), flops, check)
+
+
+BUILDERS = {
+    "w4a16_gemm": _w4a16, "w4a16_gemv": _w4a16, "w8a8_gemm": _scaled, "fp8_gemm": _scaled,
+    "rmsnorm_quant": _norm, "silu_mul": _silu, "rotary": _rotary, "store_kv": _store,
+    "paged_prefill": _attention, "paged_decode": _attention,
+}
+
+
+def build(kernel: str, types: dict[str, str], semantics: dict[str, Any], shape: dict[str, int],
+          device: str | torch.device = "cpu", seed: int = 0) -> Example:
+    """An example call of `kernel` for these dtypes/semantics/shape, with inputs on `device`."""
+    gen = torch.Generator().manual_seed(seed)
+    return BUILDERS[kernel](kernel, types, semantics, shape, device, gen)
+
+
+def run_and_check(ex: Example, executor: Executor, acc_u: float = checks.U32) -> None:
+    """Run `ex` with `executor` and with the reference on copies; raise if outside the bounds."""
+    ran = ex.clone()
+    executor.run(ran)
+    ref = ex.clone()
+    ReferenceExecutor().run(ref)
+    ex.check(ran, ref, acc_u)
+
+
+def time_ms(ex: Example, executor: Executor) -> float:
+    """Median milliseconds of one call (Triton's do_bench; GPU only)."""
+    import triton.testing
+
+    call = ex.clone()
+    return float(triton.testing.do_bench(lambda: executor.run(call), return_mode="median"))
+
+
+def shape_for(kernel: str, cover_shape: dict[str, int], rows: int) -> dict[str, int]:
+    """Example shape for a bundle cover: its static shape plus a row count / token count."""
+    shape = dict(cover_shape)
+    if kernel in ("w4a16_gemm", "w4a16_gemv", "w8a8_gemm", "fp8_gemm", "rmsnorm_quant", "silu_mul"):
+        shape["M"] = rows
+    elif kernel in ("rotary", "store_kv"):
+        shape["T"] = rows
+    return shape
+

@@ -1,0 +1,368 @@
+"""Weight-only integer GEMM/GEMV (W4A16, W8A16) straight from compressed-tensors' packed layout.
+
+Layout read (`pack-quantized`): `weight_packed` int32 [N, ceil(K*b/32)], element k of row n in word
+k // (32/b) at bit (k % (32/b)) * b, stored as unsigned q + 2^(b-1); `weight_scale` [N, K/g] in the
+model dtype; `weight_zero_point` (asymmetric only) packed the same way along dim 0; optional
+`weight_g_idx` [K] (activation order) giving each input column's group. Dequantization is
+`(q - zp) * scale` in the scale dtype; the 2^(b-1) offsets of q and zp cancel, so the kernel works
+on the stored unsigned codes directly.
+
+Why no repacked layout: the kernels gather the packed word for each (k, n) of a tile and shift —
+the 32/b-fold redundant word loads hit L1 — which keeps one layout for the checkpoint, the bundle
+and the kernels. Dequantization happens in registers, the MMA runs in the activation dtype and
+accumulates in fp32.
+
+Two kernels: `w4a16_gemm` (tl.dot tiles, for prefill/batched tokens) and `w4a16_gemv` (a
+reduction without tensor cores, for decode with M ≤ GEMV_MAX_M rows, where the weight read is the
+whole cost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, triton_type
+
+GEMV_MAX_M = 4
+
+SUPPORT = Support(
+    {
+        "bits": (4, 8),
+        "group_size": (0, 32, 64, 128),  # 0 = per channel
+        "symmetric": (True, False),
+        "actorder": (False, True),
+        "dtype": ("float16", "bfloat16"),
+        "arch": (80, 86, 89, 90),
+    },
+    note="group sizes must divide K; per-channel is group_size 0",
+)
+
+
+@triton.jit
+def _dequant_tile(
+    qw_ptr, scale_ptr, zp_ptr, gidx_ptr, rn, kk, mask_n, mask_k, k0,
+    stride_qn, stride_sn, stride_zn,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Dequantized weight tile [BLOCK_K, BLOCK_N] in the scale dtype (rows: k, columns: n)."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    mask = mask_k[:, None] & mask_n[None, :]
+    words = tl.load(qw_ptr + rn[None, :] * stride_qn + (kk // PACK)[:, None], mask=mask, other=0)
+    q = (words >> ((kk % PACK) * BITS)[:, None]) & MASK
+    if HAS_GIDX:
+        grp = tl.load(gidx_ptr + kk, mask=mask_k, other=0)
+        scale = tl.load(scale_ptr + rn[None, :] * stride_sn + grp[:, None], mask=mask, other=0.0)
+    elif GROUP_SIZE == 0 or GROUP_SIZE % BLOCK_K == 0:
+        # One group spans the whole k-tile: load one scale per column.
+        if GROUP_SIZE == 0:
+            g0 = 0
+        else:
+            g0 = k0 // GROUP_SIZE
+        scale = tl.load(scale_ptr + rn * stride_sn + g0, mask=mask_n, other=0.0)[None, :]
+        grp = kk * 0 + g0
+    else:
+        grp = kk // GROUP_SIZE
+        scale = tl.load(scale_ptr + rn[None, :] * stride_sn + grp[:, None], mask=mask, other=0.0)
+    if HAS_ZP:
+        zw = tl.load(zp_ptr + (rn // PACK)[None, :] * stride_zn + grp[:, None], mask=mask, other=0)
+        zero = (zw >> ((rn % PACK) * BITS)[None, :]) & MASK
+    else:
+        zero = 1 << (BITS - 1)
+    # Arithmetic in fp32, one rounding to the scale dtype: the same value as a multiply in that
+    # dtype (the exact product fits in fp32), and correct under the interpreter, whose bf16
+    # arithmetic is not.
+    return ((q - zero).to(tl.float32) * scale.to(tl.float32)).to(scale.dtype)
+
+
+@triton.jit
+def w4a16_gemm_kernel(
+    x_ptr, qw_ptr, scale_ptr, zp_ptr, gidx_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_qn, stride_sn, stride_zn, stride_om,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        mask_k = kk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = _dequant_tile(qw_ptr, scale_ptr, zp_ptr, gidx_ptr, rn, kk, mask_n, mask_k, k0,
+                          stride_qn, stride_sn, stride_zn, BITS, GROUP_SIZE, HAS_ZP, HAS_GIDX, BLOCK_K)
+        acc = tl.dot(x, w.to(x.dtype), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def w4a16_gemv_kernel(
+    x_ptr, qw_ptr, scale_ptr, zp_ptr, gidx_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_qn, stride_sn, stride_zn, stride_om,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_n = rn < N
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        mask_k = kk < K
+        x = tl.load(x_ptr + row * stride_xm + kk, mask=mask_k, other=0.0)
+        w = _dequant_tile(qw_ptr, scale_ptr, zp_ptr, gidx_ptr, rn, kk, mask_n, mask_k, k0,
+                          stride_qn, stride_sn, stride_zn, BITS, GROUP_SIZE, HAS_ZP, HAS_GIDX, BLOCK_K)
+        # Round the dequantized weight to the activation dtype exactly as the GEMM does.
+        acc += x.to(tl.float32)[:, None] * w.to(x.dtype).to(tl.float32)
+    out = tl.sum(acc, axis=0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+# ---- reference ----------------------------------------------------------------------------------
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int, dim: int) -> torch.Tensor:
+    """Unsigned codes (q + 2^(b-1)) as int32, unpacked along `dim` to length `n`."""
+    per = 32 // bits
+    p = packed if dim == 1 else packed.t()
+    shifts = torch.arange(per, device=p.device, dtype=torch.int32) * bits
+    codes = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    codes = codes.reshape(p.shape[0], -1)[:, :n]
+    return codes if dim == 1 else codes.t()
+
+
+def dequantize(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    weight_g_idx: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """[N, K] weight in the scale dtype: (q - zp) * scale, the compressed-tensors definition."""
+    n = weight_packed.shape[0]
+    q = unpack_codes(weight_packed, bits, in_features, dim=1)
+    if weight_g_idx is not None:
+        grp = weight_g_idx.long()
+    elif group_size == 0:
+        grp = torch.zeros(in_features, dtype=torch.long, device=q.device)
+    else:
+        grp = torch.arange(in_features, device=q.device) // group_size
+    scale = weight_scale[:, grp]
+    if weight_zero_point is not None:
+        zero = unpack_codes(weight_zero_point, bits, n, dim=0)[:, grp]
+    else:
+        zero = 1 << (bits - 1)
+    return (q - zero).to(weight_scale.dtype) * scale
+
+
+def reference(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    weight_g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """x [M, K] @ dequantized W^T, fp32 accumulation, output in x's dtype."""
+    w = dequantize(weight_packed, weight_scale, weight_zero_point, weight_g_idx, bits, group_size, x.shape[-1])
+    acc = x.float() @ w.to(x.dtype).float().t()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
+
+
+def _reference_call(call: KernelCall) -> None:
+    a, s = call.args, call.semantics
+    m, k = a["M"], a["K"]
+    x = torch.as_strided(a["x_ptr"], (m, k), (a["stride_xm"], 1))
+    out = torch.as_strided(a["out_ptr"], (m, a["N"]), (a["stride_om"], 1))
+    out.copy_(
+        reference(
+            x,
+            a["qw_ptr"],
+            a["scale_ptr"],
+            a["zp_ptr"] if s["HAS_ZP"] else None,
+            a["gidx_ptr"] if s["HAS_GIDX"] else None,
+            a["bias_ptr"] if s["HAS_BIAS"] else None,
+            s["BITS"],
+            s["GROUP_SIZE"],
+        )
+    )
+
+
+# ---- kernel definitions -------------------------------------------------------------------------
+
+_PARAMS = (
+    Param("x_ptr", "*{act}"),
+    Param("qw_ptr", "*i32"),
+    Param("scale_ptr", "*{scale}"),
+    Param("zp_ptr", "*i32"),
+    Param("gidx_ptr", "*i32"),
+    Param("bias_ptr", "*{act}"),
+    Param("out_ptr", "*{act}"),
+    Param("M", "i32"),
+    Param("N", "i32", aligned=True),
+    Param("K", "i32", aligned=True),
+    Param("stride_xm", "i32", aligned=True),
+    Param("stride_qn", "i32", aligned=True),
+    Param("stride_sn", "i32"),
+    Param("stride_zn", "i32"),
+    Param("stride_om", "i32", aligned=True),
+)
+_SEMANTICS = ("BITS", "GROUP_SIZE", "HAS_ZP", "HAS_GIDX", "HAS_BIAS")
+
+
+def _shape_ints(shape: Mapping[str, int]) -> dict[str, int]:
+    n, k, bits = shape["N"], shape["K"], shape["bits"]
+    return {"N": n, "K": k, "stride_xm": k, "stride_qn": -(-k * bits // 32), "stride_om": n}
+
+
+def _gemm_default(shape: Mapping[str, int]) -> TileConfig:
+    m = shape.get("M", 64)
+    return TileConfig.make(num_warps=4, num_stages=2, BLOCK_M=64 if m > 16 else 16, BLOCK_N=64, BLOCK_K=64)
+
+
+def _gemv_default(shape: Mapping[str, int]) -> TileConfig:
+    return TileConfig.make(num_warps=4, num_stages=2, BLOCK_N=64, BLOCK_K=64)
+
+
+def _gemm_sass(arch: int, cfg: TileConfig, types: Mapping[str, str], sem: Mapping[str, object]) -> tuple[str, ...]:
+    # Hopper's wgmma needs a 64-row warpgroup tile; smaller M tiles use the sm_80 mma.
+    if arch >= 90 and cfg["BLOCK_M"] >= 64 and cfg.num_warps >= 4:
+        return ("HGMMA",)
+    return ("HMMA",)
+
+
+GEMM = KernelDef(
+    name="w4a16_gemm",
+    fn=w4a16_gemm_kernel,
+    params=_PARAMS,
+    grid=("cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)", "1"),
+    type_vars=("act", "scale"),
+    semantics=_SEMANTICS,
+    tiles=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    reference=_reference_call,
+    default_config=_gemm_default,
+    expect_sass=_gemm_sass,
+    shape_ints=_shape_ints,
+    static_shape=("N", "K", "bits"),
+    rows="M",
+)
+
+GEMV = KernelDef(
+    name="w4a16_gemv",
+    fn=w4a16_gemv_kernel,
+    params=_PARAMS,
+    grid=("M", "cdiv(N, BLOCK_N)", "1"),
+    type_vars=("act", "scale"),
+    semantics=_SEMANTICS,
+    tiles=("BLOCK_N", "BLOCK_K"),
+    reference=_reference_call,
+    default_config=_gemv_default,
+    shape_ints=_shape_ints,
+    static_shape=("N", "K", "bits"),
+    rows="M",
+)
+
+
+# ---- op -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedLinear:
+    """One `pack-quantized` linear as stored by compressed-tensors (tensors on the target device)."""
+
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    bits: int
+    group_size: int  # 0 = per channel
+    in_features: int
+    weight_zero_point: torch.Tensor | None = None
+    weight_g_idx: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_packed.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(
+            self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx,
+            self.bits, self.group_size, self.in_features,
+        )
+
+
+def make_call(x: torch.Tensor, w: PackedLinear, out: torch.Tensor) -> KernelCall:
+    """The kernel call computing out = x @ W^T (+ bias) for 2-D x [M, K] and out [M, N]."""
+    m, k = x.shape
+    n = w.out_features
+    if k != w.in_features:
+        raise ValueError(f"x has {k} features, the weight expects {w.in_features}")
+    if x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("x and out must be contiguous along the feature dim")
+    if not SUPPORT.supports(bits=w.bits, group_size=w.group_size):
+        raise ValueError(f"unsupported W{w.bits} group size {w.group_size}: {SUPPORT.values}")
+    qw = w.weight_packed.contiguous()
+    scale = w.weight_scale.contiguous()
+    zp = w.weight_zero_point.contiguous() if w.weight_zero_point is not None else qw
+    gidx = w.weight_g_idx.to(torch.int32).contiguous() if w.weight_g_idx is not None else qw
+    bias = w.bias if w.bias is not None else out
+    kernel = GEMV if m <= GEMV_MAX_M else GEMM
+    return KernelCall(
+        kernel=kernel,
+        args={
+            "x_ptr": x, "qw_ptr": qw, "scale_ptr": scale, "zp_ptr": zp, "gidx_ptr": gidx,
+            "bias_ptr": bias, "out_ptr": out,
+            "M": m, "N": n, "K": k,
+            "stride_xm": x.stride(0), "stride_qn": qw.stride(0), "stride_sn": scale.stride(0),
+            "stride_zn": zp.stride(0), "stride_om": out.stride(0),
+        },
+        types={"act": triton_type(x.dtype), "scale": triton_type(scale.dtype)},
+        semantics={
+            "BITS": w.bits,
+            "GROUP_SIZE": w.group_size,
+            "HAS_ZP": w.weight_zero_point is not None,
+            "HAS_GIDX": w.weight_g_idx is not None,
+            "HAS_BIAS": w.bias is not None,
+        },
+        shape={"M": m, "N": n, "K": k, "bits": w.bits},
+    )
+
+
+def w4a16_linear(
+    x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, executor: Executor | None = None
+) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [..., K]; returns [..., N] in x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty((x2.shape[0], w.out_features), dtype=x.dtype, device=x.device)
+    resolve(executor, x).run(make_call(x2, w, out))
+    return out.reshape(*lead, w.out_features)

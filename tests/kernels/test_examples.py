@@ -1,0 +1,58 @@
+"""The benchmark/tuning harness (`lmfoundry.kernels.examples`) on every kernel, through the
+interpreter: its inputs are valid, its checks pass on correct kernels and fail on wrong output."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmfoundry.kernels import examples, registry
+from lmfoundry.kernels.dispatch import JitExecutor
+
+BF, F16 = "bf16", "fp16"
+CASES = {
+    "w4a16_gemm": ({"act": BF, "scale": BF}, {"BITS": 4, "GROUP_SIZE": 32, "HAS_ZP": True, "HAS_GIDX": True, "HAS_BIAS": True},
+                   {"M": 20, "N": 96, "K": 128, "bits": 4}),
+    "w4a16_gemv": ({"act": F16, "scale": F16}, {"BITS": 8, "GROUP_SIZE": 0, "HAS_ZP": False, "HAS_GIDX": False, "HAS_BIAS": False},
+                   {"M": 2, "N": 64, "K": 96, "bits": 8}),
+    "w8a8_gemm": ({"a": "i8", "bscale": BF, "out": BF}, {"A_PER_TOKEN": True, "B_PER_CHANNEL": True, "HAS_BIAS": False,
+                                                          "ACC_INT": True}, {"M": 9, "N": 64, "K": 128}),
+    "fp8_gemm": ({"a": "fp8e4nv", "bscale": "fp32", "out": F16}, {"A_PER_TOKEN": False, "B_PER_CHANNEL": False,
+                                                                  "HAS_BIAS": True, "ACC_INT": False}, {"M": 5, "N": 48, "K": 64}),
+    "rmsnorm_quant": ({"act": BF, "out": "i8"}, {"APPLY_NORM": True, "HAS_RESIDUAL": True, "QUANT": 1, "STATIC_SCALE": False},
+                      {"M": 4, "H": 192}),
+    "silu_mul": ({"act": BF}, {}, {"M": 3, "I": 100}),
+    "rotary": ({"act": F16}, {"NUM_Q_HEADS": 4, "NUM_KV_HEADS": 2, "HEAD_DIM": 64}, {"T": 5}),
+    "store_kv": ({"act": BF, "kv": "fp8e4nv"}, {"NUM_KV_HEADS": 2, "HEAD_DIM": 64, "PAGE": 16, "KV_QUANT": 2}, {"T": 21}),
+    "paged_prefill": ({"act": F16, "kv": "i8"}, {"NUM_Q_HEADS": 4, "NUM_KV_HEADS": 2, "HEAD_DIM": 64, "PAGE": 16, "KV_QUANT": 1},
+                      {"B": 2, "ctx": 40, "q_len": 10}),
+    "paged_decode": ({"act": BF, "kv": BF}, {"NUM_Q_HEADS": 2, "NUM_KV_HEADS": 1, "HEAD_DIM": 64, "PAGE": 16, "KV_QUANT": 0},
+                     {"B": 3, "ctx": 50}),
+}
+
+
+def test_every_kernel_has_an_example():
+    assert set(CASES) == set(registry.KERNELS) == set(examples.BUILDERS)
+
+
+@pytest.mark.parametrize("kernel", sorted(CASES))
+def test_example_passes_its_own_check(kernel, device):
+    types, sem, shape = CASES[kernel]
+    ex = examples.build(kernel, types, sem, shape, device)
+    assert ex.call.kernel.name == kernel and ex.bytes > 0
+    examples.run_and_check(ex, JitExecutor())
+
+
+@pytest.mark.parametrize("kernel", ["w4a16_gemm", "paged_prefill", "rmsnorm_quant"])
+def test_example_check_rejects_wrong_output(kernel, device):
+    types, sem, shape = CASES[kernel]
+    ex = examples.build(kernel, types, sem, shape, device)
+
+    class Wrong:
+        def run(self, call):
+            JitExecutor().run(call)
+            out = call.args["out_ptr"]
+            flat = out.view(-1)
+            flat[flat.numel() // 2] = (flat[flat.numel() // 2].float() * 1.5 + 3).to(out.dtype)
+
+    with pytest.raises(AssertionError):
+        examples.run_and_check(ex, Wrong())
