@@ -1,0 +1,135 @@
+"""Attention over the paged KV cache for one ragged batch: the runtime's `AttentionContext`.
+
+The model calls `attend(layer, q, k, v)` with the new tokens of all scheduled sequences flattened
+into one [T, heads, head_dim] batch. We write the new K/V into their slots, then attend:
+- all single-token sequences (decodes) together: their K/V are gathered into a padded
+  [B, L, kv_heads, D] tensor and one masked SDPA call serves the whole group. Query heads are
+  viewed as [kv_heads, group] so grouped-query attention needs no K/V repeat.
+- each multi-token chunk (a prefill or a prefill chunk) on its own, causally, with its earlier
+  tokens (prefix-cache hits or previous chunks) read back from the cache.
+The gather indices and masks are built once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lmfoundry.runtime.engine.kv_cache import PagedKVCache
+
+KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor | None  # positions in the flat batch (None: rows 0..B-1 in order)
+    blocks: torch.Tensor  # [B, nb] block tables, padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, nb * block_size] True where the key is real
+    shared: int = 0  # leading blocks common to every table (a shared prompt prefix)
+
+
+@dataclass
+class Chunk:
+    start: int  # rows [start, end) of the flat batch
+    end: int
+    context: int  # tokens already in the cache before this chunk
+    blocks: torch.Tensor | None  # [nb] the sequence's blocks; None when context == 0 and reads are exact
+    mask: torch.Tensor | None  # [n, context + n] causal-with-offset mask, None: plain causal
+
+
+class PagedAttention:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        round_trips: list[KVRoundTrip | None],
+        slot_mapping: torch.Tensor,
+        decode: DecodeGroup | None,
+        chunks: list[Chunk],
+    ) -> None:
+        self.cache = cache
+        self.round_trips = round_trips
+        self.slot_mapping = slot_mapping
+        self.decode = decode
+        self.chunks = chunks
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        round_trip = self.round_trips[layer_idx]
+        if round_trip is not None:
+            k, v = round_trip(k, v)
+        self.cache.write(layer_idx, self.slot_mapping, k, v)
+        d, only_decode = self.decode, not self.chunks
+        if only_decode and d is not None and d.rows is None:
+            return self._decode(layer_idx, q, d)
+        out = torch.empty_like(q)
+        if d is not None:
+            out[d.rows] = self._decode(layer_idx, q[d.rows], d)
+        for c in self.chunks:
+            out[c.start : c.end] = self._chunk(layer_idx, q[c.start : c.end], k, v, c)
+        return out
+
+    def _decode(self, layer_idx: int, q: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
+        if d.shared:
+            return self._decode_cascade(layer_idx, q, d)
+        kk, vv = self.cache.read(layer_idx, d.blocks)  # [B, L, Hkv, D]
+        b, hq, dim = q.shape
+        hkv = kk.shape[2]
+        qg = q.view(b, hkv, hq // hkv, dim)
+        o = F.scaled_dot_product_attention(qg, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=d.mask)
+        return o.reshape(b, hq, dim)
+
+    def _decode_cascade(self, layer_idx: int, q: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
+        """Decode attention split at the prefix all sequences share (cascade attention).
+
+        The shared blocks are read once and attended by every query of the batch in one matmul;
+        each sequence then attends its own tail, and the two partial softmaxes are merged through
+        their log-sum-exps. Without the split, each sequence would gather its own copy of the
+        shared prefix in every layer: with 16 sequences on a 400-token system prompt that copy
+        is most of the memory traffic of a decode step on CPU."""
+        b, hq, dim = q.shape
+        ks, vs = self.cache.read(layer_idx, d.blocks[:1, : d.shared])  # [1, Ls, Hkv, D]
+        hkv = ks.shape[2]
+        g = hq // hkv
+        scale = dim**-0.5
+        qf = q.float().view(b, hkv, g, dim)
+        # shared prefix: all B*G queries of a KV head at once -> [Hkv, B*G, Ls]
+        q_all = qf.permute(1, 0, 2, 3).reshape(hkv, b * g, dim)
+        s1 = torch.matmul(q_all, ks[0].float().permute(1, 2, 0)) * scale
+        o1, lse1 = _softmax_av(s1, vs[0].float().transpose(0, 1))
+        o1 = o1.view(hkv, b, g, dim).permute(1, 0, 2, 3)
+        lse1 = lse1.view(hkv, b, g, 1).permute(1, 0, 2, 3)
+        # private tails: [B, Hkv, G, Lt]
+        kt, vt = self.cache.read(layer_idx, d.blocks[:, d.shared :])  # [B, Lt, Hkv, D]
+        s2 = torch.matmul(qf, kt.float().permute(0, 2, 3, 1)) * scale
+        s2 = s2.masked_fill(~d.mask[..., d.shared * self.cache.block_size :], float("-inf"))
+        o2, lse2 = _softmax_av(s2, vt.float().transpose(1, 2))
+        top = torch.maximum(lse1, lse2)
+        w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
+        return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype).reshape(b, hq, dim)
+
+    def _chunk(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Chunk) -> torch.Tensor:
+        if c.blocks is None:
+            kk, vv = k[c.start : c.end], v[c.start : c.end]
+        else:
+            length = c.context + c.end - c.start
+            kk, vv = self.cache.read(layer_idx, c.blocks)
+            kk, vv = kk[:length], vv[:length]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            kk.transpose(0, 1).unsqueeze(0),
+            vv.transpose(0, 1).unsqueeze(0),
+            attn_mask=c.mask,
+            is_causal=c.mask is None,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)
+
+
+def _softmax_av(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scores) @ v and the log-sum-exp of each row of scores (for merging partial results)."""
+    top = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - top)
+    total = p.sum(dim=-1, keepdim=True)
+    return torch.matmul(p, v) / total, top + torch.log(total)

@@ -1,0 +1,28 @@
+"""Engine sizing knobs: KV block size and count, batch limits, queue bound, KV storage dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    # KV capacity: an explicit block count, else as many blocks as fit in kv_cache_memory_gb.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    # Longest prompt + output; None: the model's max_position_embeddings capped by the KV capacity.
+    max_model_len: int | None = None
+    max_num_seqs: int = 64  # sequences decoded together
+    # Tokens per forward pass. Decodes take one each; prefills are chunked into what is left, so a
+    # long prompt never stalls running decodes for more than one chunk's worth of compute.
+    max_num_batched_tokens: int = 256
+    # Sequences allowed to wait for a slot beyond max_num_seqs; more are refused (HTTP 429).
+    max_waiting_requests: int = 256
+    enable_prefix_caching: bool = True
+    # Decode attention over a prefix shared by the whole batch reads it once (cascade attention).
+    cascade_attention: bool = True
+    # "auto" (the checkpoint's kv_cache_scheme if any, else the model dtype), "float32",
+    # "bfloat16", "float16", "int8", "fp8" (the last two need k/v scales from the checkpoint).
+    kv_cache_dtype: str = "auto"
+    num_threads: int | None = None  # torch intra-op threads; None keeps the process setting

@@ -1,0 +1,264 @@
+"""The engine: requests in, tokens out, one scheduled forward pass per `step()`.
+
+Offline use (batch generation, scoring):
+
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=16))
+    outs = engine.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32, temperature=0))
+    scores = engine.loglikelihood([(context_ids, continuation_ids)])  # [(logprob_sum, is_greedy)]
+
+Online use goes through `AsyncLLMEngine`, which drives `step()` from a background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+import torch
+from torch import nn
+
+from lmfoundry.errors import UserError
+from lmfoundry.runtime.engine.block_manager import BlockManager
+from lmfoundry.runtime.engine.config import EngineConfig
+from lmfoundry.runtime.engine.detokenizer import Detokenizer
+from lmfoundry.runtime.engine.model_runner import ModelRunner
+from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
+from lmfoundry.runtime.engine.sampler import Sampler
+from lmfoundry.runtime.engine.sampling_params import SamplingParams
+from lmfoundry.runtime.engine.scheduler import Scheduler
+from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
+
+Prompt = str | list[int]
+
+
+def _as_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+class LLMEngine:
+    def __init__(self, model: nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, config)
+        capacity = self.runner.num_blocks * config.block_size
+        self.max_model_len = config.max_model_len or min(model.config.max_position_embeddings, capacity)
+        if self.max_model_len > capacity:
+            raise UserError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
+                            f"{self.max_model_len}; give it more memory or lower max_model_len")
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.eos_token_ids = _as_set(model.config.eos_token_id) | _as_set(getattr(tokenizer, "eos_token_id", None))
+        self.sampler = Sampler(self.eos_token_ids)
+        self.detokenizer = Detokenizer(tokenizer)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.num_requests_total = 0
+
+    @classmethod
+    def from_pretrained(cls, path_or_name: str, dtype: torch.dtype | None = None,
+                        config: EngineConfig | None = None) -> "LLMEngine":
+        from lmfoundry.runtime.loader import load_model
+
+        model, tokenizer = load_model(path_or_name, dtype=dtype)
+        return cls(model, tokenizer, config)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            return list(self.tokenizer(prompt).input_ids)
+        return [int(t) for t in prompt]
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never run (the server turns it into a 400)."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, prompt and output together")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens {params.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
+                             f"exceed the context of {self.max_model_len} tokens")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams,
+                    arrival_time: float | None = None) -> str:
+        ids = self.encode(prompt)
+        self.check_request(ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seqs = [Sequence(request_id, i, ids, params, arrival_time) for i in range(params.n)]
+        for seq in seqs:
+            self.detokenizer.start(seq)
+            self.scheduler.add(seq)
+        self._requests[request_id] = seqs
+        self.num_prompt_tokens_total += len(ids)
+        self.num_requests_total += 1
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks; False if it was not running."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Abort every request (after an internal error); returns their ids."""
+        ids = list(self._requests)
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_seqs(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        """Run one forward pass of the scheduled batch; return the sequences' new output."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.execute(batch)
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            for pos, lp in result.prompt_logprobs.get(seq.seq_id, ()):
+                seq.prompt_logprobs[pos] = lp
+        if result.logits is None:
+            return []
+        tokens, logprobs = self.sampler(result.logits, result.sample_seqs)
+        return [self._append(seq, tok, lp) for seq, tok, lp in zip(result.sample_seqs, tokens, logprobs)]
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> StepEvent:
+        p = seq.params
+        first = seq.num_output_tokens == 0
+        seq.token_ids.append(token)
+        self.num_generation_tokens_total += 1
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        reason = None
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            reason = "stop"
+        else:
+            checked = len(seq.output_text)
+            self.detokenizer.update(seq)
+            if seq.num_output_tokens >= p.min_tokens and self.detokenizer.find_stop(seq, checked):
+                reason = "stop"
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len):
+            reason = "length"
+            self.detokenizer.flush(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        new_ids = seq.output_token_ids[seq.num_emitted_tokens :]
+        new_lps = seq.logprobs[seq.num_emitted_tokens :] if p.logprobs is not None else None
+        seq.num_emitted_tokens = seq.num_output_tokens
+        seqs = self._requests.get(seq.request_id, [])
+        done = reason is not None and all(s.is_finished for s in seqs)
+        if done:
+            self._requests.pop(seq.request_id, None)
+        return StepEvent(
+            request_id=seq.request_id,
+            index=seq.index,
+            token_ids=new_ids,
+            text=Detokenizer.take_new_text(seq),
+            logprobs=new_lps,
+            finish_reason=reason,
+            request_finished=done,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=seq.prompt_logprobs if first else None,
+        )
+
+    # ---- offline API ------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for a batch of prompts (strings or token-id lists); one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        encoded = [self.encode(p) for p in prompts]
+        for ids, p in zip(encoded, plist):
+            self.check_request(ids, p)
+        results: dict[str, RequestOutput] = {}
+        for ids, p in zip(encoded, plist):
+            rid = self.add_request(None, ids, p)
+            results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(p.n)])
+        pending = set(results)
+        while pending:
+            events = self.step()
+            if not events and not self.scheduler.has_work():
+                raise RuntimeError("engine stopped with unfinished requests")  # a bug, not a user error
+            for ev in events:
+                if ev.request_id in results:
+                    results[ev.request_id].add(ev)
+                    if ev.request_finished:
+                        pending.discard(ev.request_id)
+        return list(results.values())
+
+    def loglikelihood(self, requests: Seq[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Sum of log P(continuation | context) and whether greedy decoding would produce the
+        continuation, per (context_ids, continuation_ids) pair (lm-eval's loglikelihood)."""
+        prompts, params = [], []
+        for ctx, cont in requests:
+            if not ctx or not cont:
+                raise ValueError("loglikelihood needs a non-empty context and continuation")
+            prompts.append(list(ctx) + list(cont))
+            params.append(SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1,
+                                         prompt_logprobs_start=len(ctx)))
+        # Requests sharing a context (multiple choice) run after the first of them has put the
+        # context's blocks in the prefix cache; run together, each would recompute it.
+        first: dict[tuple[int, ...], int] = {}
+        for i, (ctx, _) in enumerate(requests):
+            first.setdefault(tuple(ctx), i)
+        leaders = set(first.values())
+        waves = [sorted(leaders), [i for i in range(len(requests)) if i not in leaders]]
+        outs: list[RequestOutput | None] = [None] * len(requests)
+        for wave in waves:
+            if wave:
+                for i, out in zip(wave, self.generate([prompts[i] for i in wave], [params[i] for i in wave])):
+                    outs[i] = out
+        scores = []
+        for (ctx, cont), out in zip(requests, outs):
+            lps = out.prompt_logprobs[len(ctx) :]
+            scores.append((sum(lp.logprob for lp in lps), all(lp.top[0][0] == lp.token_id for lp in lps)))
+        return scores
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "prefix_cache_hit_rate": bm.prefix_hit_rate,
+            "prefix_cache_queries_tokens": bm.prefix_query_tokens,
+            "prefix_cache_hits_tokens": bm.prefix_hit_tokens,
+            "prompt_tokens": self.num_prompt_tokens_total,
+            "generation_tokens": self.num_generation_tokens_total,
+            "preemptions": self.scheduler.num_preemptions,
+        }

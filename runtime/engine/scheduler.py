@@ -1,0 +1,92 @@
+"""Continuous batching: which sequences run in the next forward pass, and how many tokens each.
+
+Every step is planned afresh under a token budget (`max_num_batched_tokens`):
+1. running sequences first, oldest first: one token for a decode, the next chunk for a prompt
+   still being prefilled (chunked prefill), so decodes keep flowing while a long prompt is read;
+2. then waiting sequences, first come first served, while budget, sequence slots and KV blocks
+   last. A new sequence first takes whatever prefix the cache already holds.
+When a running sequence needs a block and none is free, the newest running sequence is preempted:
+its blocks are released and it goes back to the head of the queue to be recomputed (its full
+blocks usually survive in the prefix cache, so recompute is mostly a cache hit).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from lmfoundry.runtime.engine.block_manager import BlockManager
+from lmfoundry.runtime.engine.config import EngineConfig
+from lmfoundry.runtime.engine.sequence import Sequence, SequenceStatus
+
+ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        batch: ScheduledBatch = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.grow(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.append((seq, n))
+                budget -= n
+                i += 1
+
+        # While sequences are being preempted, admitting new ones would only thrash.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            matched = bm.match_prefix(seq)
+            n = min(len(seq) - len(matched) * bm.block_size, budget)
+            if not bm.can_admit(matched, len(matched) * bm.block_size + n):
+                break
+            bm.admit(seq, matched, len(matched) * bm.block_size + n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark seq finished (or aborted) and release its blocks, wherever it is."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,101 @@
+"""One token stream being generated: its tokens, how many have KV in the cache, its blocks.
+
+A request with `n > 1` becomes n sequences sharing the prompt (and, through the prefix cache,
+the prompt's KV blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmfoundry.runtime.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one chosen token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index  # choice index within the request
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        # KV state: tokens [0, num_computed_tokens) have their K/V written into block_table.
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the leading full blocks (memo)
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at last admission
+        self.num_preemptions = 0
+
+        # Outputs.
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None
+        )
+        self.output_text = ""
+        self.num_emitted_chars = 0
+        self.num_emitted_tokens = 0
+        self.prefix_offset = 0  # incremental detokenizer state (relative to the output tokens)
+        self.read_offset = 0
+
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})"
+        )

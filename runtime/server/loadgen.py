@@ -1,0 +1,181 @@
+"""A load generator for any OpenAI-compatible server (`lmfoundry bench`, benchmarks/serve_peers.py).
+
+Each concurrency level sends a fixed number of streaming /v1/completions requests with at most
+`concurrency` in flight, greedy, with a fixed `max_tokens` (and `ignore_eos`, so every server
+produces the same amount of work). Prompts share a long prefix and differ in a short suffix, the
+shape of chat traffic with a common system prompt, which is what prefix caching is for.
+
+Per request: time to first token (TTFT), the gaps between streamed chunks (inter-token latency,
+ITL) and end-to-end latency; per level: percentiles and output tokens per second of wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+_SENTENCES = (
+    "The committee reviewed the quarterly report and asked for a clearer account of the costs.",
+    "Rivers carry sediment from the mountains to the plains, where it settles and forms rich soil.",
+    "A careful engineer measures twice before changing anything that already works in production.",
+    "The library opens at nine, closes at six, and keeps a quiet reading room on the second floor.",
+    "Most of the heat in a house escapes through the roof, the windows and the gaps around doors.",
+    "She wrote the results in a notebook, then checked each number against the original data.",
+    "Trains leave the central station every twenty minutes during the morning and evening rush.",
+    "The recipe calls for flour, butter, a pinch of salt and enough cold water to bind the dough.",
+)
+
+
+def make_prompts(num: int, prefix_words: int, seed: int = 0) -> list[str]:
+    """`num` prompts: one shared prefix of about `prefix_words` words, then a distinct question."""
+    words: list[str] = []
+    i = seed
+    while len(words) < prefix_words:
+        words.extend(_SENTENCES[i % len(_SENTENCES)].split())
+        i += 3
+    prefix = "You are a helpful assistant. Read the notes below and answer the question.\n\n"
+    prefix += " ".join(words[:prefix_words])
+    return [f"{prefix}\n\nQuestion {k}: in one paragraph, what does note {k % 8 + 1} say about step {k}?\nAnswer:"
+            for k in range(num)]
+
+
+@dataclass
+class RequestResult:
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    output_tokens: int = 0
+    error: str | None = None
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "mean": None}
+    xs = sorted(values)
+
+    def q(p: float) -> float:  # linear interpolation between order statistics
+        pos = p * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "mean": sum(xs) / len(xs)}
+
+
+async def one_request(client: httpx.AsyncClient, base_url: str, model: str, prompt: str, max_tokens: int,
+                      headers: dict[str, str]) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    res = RequestResult()
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{base_url}/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    res.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                if any(c.get("text") for c in chunk.get("choices") or ()):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.e2e = time.perf_counter() - start
+    res.output_tokens = res.output_tokens or chunks
+    return res
+
+
+async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
+                    max_tokens: int, api_key: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def worker(i: int) -> RequestResult:
+            async with sem:
+                return await one_request(client, base_url, model, prompts[i % len(prompts)], max_tokens, headers)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(worker(i) for i in range(num_requests)))
+        wall = time.perf_counter() - start
+    ok = [r for r in results if r.error is None]
+    errors = [r.error for r in results if r.error is not None]
+    return {
+        "concurrency": concurrency,
+        "requests": len(ok),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "duration_s": wall,
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall if wall > 0 else 0.0,
+        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": percentiles([x for r in ok for x in r.itl]),
+        "e2e_s": percentiles([r.e2e for r in ok]),
+    }
+
+
+def normalize_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+async def served_model(base_url: str, api_key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=30) as client:
+        resp = await client.get(f"{base_url}/models", headers=headers)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+
+
+async def run_bench(url: str, concurrency: list[int], max_tokens: int, prefix_words: int,
+                    requests_per_level: int | None = None, model: str | None = None, api_key: str | None = None,
+                    warmup: int = 1, log: Any = None) -> dict[str, Any]:
+    """The whole benchmark: levels in increasing concurrency, results in the documented schema."""
+    base = normalize_url(url)
+    model = model or await served_model(base, api_key)
+    n_max = max(requests_per_level or 0, 2 * max(concurrency))
+    prompts = make_prompts(n_max, prefix_words)
+    if warmup:
+        await run_level(base, model, make_prompts(1, prefix_words, seed=1), 1, warmup, max_tokens, api_key)
+    levels = []
+    for c in concurrency:
+        n = requests_per_level or max(2 * c, 8)
+        level = await run_level(base, model, prompts, c, n, max_tokens, api_key)
+        levels.append(level)
+        if log:
+            log(format_level(level))
+    return {"url": base, "model": model, "max_tokens": max_tokens, "prefix_words": prefix_words, "levels": levels}
+
+
+def _ms(d: dict[str, float | None], key: str) -> str:
+    v = d.get(key)
+    return "   -   " if v is None else f"{v * 1000:7.0f}"
+
+
+def format_level(level: dict[str, Any]) -> str:
+    t, i, e = level["ttft_s"], level["itl_s"], level["e2e_s"]
+    err = f"  errors {level['errors']}: {level['first_error']}" if level["errors"] else ""
+    return (f"c={level['concurrency']:<3} {level['output_tokens_per_s']:8.1f} tok/s  "
+            f"TTFT ms p50/p95/p99 {_ms(t, 'p50')}{_ms(t, 'p95')}{_ms(t, 'p99')}  "
+            f"ITL ms {_ms(i, 'p50')}{_ms(i, 'p95')}{_ms(i, 'p99')}  "
+            f"E2E ms {_ms(e, 'p50')}{_ms(e, 'p95')}{_ms(e, 'p99')}  n={level['requests']}{err}")

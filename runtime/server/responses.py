@@ -1,0 +1,150 @@
+"""OpenAI response bodies built from engine events: streamed chunks and whole responses of
+/v1/completions (legacy logprobs format, echo) and /v1/chat/completions (chat logprobs format)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from lmfoundry.runtime.engine.outputs import StepEvent
+from lmfoundry.runtime.engine.sequence import TokenLogprob
+from lmfoundry.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class CompletionBuilder:
+    """/v1/completions chunks (stream) or the whole response, from engine events."""
+
+    def __init__(self, server: Any, req: CompletionRequest, prompts: list[list[int]], rid: str) -> None:
+        self.s, self.req, self.prompts, self.rid = server, req, prompts, rid
+        self.created = int(time.time())
+        self.completion_tokens = 0
+        self.text_offsets: dict[int, int] = {}
+
+    def _choice_index(self, prompt_idx: int, ev: StepEvent) -> int:
+        return prompt_idx * self.req.n + ev.index
+
+    def _logprobs(self, idx: int, ev: StepEvent, prompt_idx: int) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        entries: list[TokenLogprob | None] = []
+        if self.req.echo and ev.prompt_logprobs is not None:
+            entries.extend(ev.prompt_logprobs)
+        entries.extend(ev.logprobs or [])
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = self.text_offsets.get(idx, 0)
+        prompt_ids = self.prompts[prompt_idx]
+        for j, lp in enumerate(entries):
+            token_id = lp.token_id if lp is not None else prompt_ids[0]
+            text = self.s.token_text(token_id)
+            tokens.append(text)
+            token_lps.append(lp.logprob if lp is not None else None)
+            tops.append({self.s.token_text(t): v for t, v in lp.top} if lp is not None else None)
+            offsets.append(offset)
+            offset += len(text)
+        self.text_offsets[idx] = offset
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _text(self, prompt_idx: int, ev: StepEvent, first: bool) -> str:
+        prefix = ""
+        if self.req.echo and first:
+            p = self.req.prompts()[prompt_idx]
+            prefix = p if isinstance(p, str) else (self.s.tokenizer.decode(p) if self.s.tokenizer else "")
+        return prefix + ev.text
+
+    async def chunks(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
+        seen: set[int] = set()
+        async for prompt_idx, ev in events:
+            idx = self._choice_index(prompt_idx, ev)
+            first = idx not in seen
+            seen.add(idx)
+            self.completion_tokens += len(ev.token_ids)
+            text = self._text(prompt_idx, ev, first)
+            logprobs = self._logprobs(idx, ev, prompt_idx)
+            if not text and logprobs is None and ev.finish_reason is None:
+                continue  # text held back (partial UTF-8 character or possible stop string)
+            choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+            yield {"id": self.rid, "object": "text_completion", "created": self.created,
+                   "model": self.s.model_name, "choices": [choice]}
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield {"id": self.rid, "object": "text_completion", "created": self.created,
+                   "model": self.s.model_name, "choices": [], "usage": self._usage()}
+
+    def _usage(self) -> dict:
+        return _usage(sum(len(p) for p in self.prompts), self.completion_tokens)
+
+    async def collect(self, events: AsyncIterator[tuple[int, StepEvent]]) -> dict:
+        choices: dict[int, dict] = {}
+        async for chunk in self.chunks(events):
+            for c in chunk["choices"]:
+                acc = choices.setdefault(c["index"], {"index": c["index"], "text": "", "logprobs": None,
+                                                      "finish_reason": None})
+                acc["text"] += c["text"]
+                if c["logprobs"] is not None:
+                    if acc["logprobs"] is None:
+                        acc["logprobs"] = {k: [] for k in c["logprobs"]}
+                    for k, v in c["logprobs"].items():
+                        acc["logprobs"][k].extend(v)
+                acc["finish_reason"] = c["finish_reason"] or acc["finish_reason"]
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.s.model_name,
+                "choices": [choices[i] for i in sorted(choices)], "usage": self._usage()}
+
+
+class ChatBuilder:
+    """/v1/chat/completions chunks (stream) or the whole response, from engine events."""
+
+    def __init__(self, server: Any, req: ChatCompletionRequest, prompt: list[int], rid: str) -> None:
+        self.s, self.req, self.prompt, self.rid = server, req, prompt, rid
+        self.created = int(time.time())
+        self.completion_tokens = 0
+
+    def _logprobs(self, ev: StepEvent) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        content = []
+        for lp in ev.logprobs or []:
+            text = self.s.token_text(lp.token_id)
+            content.append({
+                "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (t := self.s.token_text(i)), "logprob": v, "bytes": list(t.encode())}
+                                 for i, v in lp.top]})
+        return {"content": content}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.s.model_name, "choices": choices}
+
+    async def chunks(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
+        for i in range(self.req.n):
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+        async for _, ev in events:
+            self.completion_tokens += len(ev.token_ids)
+            logprobs = self._logprobs(ev)
+            if not ev.text and logprobs is None and ev.finish_reason is None:
+                continue  # text held back (partial UTF-8 character or possible stop string)
+            delta = {"content": ev.text} if ev.text else {}
+            yield self._chunk([{"index": ev.index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": ev.finish_reason}])
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            chunk = self._chunk([])
+            chunk["usage"] = _usage(len(self.prompt), self.completion_tokens)
+            yield chunk
+
+    async def collect(self, events: AsyncIterator[tuple[int, StepEvent]]) -> dict:
+        choices = {i: {"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None} for i in range(self.req.n)}
+        async for _, ev in events:
+            self.completion_tokens += len(ev.token_ids)
+            c = choices[ev.index]
+            c["message"]["content"] += ev.text
+            if (lps := self._logprobs(ev)) is not None:
+                c["logprobs"] = c["logprobs"] or {"content": []}
+                c["logprobs"]["content"].extend(lps["content"])
+            c["finish_reason"] = ev.finish_reason or c["finish_reason"]
+        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.s.model_name,
+                "choices": list(choices.values()), "usage": _usage(len(self.prompt), self.completion_tokens)}

@@ -1,0 +1,63 @@
+"""`lmfoundry serve` as a user runs it: a subprocess that prints its URL and serves a checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from lmfoundry.runtime.engine.toy import save_toy_checkpoint
+
+
+def _serve(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "lmfoundry.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_for_url(proc: subprocess.Popen, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if m := re.search(r"serving on (http://\S+)", line):
+            return m.group(1)
+    proc.kill()
+    raise AssertionError("no URL printed:\n" + "".join(seen))
+
+
+def test_serve_cli_prints_url_and_streams_chat(tmp_path) -> None:
+    folder = save_toy_checkpoint(tmp_path / "toy")
+    proc = _serve([str(folder), "--port", "0", "--api-key", "k", "--max-model-len", "256", "--kv-cache-gb", "0.01"])
+    try:
+        url = _wait_for_url(proc)
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        client = openai.OpenAI(base_url=url, api_key="k")
+        assert [m.id for m in client.models.list()] == ["toy"]
+        stream = client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=8, stream=True, temperature=0)
+        chunks = list(stream)
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("serve did not stop on SIGINT")
+
+
+def test_serve_cli_missing_model_is_one_line_error(tmp_path) -> None:
+    proc = _serve([str(tmp_path / "nope")])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert out.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in out
