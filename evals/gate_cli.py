@@ -1,0 +1,51 @@
+"""`lmfoundry eval-gate`: block or allow promotion of a candidate checkpoint, with an exit code CI can use."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command("eval-gate")
+@click.argument("candidate")
+@click.option("--baseline", required=True, help="The model the candidate must match (folder, GGUF or built-in name).")
+@click.option("--gate", "gate_file", default=None,
+              help="Gate YAML (path or name in recipes/gates/), or a recipe YAML with a `gate` section. [default]")
+@click.option("--tier", default="quick", show_default=True, help="Tier of the gate to run (quick, full, ...).")
+@click.option("-o", "--output", default="eval-gate", show_default=True, type=click.Path(file_okay=False),
+              help="Folder for eval-gate.json, eval-gate.md and eval-gate.png.")
+@click.option("--task", "tasks", multiple=True, metavar="NAME",
+              help="Also run this lm-eval task (reported, not gated unless the gate file gates it).")
+@click.option("--include-path", "include_paths", multiple=True, type=click.Path(file_okay=False),
+              help="Folder of your own lm-eval task YAMLs (with local data).")
+@click.option("--inconclusive-exit", type=click.IntRange(0, 2), default=None,
+              help="Exit code for an inconclusive verdict (overrides the gate file; default 2).")
+@click.option("--no-cache", is_flag=True, help="Re-evaluate both models even if cached results match.")
+@click.option("--no-promotion", is_flag=True, help="Do not write the verdict into the candidate's lmfoundry.json.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
+              tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
+              no_cache: bool, no_promotion: bool, quiet: bool) -> None:
+    """Evaluate CANDIDATE and --baseline on the same documents through the serving runtime's
+    model execution (lm-eval tasks + perplexity), decide each gated metric with a paired bootstrap
+    interval, and write eval-gate.json, a markdown report and a plot. The verdict and the report's
+    sha256 go into CANDIDATE's lmfoundry.json (`promotion`).
+
+    Exit codes: 0 pass, 1 fail, 2 inconclusive (configurable) or error."""
+    from lmfoundry.evals.gate import run_gate
+
+    res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
+                   use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
+                   write_promotion=not no_promotion, progress=not quiet)
+    for m in res.report["metrics"]:
+        if m["gated"]:
+            click.echo(f"{m['verdict']:>12}  {m['name']}: {m['statistic']} {m['point']:.4f} "
+                       f"[{m['low']:.4f}, {m['high']:.4f}] vs {m['threshold']:g} "
+                       f"(baseline {m['baseline']:.4f}, candidate {m['candidate']:.4f}, n={m['n']})")
+    extra = f"; failing: {', '.join(res.report['failing'])}" if res.report["failing"] else ""
+    click.echo(f"verdict: {res.verdict.upper()}{extra}")
+    click.echo(f"report: {res.markdown_path} ({res.json_path}, {res.plot_path})"
+               + ("; promotion recorded in the candidate's lmfoundry.json" if res.promotion_written else ""))
+    if res.exit_code:
+        sys.exit(res.exit_code)

@@ -1,0 +1,338 @@
+"""lm-eval model class backed by lmfoundry's runtime: the gate scores the code that serves.
+
+`RuntimeLM` is registered with lm-eval as `lmfoundry` (`lm_eval --model lmfoundry --model_args
+pretrained=out/`). Scoring (`loglikelihood`, `loglikelihood_rolling`) runs the reference
+`CausalLM` forward directly: the module the loader builds, with its quantized linears swapped in,
+is exactly what the serving engine calls, and one batched forward per group of requests is exact
+(no KV cache involved) and fast on CPU. Generation (`generate_until`) goes through the serving
+engine (`lmfoundry.runtime.engine.LLMEngine`, greedy), so generative tasks exercise the paged KV
+cache and scheduler too.
+
+Prompt settings are pinned and reported (`prompt_settings()`), because they move accuracies by
+points: whether a BOS token is prepended, and whether the chat template is applied (the latter is
+lm-eval's `apply_chat_template`, which calls `apply_chat_template` below).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm.auto import tqdm
+
+from lmfoundry.errors import UserError
+from lmfoundry.runtime.model import CausalLM
+
+BOS_CHOICES = ("tokenizer", "true", "false")
+
+
+def parse_add_bos(value: Any) -> str:
+    """Normalize an add_bos setting: "tokenizer" (whatever the tokenizer does by default, as
+    lm-eval's hf backend), "true" (always exactly one BOS first) or "false" (never)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).strip().lower() if value is not None else "tokenizer"
+    if text in ("none", "null", "auto", "default"):
+        text = "tokenizer"
+    if text not in BOS_CHOICES:
+        raise UserError(f"add_bos {value!r}: expected true, false or tokenizer")
+    return text
+
+
+@dataclass
+class ScoreRequest:
+    """One (context, continuation) scoring job in token ids."""
+
+    context: list[int]
+    continuation: list[int]
+
+
+class PrefixCache:
+    """`AttentionContext` that records each layer's K/V for a batch of prefixes, then lets a batch
+    of extensions (row r continues prefix `rows[r]`) attend to them.
+
+    The model hands attention to its context instead of running its own causal attention, and
+    skips its KV quantize round trip then; both are done here exactly as the model would, so a
+    checkpoint with a quantized KV cache is scored with it. Padded prefix positions are masked."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rows: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+
+    def extend(self, rows: list[int], prefix_lengths: list[int]) -> None:
+        device = self.model.lm_head.weight.device
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.lengths = torch.tensor(prefix_lengths, dtype=torch.long, device=device)[self.rows]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from lmfoundry.runtime.model import causal_attention
+
+        round_trip = self.model.model.layers[layer_idx].self_attn.kv_round_trip
+        if round_trip is not None:
+            k, v = round_trip(k, v)
+        if self.rows is None:  # prefix pass: plain causal attention, keep K/V
+            self.kv[layer_idx] = (k, v)
+            return causal_attention(q, k, v)
+        kp, vp = self.kv[layer_idx]
+        keys = torch.cat([kp[self.rows], k], dim=1)
+        values = torch.cat([vp[self.rows], v], dim=1)
+        tp, te = kp.shape[1], k.shape[1]
+        mask = torch.cat([
+            (torch.arange(tp, device=q.device)[None, :] < self.lengths[:, None])[:, None, :].expand(-1, te, -1),
+            torch.ones(te, te, dtype=torch.bool, device=q.device).tril()[None].expand(q.shape[0], -1, -1),
+        ], dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask[:, None], enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+@register_model("lmfoundry")
+class RuntimeLM(TemplateLM):
+    """lm-eval `LM` over an lmfoundry `CausalLM` (float or quantized) and its tokenizer."""
+
+    def __init__(
+        self,
+        model: CausalLM | None = None,
+        tokenizer: Any = None,
+        pretrained: str | None = None,
+        add_bos: Any = "tokenizer",
+        batch_tokens: int = 4096,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        engine_config: Any = None,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        if model is None:
+            if pretrained is None:
+                raise UserError("the lmfoundry lm-eval model needs `pretrained=` (a folder, GGUF or built-in name)")
+            from lmfoundry.runtime.loader import load_model
+
+            model, tokenizer = load_model(pretrained)
+        if tokenizer is None:
+            raise UserError("the lmfoundry lm-eval model needs a tokenizer")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.add_bos = parse_add_bos(add_bos)
+        self.batch_tokens = int(batch_tokens)
+        self._max_length = int(max_length) if max_length else int(model.config.max_position_embeddings)
+        self._max_gen_toks = int(max_gen_toks)
+        self._engine_config = engine_config
+        self._engine = None
+
+    # ---- identity and tokenization --------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Conditioning token for an empty context (and rolling windows): BOS, else EOS."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", "") .replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of `string`. With add_special_tokens=None the pinned BOS policy applies; a
+        string that already starts with the BOS text never gets a second one."""
+        bos_text = self.tokenizer.bos_token
+        if add_special_tokens is not None:
+            ids = self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
+        elif bos_text and string.startswith(bos_text):
+            ids = self.tokenizer.encode(string, add_special_tokens=False)
+        elif self.add_bos == "tokenizer":
+            ids = self.tokenizer.encode(string)
+        else:
+            ids = self.tokenizer.encode(string, add_special_tokens=False)
+            if self.add_bos == "true" and self.tokenizer.bos_token_id is not None:
+                ids = [self.tokenizer.bos_token_id] + ids
+        return list(ids)
+
+    def tok_decode(self, tokens: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    def bos_prepended(self) -> bool:
+        """Whether a plain prompt actually starts with BOS under the pinned policy."""
+        bos = self.tokenizer.bos_token_id
+        return bos is not None and self.tok_encode("a")[:1] == [bos]
+
+    def prompt_settings(self) -> dict[str, Any]:
+        return {"add_bos": self.add_bos, "bos_prepended": self.bos_prepended(),
+                "bos_token": self.tokenizer.bos_token, "prefix_token_id": self.prefix_token_id,
+                "max_length": self.max_length, "has_chat_template": bool(getattr(self.tokenizer, "chat_template", None))}
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError("chat template requested but the tokenizer has none")
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if not chat_template:
+            return None
+        return getattr(self.tokenizer, "chat_template", None)
+
+    # ---- scoring --------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]],
+                              disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        jobs = [ScoreRequest(list(ctx), list(cont)) for _, ctx, cont in requests]
+        results = self.score(jobs, progress=not disable_tqdm)
+        for (key, _, _), res in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, res)
+        return results
+
+    @torch.no_grad()
+    def score(self, jobs: list[ScoreRequest], progress: bool = False) -> list[tuple[float, bool]]:
+        """(sum log P(continuation | context), continuation is the greedy choice) per job.
+
+        Each job is the causal sequence context+continuation[:-1], left-truncated to max_length
+        as lm-eval does, split into a *prefix* (up to the token that predicts the first
+        continuation token) and an *extension* (the rest of the continuation). Jobs that share a
+        prefix (the choices of one multiple-choice question) run the prefix once: a batch of
+        distinct prefixes goes through the model recording each layer's K/V (`PrefixCache`), then
+        all extensions of those prefixes run as one batch attending to the recorded K/V. This is
+        the same computation as one full forward per job (exact up to float rounding) with
+        roughly half the tokens. Batches are sorted by length, ties by content, so results do not
+        depend on request order. Only needed positions go through the LM head; log-softmax is
+        taken in float32."""
+        parts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for job in jobs:
+            if not job.context or not job.continuation:
+                raise ValueError("loglikelihood needs a non-empty context and continuation")
+            n = len(job.continuation)
+            if n > self.max_length:
+                raise UserError(f"a continuation of {n} tokens exceeds max_length {self.max_length}")
+            seq = (job.context + job.continuation)[-(self.max_length + 1):][:-1]
+            parts.append((tuple(seq[: len(seq) - n + 1]), tuple(seq[len(seq) - n + 1 :])))
+        groups: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+        for prefix, ext in parts:
+            groups.setdefault(prefix, set()).add(ext)
+        order = sorted(groups, key=lambda p: (-len(p), p))
+        first: dict[tuple[int, ...], torch.Tensor] = {}  # prefix -> logits predicting cont[0]
+        rest: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}  # -> logits for cont[1:]
+        bar = tqdm(total=len(jobs), desc="loglikelihood", unit="req", disable=not progress)
+        i = 0
+        while i < len(order):
+            rows = max(1, self.batch_tokens // len(order[i]))
+            batch = order[i : i + rows]
+            exts = [(g, e) for g, p in enumerate(batch) for e in sorted(groups[p]) if e]
+            cache = PrefixCache(self.model) if exts else None
+            hidden = self.model.hidden_states(*self._padded(batch, [0] * len(batch)), context=cache)
+            for g, p in enumerate(batch):
+                first[p] = self.model.lm_head(hidden[g, len(p) - 1]).float()
+            exts.sort(key=lambda x: (-len(x[1]), x))
+            j = 0
+            while j < len(exts):  # extensions in chunks of at most batch_tokens tokens too
+                chunk = exts[j : j + max(1, self.batch_tokens // len(exts[j][1]))]
+                cache.extend([g for g, _ in chunk], [len(p) for p in batch])
+                ids, pos = self._padded([e for _, e in chunk], [len(batch[g]) for g, _ in chunk])
+                hidden = self.model.hidden_states(ids, pos, context=cache)
+                for r, (g, e) in enumerate(chunk):
+                    rest[(batch[g], e)] = self.model.lm_head(hidden[r, : len(e)]).float()
+                j += len(chunk)
+            i += len(batch)
+            bar.update(sum(1 for p, _ in parts if p in set(batch)))
+        bar.close()
+        out = []
+        for (prefix, ext), job in zip(parts, jobs):
+            logits = first[prefix][None]
+            if ext:
+                logits = torch.cat([logits, rest[(prefix, ext)]])
+            lp = F.log_softmax(logits, dim=-1)
+            target = torch.tensor(job.continuation, dtype=torch.long, device=lp.device)
+            greedy = bool((lp.argmax(-1) == target).all())
+            out.append((float(lp.gather(1, target[:, None]).sum()), greedy))
+        return out
+
+    def _padded(self, seqs: list[tuple[int, ...]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ids [B, T] and their positions (row r starts at starts[r])."""
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.tokenizer.eos_token_id or 0, dtype=torch.long, device=self.device)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+        pos = torch.arange(width, device=self.device)[None] + torch.tensor(starts, device=self.device)[:, None]
+        return ids, pos
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole documents, cut into disjoint windows of max_length tokens
+        (the first conditioned on the prefix token), as lm-eval's perplexity tasks expect."""
+        windows: list[tuple[int, ScoreRequest]] = []
+        for idx, req in enumerate(requests):
+            (text,) = req.args
+            for ctx, cont in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((idx, ScoreRequest(ctx, cont)))
+        scores = self.score([w for _, w in windows], progress=not disable_tqdm)
+        totals = [0.0] * len(requests)
+        for (idx, _), (ll, _) in zip(windows, scores):
+            totals[idx] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ---- generation -----------------------------------------------------------------------
+    def engine(self) -> Any:
+        """The serving engine over this same model (built on first use)."""
+        if self._engine is None:
+            from lmfoundry.runtime.engine.config import EngineConfig
+            from lmfoundry.runtime.engine.llm_engine import LLMEngine
+
+            self._engine = LLMEngine(self.model, self.tokenizer, self._engine_config or EngineConfig())
+        return self._engine
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Greedy generation on the serving engine; stops at any `until` string or EOS; the
+        stop string is cut from the text, as lm-eval expects."""
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+
+        from lmfoundry.runtime.engine.sampling_params import SamplingParams
+
+        eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        prompts, params, stops = [], [], []
+        for req in requests:
+            context, gen_kwargs = req.args
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            if kwargs.get("do_sample") and float(kwargs.get("temperature", 0.0)) > 0:
+                raise UserError("eval-gate decodes greedily; a task asked for sampling (do_sample)")
+            until = handle_stop_sequences(kwargs.get("until"), eos=eos_text)
+            max_new = int(kwargs["max_gen_toks"])
+            ids = self.tok_encode(context)[-(self.max_length - max_new):]
+            prompts.append(ids)
+            params.append(SamplingParams(max_tokens=max_new, temperature=0.0, stop=list(until),
+                                         skip_special_tokens=True))
+            stops.append(until)
+        outs = self.engine().generate(prompts, params) if prompts else []
+        texts = []
+        for req, out, until in zip(requests, outs, stops):
+            text = out.outputs[0].text
+            for s in until:
+                if s and s in text:
+                    text = text.split(s)[0]
+            texts.append(text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return texts

@@ -1,0 +1,242 @@
+"""eval-gate end to end: fast tests on a tiny random model; slow tests on the real default model
+(float vs itself, W8A16 RTN, and two planted regressions)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lmfoundry.errors import UserError
+from lmfoundry.evals.gate import load_gate, materialize_tasks, run_gate
+from lmfoundry.manifest import read_manifest
+
+TEXT = ("Perplexity is the exponential of the mean negative log-likelihood per token. " * 40 + "\n") * 4
+
+
+def _tiny_gate(tmp: Path, **defaults) -> Path:
+    text = tmp / "ppl.txt"
+    text.write_text(TEXT)
+    gate = {
+        "name": "tiny", "seed": 0, "confidence": 0.95, "resamples": 500,
+        "prompt": {"add_bos": "tokenizer", "chat_template": False, "num_fewshot": 0},
+        "defaults": {"min_recovery": 0.95, "max_ppl_ratio": 1.05, **defaults},
+        "tiers": {"quick": {"tasks": {"lmf_arc_easy": {"limit": 12, "gate": ["acc"]},
+                                      "lmf_piqa": {"limit": 10, "gate": {"acc": defaults.get("min_recovery", 0.95)}}},
+                            "perplexity": {"text": str(text), "ctx": 32, "windows": 6}}},
+    }
+    path = tmp / "gate.yaml"
+    path.write_text(yaml.safe_dump(gate))
+    return path
+
+
+def _artifact(tiny_model_dir: Path, tmp: Path) -> Path:
+    """A copy of the tiny model that carries an lmfoundry.json, as quantize writes one."""
+    out = tmp / "candidate"
+    shutil.copytree(tiny_model_dir, out)
+    (out / "lmfoundry.json").write_text(json.dumps({"kind": "quantized-checkpoint"}))
+    return out
+
+
+def test_default_gate_file_parses_and_tasks_materialize(tmp_path):
+    gate = load_gate(None)
+    tasks, ppl = gate.tier("quick")
+    assert {t.name for t in tasks} == {"lmf_arc_easy", "lmf_piqa", "lmf_hellaswag"}
+    assert ppl.windows == 20 and ppl.max_ratio == 1.05 and gate.min_recovery == 0.95
+    full, _ = gate.tier("full")
+    assert "lmf_arc_challenge" in {t.name for t in full}
+    with pytest.raises(UserError):
+        gate.tier("nightly")
+    include, hashes = materialize_tasks(tmp_path)
+    assert set(hashes) == {"lmf_arc_easy", "lmf_arc_challenge", "lmf_piqa", "lmf_hellaswag"}
+    for yml in include.glob("*.yaml"):
+        cfg = yaml.safe_load(yml.read_text())
+        for f in cfg["dataset_kwargs"]["data_files"].values():
+            assert Path(f).is_absolute() and Path(f).exists()
+
+
+def test_gate_file_errors_are_user_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntiers: {quick: {}}\nthresholds: 1\n")
+    with pytest.raises(UserError, match="unknown gate key"):
+        load_gate(str(bad))
+    with pytest.raises(UserError, match="no such gate"):
+        load_gate(str(tmp_path / "missing.yaml"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("gate:\n  defaults: {min_recovery: 0.9}\n")
+    g = load_gate(str(recipe))  # a recipe's gate section overlays the default gate
+    assert g.min_recovery == 0.9 and "quick" in g.tiers
+
+
+def test_tiny_model_against_itself_passes_and_records_promotion(tiny_model_dir, tmp_path):
+    cand = _artifact(tiny_model_dir, tmp_path)
+    res = run_gate(str(cand), str(tiny_model_dir), str(_tiny_gate(tmp_path)), "quick", tmp_path / "out",
+                   use_cache=False)
+    assert res.verdict == "pass" and res.exit_code == 0
+    gated = [m for m in res.report["metrics"] if m["gated"]]
+    assert [m["name"] for m in gated] == ["lmf_arc_easy/acc", "lmf_piqa/acc", "perplexity/" +
+                                         str(tmp_path / "ppl.txt") + "@32"]
+    for m in gated:
+        assert m["point"] == 1.0 and m["low"] == 1.0 and m["high"] == 1.0
+    assert res.report["candidate"]["sha256"] == res.report["baseline"]["sha256"]
+    assert res.report["prompt"]["add_bos"] == "tokenizer"
+    assert res.report["candidate"]["prompt"]["bos_prepended"] is False
+    assert res.plot_path.stat().st_size > 1000 and res.markdown_path.read_text().startswith("# eval-gate: **PASS**")
+    promo = read_manifest(cand)["promotion"]
+    from lmfoundry.manifest import sha256_file
+
+    assert promo["verdict"] == "pass" and promo["report_sha256"] == sha256_file(res.json_path)
+
+
+def test_violated_threshold_fails_with_exit_1_and_names_the_metric(tiny_model_dir, tmp_path):
+    """An impossible bar (perplexity ratio <= 0.9 for a model against itself) must fail."""
+    cand = _artifact(tiny_model_dir, tmp_path)
+    gate = _tiny_gate(tmp_path, max_ppl_ratio=0.9)
+    from click.testing import CliRunner
+
+    from lmfoundry.evals.gate_cli import eval_gate
+
+    out = CliRunner().invoke(eval_gate, [str(cand), "--baseline", str(tiny_model_dir), "--gate", str(gate),
+                                         "-o", str(tmp_path / "out"), "--quiet"])
+    assert out.exit_code == 1, out.output
+    assert "FAIL" in out.output and "failing: perplexity/" in out.output
+    report = json.loads((tmp_path / "out" / "eval-gate.json").read_text())
+    assert report["verdict"] == "fail" and report["failing"] == [m["name"] for m in report["metrics"]
+                                                                 if m["gated"] and m["name"].startswith("perplexity/")]
+    assert read_manifest(cand)["promotion"]["verdict"] == "fail"
+
+
+# ---- slow: the real default model ------------------------------------------------------------
+BASE = "smollm2-135m"
+
+
+def _quantize(out: Path, scheme: str, group_size: int | None, per_channel: bool = False) -> Path:
+    from lmfoundry.commands.quantize import run_quantize
+    from lmfoundry.recipe import apply_overrides, load_recipe
+
+    rec = load_recipe(None)
+    apply_overrides(rec, "quantize", method="rtn", scheme=scheme, group_size=group_size,
+                    per_channel=per_channel or None)
+    run_quantize(BASE, out, rec, overwrite=True, progress=False)
+    return out
+
+
+def _scale_one_linear(folder: Path, name: str, factor: float) -> None:
+    """Plant a regression: multiply one quantized linear's scales in place."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(f)
+        if f"{name}.weight_scale" in tensors:
+            tensors[f"{name}.weight_scale"] = tensors[f"{name}.weight_scale"] * factor
+            save_file(tensors, f, metadata={"format": "pt"})
+            return
+    raise AssertionError(f"{name}.weight_scale not found in {folder}")
+
+
+@pytest.fixture(scope="module")
+def slow_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gate-slow")
+
+
+def _gate(candidate: str | Path, out: Path, **kw):
+    res = run_gate(str(candidate), BASE, None, "quick", out, **kw)
+    for m in res.report["metrics"]:
+        if m["gated"]:
+            print(f"{m['verdict']:>12} {m['name']}: {m['statistic']} {m['point']:.4f} [{m['low']:.4f}, {m['high']:.4f}]"
+                  f" baseline {m['baseline']:.4f} candidate {m['candidate']:.4f}")
+    return res
+
+
+@pytest.mark.slow
+def test_float_model_against_itself_passes(slow_dir):
+    res = _gate(BASE, slow_dir / "float")
+    assert res.verdict == "pass" and res.exit_code == 0
+
+
+@pytest.mark.slow
+def test_w8a16_rtn_passes_and_the_verdict_is_reproducible(slow_dir):
+    cand = _quantize(slow_dir / "w8a16", "w8a16", None, per_channel=True)  # 576 is not a multiple of 128
+    first = _gate(cand, slow_dir / "w8a16-gate")
+    assert first.verdict == "pass", first.report["failing"] or first.report["inconclusive"]
+    assert read_manifest(cand)["promotion"]["verdict"] == "pass"
+    # the second run recomputes the candidate (no cache) and must give the same numbers
+    second = _gate(cand, slow_dir / "w8a16-gate-2", use_cache=False)
+    assert second.report["candidate"]["from_cache"] is None
+    assert second.verdict == first.verdict
+    assert second.report["metrics"] == first.report["metrics"]
+
+
+@pytest.mark.slow
+def test_2bit_rtn_fails(slow_dir):
+    cand = _quantize(slow_dir / "w2a16", "w2a16", 64)
+    res = _gate(cand, slow_dir / "w2a16-gate")
+    assert res.verdict == "fail" and res.exit_code == 1
+    assert res.report["failing"]
+
+
+@pytest.mark.slow
+def test_w4a16_with_one_linear_scaled_by_3_fails(slow_dir):
+    cand = _quantize(slow_dir / "w4a16-x3", "w4a16", 64)
+    ok = _gate(cand, slow_dir / "w4a16-gate")  # the unmodified W4A16 g64 checkpoint, for the report
+    _scale_one_linear(cand, "model.layers.10.mlp.down_proj", 3.0)
+    res = _gate(cand, slow_dir / "w4a16-x3-gate")
+    assert res.verdict == "fail" and res.exit_code == 1
+    assert res.report["failing"]
+    assert res.report["candidate"]["sha256"] != ok.report["candidate"]["sha256"]
+
+
+@pytest.mark.slow
+def test_adapter_matches_lm_eval_hf_backend_on_the_quick_tier(tmp_path):
+    """lm-eval's own `hf` backend on the float model gives the same loglikelihoods (1e-4 relative)
+    for every request of the quick tier's tasks."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lmfoundry.evals.gate import run_lm_eval
+    from lmfoundry.evals.lm_adapter import RuntimeLM
+    from lmfoundry.models import resolve_model
+    from lmfoundry.runtime.loader import load_model
+
+    gate = load_gate(None)
+    tasks, _ = gate.tier("quick")
+    include, _ = materialize_tasks(tmp_path)
+    folder = resolve_model(BASE)
+    model, tok = load_model(folder)
+    ours = run_lm_eval(RuntimeLM(model, tok, add_bos=gate.add_bos), tasks, gate, [include])
+    del model
+    hf = HFLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=16)
+    theirs = run_lm_eval(hf, tasks, gate, [include])
+    worst = 0.0
+    for t in tasks:
+        a, b = ours[t.name], theirs[t.name]
+        assert a["doc_ids"] == b["doc_ids"]
+        for ra, rb in zip(a["responses"], b["responses"]):
+            for x, y in zip(ra, rb, strict=True):
+                worst = max(worst, abs(x - y) / max(abs(y), 1e-6))
+        assert a["metrics"]["acc"] == b["metrics"]["acc"]
+    print(f"worst relative loglikelihood difference: {worst:.2e}")
+    assert worst <= 1e-4
+
+
+def test_tiny_gate_twice_gives_identical_numbers(tiny_model_dir, tmp_path):
+    """Recomputing both models (no cache) reproduces every number; the candidate differs from the
+    baseline (one linear perturbed), so the intervals are not trivially [1, 1]."""
+    from safetensors.torch import load_file, save_file
+
+    cand = tmp_path / "perturbed"
+    shutil.copytree(tiny_model_dir, cand)
+    f = cand / "model.safetensors"
+    tensors = load_file(f)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, f, metadata={"format": "pt"})
+    gate = _tiny_gate(tmp_path)
+    one = run_gate(str(cand), str(tiny_model_dir), str(gate), "quick", tmp_path / "a", use_cache=False)
+    two = run_gate(str(cand), str(tiny_model_dir), str(gate), "quick", tmp_path / "b", use_cache=False)
+    assert one.report["metrics"] == two.report["metrics"] and one.verdict == two.verdict
+    ppl = [m for m in one.report["metrics"] if m["name"].startswith("perplexity/")][0]
+    assert ppl["point"] != 1.0 and ppl["low"] < ppl["high"]
