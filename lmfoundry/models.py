@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmfoundry.errors import UserError
+from lmfoundry.manifest import sha256_file as file_sha256
 from lmfoundry.resources import SMOLLM2_GGUF, cache_dir, packaged_file
 from lmfoundry.runtime.config import ModelConfig
 
@@ -93,14 +94,6 @@ def validate_safetensors(path: Path) -> dict[str, Any]:
     if 8 + n + end > size:
         raise UserError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + n + end})")
     return header
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _converted_gguf(gguf: Path, name: str | None) -> Path:

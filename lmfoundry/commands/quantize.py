@@ -14,40 +14,46 @@ from lmfoundry.errors import UserError
 KV_CHOICES = ("int8", "fp8")
 
 
-@click.command("quantize")
-@click.argument("model")
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="Output folder.")
-@click.option("--recipe", default=None, help="Recipe YAML (path, or name of one in recipes/). Flags override it.")
-@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
-              help="Quantization algorithm. [recipe default: rtn]")
-@click.option("--scheme", default=None, help="wNa16 (N=2..8: w4a16, w8a16), w8a8 (dynamic per-token int8 activations), w8a8-static, fp8-dynamic, fp8-static. [w4a16]")
-@click.option("--group-size", type=int, default=None, help="Weight group size for wNa16 (default 128).")
-@click.option("--per-channel", is_flag=True, default=None, help="One scale per output channel instead of groups.")
-@click.option("--sym/--asym", "symmetric", default=None, help="Symmetric (default) or asymmetric weights.")
-@click.option("--observer", type=click.Choice(["minmax", "mse"]), default=None, help="Weight range statistic.")
-@click.option("--actorder", type=click.Choice(["static", "dynamic"]), default=None, help="GPTQ activation order.")
-@click.option("--kv-cache", type=click.Choice(KV_CHOICES), default=None, help="Also quantize the KV cache.")
-@click.option("--calib", default=None, help="Calibration text/JSONL/datasets folder or built-in name. [c4]")
-@click.option("--num-samples", type=int, default=None, help="Calibration samples. [128]")
-@click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample. [512]")
-@click.option("--seed", type=int, default=None, help="Sampling seed. [0]")
-@click.option("--propagate", type=click.Choice(["quantized", "float"]), default=None,
-              help="Feed the next layer the quantized (default) or the float layer's outputs.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
-              help="Storage dtype of scales and unquantized tensors (auto = the source's).")
-@click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="Method option, e.g. dampening_frac=0.01.")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
-@click.option("--allow-pickle", is_flag=True, help="Convert pickle (*.bin) weights; pickle can run code.")
-@click.option("--skip-doctor", is_flag=True, help="Do not run the pre-flight checks.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-def quantize(model: str, output: str, recipe: str | None, method: str | None, scheme: str | None,
-             group_size: int | None, per_channel: bool | None, symmetric: bool | None, observer: str | None,
-             actorder: str | None, kv_cache: str | None, calib: str | None, num_samples: int | None,
-             seq_len: int | None, seed: int | None, propagate: str | None, dtype: str | None,
-             options: tuple[str, ...], overwrite: bool, allow_pickle: bool, skip_doctor: bool, quiet: bool) -> None:
-    """Quantize MODEL (a HF folder, a .gguf file, or `smollm2-135m`) into a checkpoint that vLLM,
-    SGLang and transformers load (compressed-tensors), plus lmfoundry.json (recipe, versions,
-    hashes, per-layer errors). Prints the peak RSS at the end."""
+RECIPE_OPTIONS = [
+    click.option("--recipe", default=None, help="Recipe YAML (path, or name of one in recipes/). Flags override it."),
+    click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
+                 help="Quantization algorithm. [recipe default: rtn]"),
+    click.option("--scheme", default=None, help="wNa16 (N=2..8: w4a16, w8a16), w8a8 (dynamic per-token int8 "
+                 "activations), w8a8-static, fp8-dynamic, fp8-static. [w4a16]"),
+    click.option("--group-size", type=int, default=None, help="Weight group size for wNa16 (default 128)."),
+    click.option("--per-channel", is_flag=True, default=None, help="One scale per output channel instead of groups."),
+    click.option("--sym/--asym", "symmetric", default=None, help="Symmetric (default) or asymmetric weights."),
+    click.option("--observer", type=click.Choice(["minmax", "mse"]), default=None, help="Weight range statistic."),
+    click.option("--actorder", type=click.Choice(["static", "dynamic"]), default=None, help="GPTQ activation order."),
+    click.option("--kv-cache", type=click.Choice(KV_CHOICES), default=None, help="Also quantize the KV cache."),
+    click.option("--calib", default=None, help="Calibration text/JSONL/datasets folder or built-in name. [c4]"),
+    click.option("--num-samples", type=int, default=None, help="Calibration samples. [128]"),
+    click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample. [512]"),
+    click.option("--seed", type=int, default=None, help="Sampling seed. [0]"),
+    click.option("--propagate", type=click.Choice(["quantized", "float"]), default=None,
+                 help="Feed the next layer the quantized (default) or the float layer's outputs."),
+    click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+                 help="Storage dtype of scales and unquantized tensors (auto = the source's)."),
+    click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
+                 help="Method option, e.g. dampening_frac=0.01 (gptq) or alpha=0.5 (smoothquant)."),
+    click.option("--allow-pickle", is_flag=True, help="Convert pickle (*.bin) weights; pickle can run code."),
+]
+
+
+def recipe_options(f: Any) -> Any:
+    """The recipe-shaping options shared by `quantize` and `doctor`."""
+    for opt in reversed(RECIPE_OPTIONS):
+        f = opt(f)
+    return f
+
+
+def recipe_from_cli(recipe: str | None, method: str | None = None, scheme: str | None = None,
+                    group_size: int | None = None, per_channel: bool | None = None, symmetric: bool | None = None,
+                    observer: str | None = None, actorder: str | None = None, kv_cache: str | None = None,
+                    calib: str | None = None, num_samples: int | None = None, seq_len: int | None = None,
+                    seed: int | None = None, propagate: str | None = None, dtype: str | None = None,
+                    options: tuple[str, ...] = (), **_: Any) -> dict[str, Any]:
+    """The recipe as applied: the YAML (or defaults) with every given flag overriding it."""
     from lmfoundry.recipe import apply_overrides, load_recipe
 
     rec = load_recipe(recipe)
@@ -58,7 +64,22 @@ def quantize(model: str, output: str, recipe: str | None, method: str | None, sc
         rec["quantize"]["options"] = {**rec["quantize"]["options"], **parse_options(options)}
     apply_overrides(rec, "calibration", source=calib, num_samples=num_samples, seq_len=seq_len,
                     seed=seed, propagate=propagate)
-    summary = run_quantize(model, Path(output), rec, overwrite=overwrite, allow_pickle=allow_pickle,
+    return rec
+
+
+@click.command("quantize")
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@recipe_options
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+@click.option("--skip-doctor", is_flag=True, help="Do not run the pre-flight checks.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def quantize(model: str, output: str, overwrite: bool, skip_doctor: bool, quiet: bool, **flags: Any) -> None:
+    """Quantize MODEL (a HF folder, a .gguf file, or `smollm2-135m`) into a checkpoint that vLLM,
+    SGLang and transformers load (compressed-tensors), plus lmfoundry.json (recipe, versions,
+    hashes, per-layer errors). Prints the peak RSS at the end."""
+    rec = recipe_from_cli(**flags)
+    summary = run_quantize(model, Path(output), rec, overwrite=overwrite, allow_pickle=flags["allow_pickle"],
                            doctor=not skip_doctor, progress=not quiet)
     click.echo(summary)
 
