@@ -45,6 +45,19 @@ def parse_add_bos(value: Any) -> str:
 
 
 @dataclass
+class Scored:
+    """What one output position contributes: the log-probabilities of the tokens asked for, and
+    the greedy token."""
+
+    logprob: dict[int, float]
+    argmax: int
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, tokens: Iterable[int]) -> "Scored":
+        return cls({t: float(logprobs[t]) for t in tokens}, int(logprobs.argmax()))
+
+
+@dataclass
 class ScoreRequest:
     """One (context, continuation) scoring job in token ids."""
 
@@ -229,11 +242,18 @@ class RuntimeLM(TemplateLM):
             seq = (job.context + job.continuation)[-(self.max_length + 1):][:-1]
             parts.append((tuple(seq[: len(seq) - n + 1]), tuple(seq[len(seq) - n + 1 :])))
         groups: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
-        for prefix, ext in parts:
+        need_first: dict[tuple[int, ...], set[int]] = {}  # prefix -> tokens its last position must score
+        need_last: dict[tuple[tuple[int, ...], tuple[int, ...]], set[int]] = {}
+        for (prefix, ext), job in zip(parts, jobs):
             groups.setdefault(prefix, set()).add(ext)
+            need_first.setdefault(prefix, set()).add(job.continuation[0])
+            if ext:
+                need_last.setdefault((prefix, ext), set()).add(job.continuation[-1])
         order = sorted(groups, key=lambda p: (-len(p), p))
-        first: dict[tuple[int, ...], torch.Tensor] = {}  # prefix -> logits predicting cont[0]
-        rest: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}  # -> logits for cont[1:]
+        # Only the log-probabilities that jobs ask for are kept (not vocabulary-sized rows): memory
+        # stays flat however many requests a task has.
+        first: dict[tuple[int, ...], Scored] = {}
+        rest: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, bool, Scored]] = {}
         bar = tqdm(total=len(jobs), desc="loglikelihood", unit="req", disable=not progress)
         i = 0
         while i < len(order):
@@ -243,7 +263,7 @@ class RuntimeLM(TemplateLM):
             cache = PrefixCache(self.model) if exts else None
             hidden = self.model.hidden_states(*self._padded(batch, [0] * len(batch)), context=cache)
             for g, p in enumerate(batch):
-                first[p] = self.model.lm_head(hidden[g, len(p) - 1]).float()
+                first[p] = Scored.of(F.log_softmax(self.model.lm_head(hidden[g, len(p) - 1]).float(), -1), need_first[p])
             exts.sort(key=lambda x: (-len(x[1]), x))
             j = 0
             while j < len(exts):  # extensions in chunks of at most batch_tokens tokens too
@@ -252,20 +272,24 @@ class RuntimeLM(TemplateLM):
                 ids, pos = self._padded([e for _, e in chunk], [len(batch[g]) for g, _ in chunk])
                 hidden = self.model.hidden_states(ids, pos, context=cache)
                 for r, (g, e) in enumerate(chunk):
-                    rest[(batch[g], e)] = self.model.lm_head(hidden[r, : len(e)]).float()
+                    lp = F.log_softmax(self.model.lm_head(hidden[r, : len(e)]).float(), dim=-1)
+                    inner = torch.tensor(e[1:], dtype=torch.long, device=lp.device)  # targets of all but the last
+                    total = float(lp[:-1].gather(1, inner[:, None]).sum()) if len(e) > 1 else 0.0
+                    greedy = bool((lp[:-1].argmax(-1) == inner).all()) if len(e) > 1 else True
+                    rest[(batch[g], e)] = (total, greedy, Scored.of(lp[-1], need_last[(batch[g], e)]))
                 j += len(chunk)
             i += len(batch)
             bar.update(sum(1 for p, _ in parts if p in set(batch)))
         bar.close()
         out = []
         for (prefix, ext), job in zip(parts, jobs):
-            logits = first[prefix][None]
+            head = first[prefix]
+            ll, greedy = head.logprob[job.continuation[0]], head.argmax == job.continuation[0]
             if ext:
-                logits = torch.cat([logits, rest[(prefix, ext)]])
-            lp = F.log_softmax(logits, dim=-1)
-            target = torch.tensor(job.continuation, dtype=torch.long, device=lp.device)
-            greedy = bool((lp.argmax(-1) == target).all())
-            out.append((float(lp.gather(1, target[:, None]).sum()), greedy))
+                total, inner_greedy, last = rest[(prefix, ext)]
+                ll += total + last.logprob[job.continuation[-1]]
+                greedy = greedy and inner_greedy and last.argmax == job.continuation[-1]
+            out.append((ll, bool(greedy)))
         return out
 
     def _padded(self, seqs: list[tuple[int, ...]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
