@@ -8,7 +8,7 @@ OMP ?= 2
 DEMO_OUT ?= demo-out/smollm2-w4a16-g64
 PPL_WINDOWS ?= 40
 
-.PHONY: venv demo test test-slow test-all clean
+.PHONY: venv demo test test-integration test-slow clean
 
 venv: $(VENV)/.installed
 
@@ -30,6 +30,11 @@ demo: venv
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
+# real-model tests that take minutes in total (CI runs this tier after `make test`)
+test-integration: venv
+	OMP_NUM_THREADS=$(OMP) $(BIN)/python -m pytest -q -m "slow and not heavy"
+
+# every slow test, including the real-model eval-gate runs (about an hour on 2 cores)
 test-slow: venv
 	OMP_NUM_THREADS=$(OMP) $(BIN)/python -m pytest -q -m slow
 

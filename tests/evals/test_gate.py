@@ -153,12 +153,14 @@ def _gate(candidate: str | Path, out: Path, **kw):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_float_model_against_itself_passes(slow_dir):
     res = _gate(BASE, slow_dir / "float")
     assert res.verdict == "pass" and res.exit_code == 0
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_w8a16_rtn_passes_and_the_verdict_is_reproducible(slow_dir):
     cand = _quantize(slow_dir / "w8a16", "w8a16", None, per_channel=True)  # 576 is not a multiple of 128
     first = _gate(cand, slow_dir / "w8a16-gate")
@@ -172,6 +174,7 @@ def test_w8a16_rtn_passes_and_the_verdict_is_reproducible(slow_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_2bit_rtn_fails(slow_dir):
     cand = _quantize(slow_dir / "w2a16", "w2a16", 64)
     res = _gate(cand, slow_dir / "w2a16-gate")
@@ -180,6 +183,7 @@ def test_2bit_rtn_fails(slow_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_w4a16_with_one_linear_scaled_by_3_fails(slow_dir):
     cand = _quantize(slow_dir / "w4a16-x3", "w4a16", 64)
     ok = _gate(cand, slow_dir / "w4a16-gate")  # the unmodified W4A16 g64 checkpoint, for the report
@@ -191,6 +195,7 @@ def test_w4a16_with_one_linear_scaled_by_3_fails(slow_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_adapter_matches_lm_eval_hf_backend_on_the_quick_tier(tmp_path):
     """lm-eval's own `hf` backend on the float model gives the same loglikelihoods (1e-4 relative)
     for every request of the quick tier's tasks."""
