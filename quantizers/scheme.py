@@ -208,15 +208,24 @@ def to_compressed_tensors(plan: QuantizationPlan) -> dict[str, Any]:
             "output_activations": None,
             "format": g.scheme.format,
         }
+    # compressed-tensors 0.20 refuses actorder "group" (desc_act with g_idx) and would ignore
+    # weight_g_idx; validate without it and write it back, so loaders that honour g_idx (ours,
+    # vLLM) read it and the others refuse the checkpoint instead of computing wrong weights.
+    validated = {n: {**g, "weights": {k: v for k, v in g["weights"].items() if not (k == "actorder" and v == "group")}}
+                 for n, g in groups.items()}
     cfg = QuantizationConfig(
-        config_groups=groups,
+        config_groups=validated,
         quant_method="compressed-tensors",
         format=plan.format(),
         quantization_status="compressed",
         ignore=list(plan.ignore),
         kv_cache_scheme=_ct_args(plan.kv_cache) if plan.kv_cache else None,
     )
-    return cfg.model_dump(exclude_none=False, mode="json")
+    out = cfg.model_dump(exclude_none=False, mode="json")
+    for name, group in groups.items():
+        if group["weights"].get("actorder") == "group":
+            out["config_groups"][name]["weights"]["actorder"] = "group"
+    return out
 
 
 def plan_from_compressed_tensors(qcfg: dict[str, Any]) -> QuantizationPlan:
