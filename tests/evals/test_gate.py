@@ -143,8 +143,8 @@ def slow_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gate-slow")
 
 
-def _gate(candidate: str | Path, out: Path, **kw):
-    res = run_gate(str(candidate), BASE, None, "quick", out, **kw)
+def _gate(candidate: str | Path, out: Path, tier: str = "quick", **kw):
+    res = run_gate(str(candidate), BASE, None, tier, out, **kw)
     for m in res.report["metrics"]:
         if m["gated"]:
             print(f"{m['verdict']:>12} {m['name']}: {m['statistic']} {m['point']:.4f} [{m['low']:.4f}, {m['high']:.4f}]"
@@ -163,11 +163,13 @@ def test_float_model_against_itself_passes(slow_dir):
 @pytest.mark.heavy
 def test_w8a16_rtn_passes_and_the_verdict_is_reproducible(slow_dir):
     cand = _quantize(slow_dir / "w8a16", "w8a16", None, per_channel=True)  # 576 is not a multiple of 128
-    first = _gate(cand, slow_dir / "w8a16-gate")
+    # near-lossless: the quick tier's 200 documents per task cannot separate a 1-2 point accuracy
+    # wobble from the 0.95 threshold (inconclusive); the full tier's 500 can
+    first = _gate(cand, slow_dir / "w8a16-gate", tier="full")
     assert first.verdict == "pass", first.report["failing"] or first.report["inconclusive"]
     assert read_manifest(cand)["promotion"]["verdict"] == "pass"
     # the second run recomputes the candidate (no cache) and must give the same numbers
-    second = _gate(cand, slow_dir / "w8a16-gate-2", use_cache=False)
+    second = _gate(cand, slow_dir / "w8a16-gate-2", tier="full", use_cache=False)
     assert second.report["candidate"]["from_cache"] is None
     assert second.verdict == first.verdict
     assert second.report["metrics"] == first.report["metrics"]
