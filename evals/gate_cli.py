@@ -33,6 +33,10 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     sha256 go into CANDIDATE's lmfoundry.json (`promotion`).
 
     Exit codes: 0 pass, 1 fail, 2 inconclusive (configurable) or error."""
+    if quiet:  # lm-eval draws its own tqdm bars; tqdm honours TQDM_DISABLE
+        import os
+
+        os.environ["TQDM_DISABLE"] = "1"
     from lmfoundry.evals.gate import run_gate
 
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
