@@ -18,7 +18,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.models import resolve_model
 from lmfoundry.runtime.config import ModelConfig
 from lmfoundry.runtime.linears import build_linear, dense_linear
-from lmfoundry.runtime.model import CausalLM
+from lmfoundry.runtime.model import CausalLM, RotaryEmbedding
 
 
 def load_tokenizer(folder: str | Path) -> Any:
@@ -50,7 +50,8 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
         tensors = reader.prefixed(name)
         scheme = plan.scheme_for(name) if plan else None
         bias = tensors.get("bias")
-        if scheme is None or "weight" in tensors and tensors["weight"].is_floating_point() and tensors["weight"].element_size() > 1:
+        stored = tensors.get("weight")
+        if scheme is None or (stored is not None and stored.is_floating_point() and stored.element_size() > 1):
             if "weight" not in tensors:
                 raise UserError(f"{reader.folder}: missing {name}.weight")
             module = dense_linear(tensors["weight"].to(dtype), bias.to(dtype) if bias is not None else None)
@@ -68,19 +69,13 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
     if config.tie_word_embeddings and not reader.has("lm_head.weight"):
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = _materialized_rotary(model, config)
+    model.model.rotary_emb = RotaryEmbedding(config)  # its buffers were built on meta
     attach_kv_cache_scheme(model, reader)
     model.requires_grad_(False)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise UserError(f"{reader.folder}: tensors missing from the checkpoint: {leftover[:3]}")
     return model.eval()
-
-
-def _materialized_rotary(model: CausalLM, config: ModelConfig) -> nn.Module:
-    from lmfoundry.runtime.model import RotaryEmbedding
-
-    return RotaryEmbedding(config)
 
 
 def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader) -> None:
