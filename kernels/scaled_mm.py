@@ -220,3 +220,30 @@ def run_linear(
     xq, x_scale, _ = rmsnorm_quant(x2, None, quant_dtype=quant_dtype, static_scale=w.input_scale, executor=executor)
     out = run_gemm(kernel, xq, x_scale, w, x.dtype, None, executor)
     return out.reshape(*lead, w.out_features)
+
+
+def gemm_kernel(name: str, hopper_mma: str, mma: str) -> KernelDef:
+    """The KernelDef of a scaled GEMM family (W8A8 int8, FP8): one Triton kernel, and the
+    tensor-core instruction the SASS check expects — wgmma (`hopper_mma`) when a Hopper tile is
+    large enough for a warpgroup, else `mma`."""
+
+    def expect_sass(arch: int, cfg: TileConfig, types: object, sem: object) -> tuple[str, ...]:
+        if arch >= 90 and cfg["BLOCK_M"] >= 64 and cfg.num_warps >= 4:
+            return (hopper_mma,)
+        return (mma,)
+
+    return KernelDef(
+        name=name,
+        fn=scaled_mm_kernel,
+        params=PARAMS,
+        grid=GRID,
+        type_vars=("a", "bscale", "out"),
+        semantics=SEMANTICS,
+        tiles=TILES,
+        reference=reference_call,
+        default_config=default_config,
+        expect_sass=expect_sass,
+        shape_ints=shape_ints,
+        static_shape=("N", "K"),
+        rows="M",
+    )

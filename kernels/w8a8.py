@@ -10,7 +10,7 @@ import torch
 from lmfoundry.kernels import scaled_mm
 from lmfoundry.kernels.dispatch import Executor
 from lmfoundry.kernels.scaled_mm import ScaledLinear
-from lmfoundry.kernels.spec import KernelDef, Support, TileConfig
+from lmfoundry.kernels.spec import Support
 
 SUPPORT = Support(
     {
@@ -24,27 +24,7 @@ SUPPORT = Support(
 )
 
 
-def _sass(arch: int, cfg: TileConfig, types: object, sem: object) -> tuple[str, ...]:
-    if arch >= 90 and cfg["BLOCK_M"] >= 64 and cfg.num_warps >= 4:
-        return ("IGMMA",)
-    return ("IMMA",)
-
-
-KERNEL = KernelDef(
-    name="w8a8_gemm",
-    fn=scaled_mm.scaled_mm_kernel,
-    params=scaled_mm.PARAMS,
-    grid=scaled_mm.GRID,
-    type_vars=("a", "bscale", "out"),
-    semantics=scaled_mm.SEMANTICS,
-    tiles=scaled_mm.TILES,
-    reference=scaled_mm.reference_call,
-    default_config=scaled_mm.default_config,
-    expect_sass=_sass,
-    shape_ints=scaled_mm.shape_ints,
-    static_shape=("N", "K"),
-    rows="M",
-)
+KERNEL = scaled_mm.gemm_kernel("w8a8_gemm", hopper_mma="IGMMA", mma="IMMA")
 
 
 def reference(
