@@ -93,3 +93,17 @@ def write_text(path: Path, n_words: int = 4000, seed: int = 0) -> Path:
              "quantize", "attention", "matrix", "error", "data", "of", "and", "to", "in", "is"]
     path.write_text(" ".join(rng.choice(words) for _ in range(n_words)) + "\n")
     return path
+
+
+def reference_greedy(model, ids: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
+    """Greedy continuation by full recomputation with the reference model (no KV cache): what
+    every engine path must reproduce token for token. Stops after `eos` when given."""
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            tok = int(model(torch.tensor([ids]))[0, -1].argmax())
+            out.append(tok)
+            ids.append(tok)
+            if tok == eos:
+                break
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import reference_greedy
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
@@ -19,18 +20,6 @@ def model():
 @pytest.fixture(scope="module")
 def tokenizer():
     return byte_tokenizer()
-
-
-def reference_greedy(model, ids: list[int], max_tokens: int, eos: int | None = EOS) -> list[int]:
-    ids, out = list(ids), []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            tok = int(model(torch.tensor([ids]))[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-            if tok == eos:
-                break
-    return out
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40, prefix: list[int] | None = None) -> list[list[int]]:
@@ -50,7 +39,7 @@ def test_greedy_matches_reference_with_chunking_and_batching(model) -> None:
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=200, block_size=4, max_num_batched_tokens=16))
     outs = engine.generate(ps, GREEDY)
     for p, out in zip(ps, outs):
-        assert out.outputs[0].token_ids == reference_greedy(model, p, 24)
+        assert out.outputs[0].token_ids == reference_greedy(model, p, 24, eos=EOS)
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -68,7 +57,7 @@ def test_requests_joining_mid_run_match_reference(model) -> None:
         for ev in engine.step():
             results.setdefault(ev.request_id, []).extend(ev.token_ids)
     for rid, p in zip(rids, ps):
-        assert results[rid] == reference_greedy(model, p, 24)
+        assert results[rid] == reference_greedy(model, p, 24, eos=EOS)
 
 
 def test_prefix_reuse_gives_identical_outputs(model) -> None:
@@ -83,7 +72,7 @@ def test_prefix_reuse_gives_identical_outputs(model) -> None:
     assert all(o.num_cached_tokens >= 36 for o in warm)
     assert warm_engine.block_manager.prefix_hit_rate > 0.3
     for p, out in zip(ps, warm):
-        assert out.outputs[0].token_ids == reference_greedy(model, p, 24)
+        assert out.outputs[0].token_ids == reference_greedy(model, p, 24, eos=EOS)
 
 
 def test_preemption_by_recompute_keeps_outputs(model) -> None:
@@ -126,7 +115,7 @@ def test_top_k_and_top_p_truncate_the_distribution(model) -> None:
     allowed = set(nucleus.indices[:keep].tolist())
     outs = eng.generate([p] * 40, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.6))
     assert {o.outputs[0].token_ids[0] for o in outs} <= allowed
-    greedy = reference_greedy(model, p, 1)
+    greedy = reference_greedy(model, p, 1, eos=EOS)
     assert eng.generate([p], SamplingParams(max_tokens=1, temperature=1.0, top_k=1))[0].outputs[0].token_ids == greedy
 
 
@@ -153,7 +142,7 @@ def test_logprobs_match_reference(model) -> None:
 def test_loglikelihood_matches_reference_and_uses_the_prefix_cache(model) -> None:
     ctx = prompts(1, seed=10, lo=30, hi=31)[0]
     conts = prompts(4, seed=11, lo=2, hi=6)
-    greedy_cont = reference_greedy(model, ctx, 3, eos=None)
+    greedy_cont = reference_greedy(model, ctx, 3)
     reqs = [(ctx, c) for c in conts] + [(ctx, greedy_cont)]
     eng = LLMEngine(model, None, EngineConfig(num_kv_blocks=200, block_size=4))
     scores = eng.loglikelihood(reqs)
@@ -171,7 +160,7 @@ def test_loglikelihood_matches_reference_and_uses_the_prefix_cache(model) -> Non
 def test_stop_conditions(model, tokenizer) -> None:
     eng = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=200))
     p = prompts(1, seed=12)[0]
-    full = reference_greedy(model, p, 30, eos=None)
+    full = reference_greedy(model, p, 30)
     text_out = eng.generate([p], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].outputs[0]
     assert text_out.token_ids == full and text_out.finish_reason == "length"
     # stop token id: stops at its first occurrence, inclusive
@@ -235,7 +224,7 @@ def test_cascade_attention_over_a_shared_prefix_matches(model, monkeypatch) -> N
         results[cascade] = engine.generate(ps, params)
         assert bool(calls) == cascade
     for off, on, p in zip(results[False], results[True], ps):
-        assert on.outputs[0].token_ids == off.outputs[0].token_ids == reference_greedy(model, p, 20, eos=None)
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids == reference_greedy(model, p, 20)
         got = torch.tensor([lp.logprob for lp in on.outputs[0].logprobs])
         want = torch.tensor([lp.logprob for lp in off.outputs[0].logprobs])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

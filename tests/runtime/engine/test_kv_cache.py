@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import reference_greedy
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
@@ -84,16 +85,6 @@ def _calibrate(model, ids: list[int], qmax: float, per_head: bool) -> None:
         attn.kv_round_trip = lambda k, v, ks=ks, vs=vs, q=q: (q(k, ks), q(v, vs))
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    ids, out = list(ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            tok = int(model(torch.tensor([ids]))[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-    return out
-
-
 @pytest.mark.parametrize("kind,per_head", [("int8", False), ("int8", True), ("fp8", False), ("fp8", True)])
 def test_engine_with_quantized_kv_equals_reference(kind: str, per_head: bool) -> None:
     model = toy_model(seed=3)
@@ -109,7 +100,7 @@ def test_engine_with_quantized_kv_equals_reference(kind: str, per_head: bool) ->
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
     outs = engine.generate(ps, params)
     for p, out in zip(ps, outs):
-        assert out.outputs[0].token_ids == _greedy(model, p, 20)
+        assert out.outputs[0].token_ids == reference_greedy(model, p, 20)
     ids = outs[1].outputs[0].token_ids
     got = torch.tensor([lp.logprob for lp in outs[1].outputs[0].logprobs])
 
@@ -144,7 +135,7 @@ def test_engine_with_checkpoint_round_trip(kind: str, strategy: str) -> None:
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, max_num_batched_tokens=8))
     assert engine.runner.cache.k[0].dtype == (torch.int8 if kind == "int" else FP8)
     out = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
-    assert out.outputs[0].token_ids == _greedy(model, ids, 16)
+    assert out.outputs[0].token_ids == reference_greedy(model, ids, 16)
 
 
 def test_int8_cache_without_scales_is_a_user_error() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import reference_greedy
 from click.testing import CliRunner
 
 from lmfoundry.cli import cli
@@ -25,16 +26,6 @@ CASES = {
 @pytest.fixture(scope="module")
 def toy_folder(tmp_path_factory):
     return save_toy_checkpoint(tmp_path_factory.mktemp("toy") / "float", seed=6)
-
-
-def _reference_greedy(model, ids: list[int], n: int) -> list[int]:
-    ids, out = list(ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            tok = int(model(torch.tensor([ids]))[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -60,4 +51,4 @@ def test_engine_equals_reference_on_quantized_checkpoint(case: str, toy_folder, 
     prompts = [tok("Hello, quantized world").input_ids, tok("abc" * 7).input_ids, [5, 6, 7]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for ids, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == _reference_greedy(model, ids, 12)
+        assert o.outputs[0].token_ids == reference_greedy(model, ids, 12)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import reference_greedy
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -61,16 +62,6 @@ def test_greedy_matches_transformers_generate(smollm) -> None:
     assert sum(len(o.outputs[0].token_ids) for o in outs) >= 3 * 64  # most prompts ran the full 64 tokens
 
 
-def _reference_greedy(model, ids: list[int], n: int) -> list[int]:
-    ids, out = list(ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            tok = int(model(torch.tensor([ids]))[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-    return out
-
-
 def test_w4a16_engine_equals_reference_execution() -> None:
     from lmfoundry.runtime.loader import load_model
 
@@ -79,7 +70,7 @@ def test_w4a16_engine_equals_reference_execution() -> None:
     engine = LLMEngine(model, tok, EngineConfig(kv_cache_memory_gb=0.05, max_num_batched_tokens=32))
     outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     for ids, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _reference_greedy(model, ids, 32)
+        assert out.outputs[0].token_ids == reference_greedy(model, ids, 32)
 
 
 def test_loglikelihood_matches_reference_on_real_model(smollm) -> None:
