@@ -6,6 +6,11 @@ quantizer calibrate it on the hidden states entering it, (3) quantize its linear
 again to produce the next layer's inputs (from the quantized or the float layer), (5) write its
 tensors to the output shard, and (6) release it. Peak memory is one layer plus the calibration
 activations.
+
+Methods whose linears need only their own inputs' statistics (GPTQ: `Quantizer.sequential`)
+fuse (2)-(4) into one pass that stops before each group of linears sharing an input, quantizes
+the group, and goes on with the quantized weights: half the forward work of a float pass plus a
+quantized pass, and each linear is fitted to the inputs it will see after quantization.
 """
 
 from __future__ import annotations
@@ -112,6 +117,53 @@ def load_layer(reader: CheckpointReader, config: ModelConfig, idx: int, dtype: t
     return layer.eval()
 
 
+def _sequential_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: Quantizer,
+                      calib: LayerCalibration, idx: int, work_dtype: torch.dtype) -> LayerResult:
+    """Calibrate and quantize one layer in a single pass, group by group (see
+    `LayerCalibration.run_sequential`); leaves the layer's outputs in `calib.inputs`."""
+    quantizer.calib = calib
+    hooks = quantizer.calibration_hooks(layer, schemes, idx)
+    result = LayerResult({})
+
+    def observe(group: tuple[str, ...], x: torch.Tensor) -> None:
+        members = [n for n in group if n in schemes]
+        if members and members[0] in hooks:
+            hooks[members[0]](x)
+
+    def finish(group: tuple[str, ...]) -> None:
+        quantizer.quantize_group(layer, group, schemes, idx, result)
+        for name in group:
+            if name in result.weights:
+                layer.get_submodule(name).weight.data = result.weights[name].dequantize(work_dtype)
+
+    with torch.no_grad():
+        calib.inputs = calib.run_sequential(layer, observe, finish)
+    return result
+
+
+def _two_pass_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: Quantizer,
+                    calib: LayerCalibration | None, idx: int, work_dtype: torch.dtype, propagate: Propagate,
+                    extra_layer_passes: list[Any]) -> tuple[LayerResult, dict[str, Any]]:
+    """A float pass (outputs, plus the quantizer's statistics through its hooks), the quantizer,
+    then a pass through the quantized layer: the output error metric and the next layer's inputs."""
+    quantizer.calib = calib
+    hooks = quantizer.calibration_hooks(layer, schemes, idx) if calib is not None else {}
+    float_out = calib.run(layer, hooks=hooks, keep_outputs=True) if calib is not None else None
+    with torch.no_grad():
+        result: LayerResult = quantizer.quantize_layer(layer, schemes, calib, idx)
+        for name, qw in result.weights.items():
+            layer.get_submodule(name).weight.data = qw.dequantize(work_dtype)
+        for fn in extra_layer_passes:  # run on the quantized layer
+            fn(layer, calib, idx, result)
+    metrics: dict[str, Any] = {}
+    if calib is not None:
+        q_out = calib.run(layer, keep_outputs=True)
+        err = [weight_error(f, q) for f, q in zip(float_out, q_out)]
+        metrics["output_rel_error"] = sum(err) / len(err)
+        calib.inputs = q_out if propagate == "quantized" else float_out
+    return result, metrics
+
+
 def run_pipeline(
     reader: CheckpointReader,
     config: ModelConfig,
@@ -155,30 +207,22 @@ def run_pipeline(
     release_memory()
 
     bar = tqdm(range(config.num_layers), desc=f"{quantizer.name} layers", unit="layer", disable=not progress)
+    sequential = calib is not None and quantizer.sequential and propagate == "quantized" and not extra_layer_passes
     for idx in bar:
         layer = load_layer(reader, config, idx, work_dtype)
         schemes = layer_schemes(plan, config, idx)
-        # one float pass: outputs (for the error metric / float propagation) and the quantizer's
-        # statistics (Hessians, activation ranges) through its hooks
-        hooks = quantizer.calibration_hooks(layer, schemes, idx) if calib is not None else {}
-        float_out = calib.run(layer, hooks=hooks, keep_outputs=True) if calib is not None else None
-        with torch.no_grad():
-            result: LayerResult = quantizer.quantize_layer(layer, schemes, calib, idx)
-            for name, qw in result.weights.items():
-                layer.get_submodule(name).weight.data = qw.dequantize(work_dtype)
-            for fn in extra_layer_passes or []:  # run on the quantized layer
-                fn(layer, calib, idx, result)
-        layer_metrics: dict[str, Any] = {n: qw.metrics for n, qw in result.weights.items()}
+        if sequential:  # one pass, group by group; no float outputs, so no layer output error
+            result = _sequential_layer(layer, schemes, quantizer, calib, idx, work_dtype)
+            layer_metrics: dict[str, Any] = {}
+        else:
+            result, layer_metrics = _two_pass_layer(layer, schemes, quantizer, calib, idx, work_dtype,
+                                                    propagate, extra_layer_passes or [])
+        layer_metrics.update({n: qw.metrics for n, qw in result.weights.items()})
         layer_metrics.update(result.metrics)
         report.warnings += [f"layer {idx}: {w}" for w in result.warnings]
-        if calib is not None:
-            q_out = calib.run(layer, keep_outputs=True)
-            err = [weight_error(f, q) for f, q in zip(float_out, q_out)]
-            layer_metrics["output_rel_error"] = sum(err) / len(err)
-            calib.inputs = q_out if propagate == "quantized" else float_out
         report.layers[f"model.layers.{idx}"] = layer_metrics
         writer.write_shard(_shard(idx + 1, config), _layer_tensors(layer, idx, result, schemes, out_dtype))
-        del layer, result, float_out
+        del layer, result
         release_memory()
         bar.set_postfix(rss=f"{peak_rss_bytes() / 2**20:.0f}MiB")
 

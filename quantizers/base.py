@@ -88,6 +88,52 @@ class LayerCalibration:
                 h.remove()
         return outputs
 
+    @torch.no_grad()
+    def run_sequential(
+        self,
+        layer: nn.Module,
+        observe: Callable[[tuple[str, ...], torch.Tensor], None],
+        finish: Callable[[tuple[str, ...]], None],
+    ) -> list[torch.Tensor]:
+        """One pass through a decoder layer that stops at each group of linears sharing an input.
+
+        For each group in layer order (q/k/v, o, gate/up, down), `observe(group, x)` sees the
+        group's input for every batch, then `finish(group)` may replace the group's weights
+        (quantize them) before any batch runs through them. So every linear is calibrated on the
+        inputs the already-quantized linears before it produce ("true sequential" GPTQ), and the
+        layer outputs are the quantized layer's, without a second pass. Cheap values (norm
+        outputs) are recomputed; the attention output and the MLP hidden state of every batch are
+        kept (hidden + intermediate floats per token). Consumes `self.inputs` (returns the new
+        hidden states in their place).
+        """
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        for x in self.inputs:
+            observe(qkv, layer.input_layernorm(x))
+        finish(qkv)
+        heads = []
+        for x in self.inputs:
+            heads.append(attn.heads_output(layer.input_layernorm(x), self.cos, self.sin))
+            observe(("self_attn.o_proj",), heads[-1])
+        finish(("self_attn.o_proj",))
+        hs, self.inputs = self.inputs, []
+        for i, a in enumerate(heads):
+            hs[i] = hs[i] + attn.o_proj(a)  # residual stream after attention
+            heads[i] = None
+        gate_up = ("mlp.gate_proj", "mlp.up_proj")
+        for h in hs:
+            observe(gate_up, layer.post_attention_layernorm(h))
+        finish(gate_up)
+        mids = []
+        for h in hs:
+            mids.append(mlp.hidden(layer.post_attention_layernorm(h)))
+            observe(("mlp.down_proj",), mids[-1])
+        finish(("mlp.down_proj",))
+        for i, mid in enumerate(mids):
+            hs[i] = hs[i] + mlp.down_proj(mid)
+            mids[i] = None
+        return hs
+
 
 class Quantizer(ABC):
     """A quantization algorithm. Subclasses register themselves in `METHODS` by name."""
@@ -108,6 +154,22 @@ class Quantizer(ABC):
         """Callbacks (submodule name -> fn(input)) the pipeline attaches during its float pass over
         the layer, so statistics cost no extra pass. Default: none."""
         return {}
+
+    # The calibration of the layer in flight (rotary tables, batches), set by the pipeline before
+    # `calibration_hooks`; a hook that needs more than its own input (GPTQ's attention weights)
+    # reads it from here.
+    calib: LayerCalibration | None = None
+
+    # A method whose linears depend only on their own inputs (GPTQ) sets this and implements
+    # `quantize_group`: the pipeline then calibrates and quantizes each layer in one sequential
+    # pass (`LayerCalibration.run_sequential`) instead of a float pass plus a quantized pass.
+    sequential: bool = False
+
+    def quantize_group(self, layer: nn.Module, group: tuple[str, ...], schemes: dict[str, Scheme],
+                       layer_idx: int, result: "LayerResult") -> None:
+        """Quantize the linears of one input group (statistics from `calibration_hooks`) into
+        `result`; only for `sequential` methods."""
+        raise NotImplementedError(f"{self.name} does not quantize group by group")
 
     @abstractmethod
     def quantize_layer(

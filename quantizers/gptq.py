@@ -24,8 +24,16 @@ What this implementation does, and why:
   down_proj input; each token's contribution is capped at `token_cap` × the median (10; 0 = off)
   so the fit is not made for a handful of tokens (see `cap_token_energy`).
 
+- Attention-weighted K/V: k_proj/v_proj get their own Hessian in which each token counts by the
+  attention it receives in the layer (see `received_attention`); the attention-sink token then
+  keeps its keys and values. Measured on SmolLM2 W4A16 g64 (8 x 512 calibration, 12 held-out
+  windows, float ppl 17.25): plain GPTQ 25.51 -> 21.13, act-order static 22.15 -> 20.99 (RTN 23.84).
+- One pass per layer: the pipeline stops before each group of linears sharing an input and
+  quantizes the group, so later linears are fitted to the inputs the quantized earlier ones
+  produce ("true sequential"), at the cost of one forward per layer instead of two.
+
 Options (`--option k=v` / recipe `options:`): dampening_frac (0.01), block_size (128),
-max_damp_retries (3), token_cap (10).
+max_damp_retries (3), token_cap (10), kv_attention_weights (true).
 """
 
 from __future__ import annotations
@@ -69,7 +77,13 @@ def cap_token_energy(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 class HessianAccumulator:
     """Running Σ xᵀx over input rows (token energy capped, see `cap_token_energy`);
-    `hessian()` returns 2·XᵀX/N (float32)."""
+    `hessian()` returns 2·XᵀX/N (float32).
+
+    XᵀX is symmetric, so only the block upper triangle is accumulated (`SYRK_BLOCKS` column
+    blocks: 10 of 16 blocks for 4) and mirrored once at the end — measured 37% less CPU time than
+    a full matmul for a 1536-wide down_proj input, with the same float32 sums per element."""
+
+    SYRK_BLOCKS = 4
 
     def __init__(self, token_cap: float = 0.0) -> None:
         self.sum: torch.Tensor | None = None
@@ -77,17 +91,26 @@ class HessianAccumulator:
         self.token_cap = token_cap
 
     @torch.no_grad()
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add the rows of x [..., C]; `weights` (one per row, mean ~1) scale their contribution."""
         x = cap_token_energy(x.detach().reshape(-1, x.shape[-1]).float(), self.token_cap)
+        if weights is not None:
+            x = x * weights.reshape(-1, 1).float().sqrt()
+        cols = x.shape[1]
         if self.sum is None:
-            self.sum = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32)
-        self.sum.addmm_(x.t(), x)
+            self.sum = torch.zeros(cols, cols, dtype=torch.float32)
+        step = -(-cols // self.SYRK_BLOCKS) if cols >= 256 else cols
+        for i in range(0, cols, step):
+            self.sum[i:i + step, i:].addmm_(x[:, i:i + step].t(), x[:, i:])
         self.count += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
         if self.sum is None or self.count == 0:
             raise RuntimeError("no calibration inputs reached this linear")
-        return self.sum * (2.0 / self.count)
+        upper = torch.triu(self.sum)
+        full = upper + upper.t()
+        full.diagonal().mul_(0.5)
+        return full.mul_(2.0 / self.count)
 
 
 @dataclass
@@ -150,11 +173,21 @@ def _group_args(args: QuantArgs) -> QuantArgs:
     return replace(args, strategy="channel", group_size=None)
 
 
+INNER_BLOCK = 32  # columns per rank-1-update sub-block inside a lazy block
+
+
 @torch.no_grad()
 def gptq_sweep(
     w: torch.Tensor, hinv: InverseHessian, args: QuantArgs, scale_dtype: torch.dtype, block_size: int = 128
 ) -> GPTQOutput:
-    """Quantize `w` [rows, cols] column by column with error feedback through `hinv`."""
+    """Quantize `w` [rows, cols] column by column with error feedback through `hinv`.
+
+    Works on Wᵀ so that a column is one contiguous row of memory, and updates lazily at two
+    levels: per column only inside a sub-block of `INNER_BLOCK` columns, per sub-block (one
+    matmul) inside the block, per block (one matmul) for the rest of the matrix. The arithmetic
+    is GPTQ's; only the order of the additions differs from a column-by-column update of all
+    remaining columns.
+    """
     if args.type != "int":
         raise UserError("GPTQ quantizes integer weights (wNa16, w8a8); use --method fp8 for fp8")
     rows, cols = w.shape
@@ -164,6 +197,8 @@ def gptq_sweep(
     perm = hinv.perm
     if perm is not None:
         w = w[:, perm]
+    wt = w.t().contiguous()  # [cols, rows]: sweep position j is row j
+    del w
     u = hinv.u
     strategy = args.strategy
     gs = int(args.group_size) if strategy == "group" else cols
@@ -179,76 +214,85 @@ def gptq_sweep(
     else:
         gcol = positions // gs  # none, or dynamic (groups in sweep order)
     static_groups = strategy == "group" and perm is not None and args.actorder == "static"
+    dynamic_groups = strategy == "group" and not static_groups  # qparams fixed when a group starts
     block = -(-max(block_size, gs if strategy == "group" else 1) // gs) * gs if strategy == "group" else block_size
+    # a sub-block never splits a group whose qparams are observed at its start
+    inner = -(-INNER_BLOCK // gs) * gs if dynamic_groups else INNER_BLOCK
+    group_of = gcol.tolist()
 
-    scale = torch.empty(rows, ngroups, dtype=scale_dtype)
-    zp = None if args.symmetric else torch.empty(rows, ngroups, dtype=torch.int8)
+    scale_t = torch.empty(ngroups, rows, dtype=scale_dtype)  # transposed while sweeping
+    zp_t = None if args.symmetric else torch.empty(ngroups, rows, dtype=torch.int8)
     if strategy in ("channel", "tensor"):  # one range for the whole row (or matrix): before the sweep
-        s, z = observe(w, args, scale_dtype)
-        scale.copy_(s.reshape(-1, 1).expand(rows, 1) if s.numel() == 1 else s.reshape(rows, 1))
-        if zp is not None:
-            zp.copy_(z.reshape(-1, 1).expand(rows, 1) if z.numel() == 1 else z.reshape(rows, 1))
+        s_, z_ = observe(wt.t(), args, scale_dtype)
+        scale_t.copy_(s_.reshape(1, -1).expand(1, rows) if s_.numel() == 1 else s_.reshape(1, rows))
+        if zp_t is not None:
+            zp_t.copy_(z_.reshape(1, -1).expand(1, rows) if z_.numel() == 1 else z_.reshape(1, rows))
     gargs = _group_args(args)
-    fixed = torch.zeros(ngroups, dtype=torch.bool)
-    qmin, qmax = args.qmin, args.qmax
+    fixed = [False] * ngroups
+    qmin, qmax = float(args.qmin), float(args.qmax)
     half = scale_dtype != torch.float32
 
-    codes = torch.empty(rows, cols, dtype=torch.int8)
+    def fix_group(g: int, cols_of_group: torch.Tensor) -> None:
+        s_, z_ = observe(cols_of_group.t(), gargs, scale_dtype)
+        scale_t[g] = s_[:, 0]
+        if zp_t is not None:
+            zp_t[g] = z_[:, 0]
+        fixed[g] = True
+
+    codes_t = torch.empty(cols, rows, dtype=torch.int8)
     losses = torch.zeros(rows, dtype=torch.float32)
+    diag = torch.diagonal(u).tolist()
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         if static_groups:  # fix qparams of groups first touched in this block from current weights
-            for g in torch.unique(gcol[i1:i2]).tolist():
+            for g in sorted(set(group_of[i1:i2])):
                 if not fixed[g]:
-                    sweep_pos = (gcol == g).nonzero().squeeze(1)
-                    s, z = observe(w[:, sweep_pos], gargs, scale_dtype)
-                    scale[:, g] = s[:, 0]
-                    if zp is not None:
-                        zp[:, g] = z[:, 0]
-                    fixed[g] = True
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.empty_like(w1)
-        u1 = u[i1:i2, i1:i2]
-        sf = scale.float()
-        zf = zp.float() if zp is not None else None
-        for i in range(i2 - i1):
-            j = i1 + i
-            g = int(gcol[j])
-            if strategy == "group" and not static_groups and j % gs == 0:
-                s, z = observe(w1[:, i : i + gs], gargs, scale_dtype)
-                scale[:, g] = s[:, 0]
-                sf[:, g] = scale[:, g].float()
-                if zp is not None:
-                    zp[:, g] = z[:, 0]
-                    zf[:, g] = z[:, 0].float()
-            col = w1[:, i]
-            s_g = sf[:, g]
-            q = torch.round(col / s_g)
-            if zf is not None:
-                q = torch.clamp(q + zf[:, g], qmin, qmax)
-                deq = q - zf[:, g]
-            else:
-                q = torch.clamp(q, qmin, qmax)
-                deq = q
-            # dequantize exactly as the stored checkpoint will (in the scale's dtype)
-            deq = (deq.to(scale_dtype) * scale[:, g]).float() if half else deq * s_g
-            codes[:, j] = q.to(torch.int8)
-            d = u1[i, i]
-            e = (col - deq) / d
-            losses += e.square() * 0.5
-            if i + 1 < i2 - i1:
-                w1[:, i + 1 :].addr_(e, u1[i, i + 1 :], alpha=-1.0)
-            err1[:, i] = e
+                    fix_group(g, wt[(gcol == g).nonzero().squeeze(1)])
+        err = torch.empty(i2 - i1, rows)
+        for s1 in range(i1, i2, inner):
+            s2 = min(s1 + inner, i2)
+            if dynamic_groups:
+                for j in range(s1, s2, gs):
+                    fix_group(group_of[j], wt[j:j + gs])
+            sf = scale_t.float()
+            zf = zp_t.float() if zp_t is not None else None
+            w1 = wt[s1:s2]  # a view: columns of the sub-block, updated in place
+            q1 = torch.empty(s2 - s1, rows)
+            u1 = u[s1:s2, s1:s2]
+            for i in range(s2 - s1):
+                j = s1 + i
+                g = group_of[j]
+                col = w1[i]
+                q = torch.round(col / sf[g])
+                if zf is not None:
+                    q = q.add_(zf[g]).clamp_(qmin, qmax)
+                    deq = q - zf[g]
+                else:
+                    deq = q = q.clamp_(qmin, qmax)
+                # dequantize exactly as the stored checkpoint will (in the scale's dtype)
+                deq = (deq.to(scale_dtype) * scale_t[g]).float() if half else deq * sf[g]
+                q1[i] = q
+                e = err[j - i1]
+                torch.sub(col, deq, out=e).div_(diag[j])
+                if i + 1 < s2 - s1:
+                    w1[i + 1:].addr_(u1[i, i + 1:], e, alpha=-1.0)
+            codes_t[s1:s2] = q1.to(torch.int8)
+            if s2 < i2:  # the rest of the block, from this sub-block's errors
+                wt[s2:i2].addmm_(u[s1:s2, s2:i2].t(), err[s1 - i1:s2 - i1], alpha=-1.0)
+        losses += err.square().sum(0) * 0.5
         if i2 < cols:
-            w[:, i2:].addmm_(err1, u[i1:i2, i2:], alpha=-1.0)
+            wt[i2:].addmm_(u[i1:i2, i2:].t(), err, alpha=-1.0)
 
+    codes = codes_t.t()
     g_idx = None
     if perm is not None:
         inv = torch.argsort(perm)
         codes = codes[:, inv]
         if strategy == "group" and args.actorder == "dynamic":
             g_idx = gcol[inv].to(torch.int32)
-    return GPTQOutput(codes, scale, zp, g_idx, losses)
+    scale = scale_t.t().contiguous()
+    zp = zp_t.t().contiguous() if zp_t is not None else None
+    return GPTQOutput(codes.contiguous(), scale, zp, g_idx, losses)
 
 
 def gptq_quantize(
@@ -276,13 +320,42 @@ def _to_quantized_weight(w: torch.Tensor, out: GPTQOutput, args: QuantArgs, hinv
     return qw
 
 
+# ------------------------------------------------------------------- attention-weighted K/V
+KV_PROJ = ("self_attn.k_proj", "self_attn.v_proj")
+
+
+@torch.no_grad()
+def received_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Attention each token receives in this layer: Σ over queries of the causal softmax weight
+    on it, averaged over heads; one value per row of x [B, T, H] (mean exactly 1 by construction).
+
+    Why: a key/value token's error reaches every query in proportion to the attention it gets.
+    The first token of a sequence (the "attention sink") gets about half of all attention but is
+    1/T of the tokens, so an unweighted Hessian lets GPTQ push error into its direction: measured
+    on SmolLM2, plain GPTQ raised position 0's v_proj output error from 0.29 (RTN) to 0.53 while
+    lowering everyone else's, and lost to RTN in perplexity. Weighting K/V rows by received
+    attention makes the Hessian see what the attention output sees."""
+    q, k, _ = attn.project_qkv(x, cos, sin)  # [B, T, Hq, D], [B, T, Hkv, D]
+    t, d = q.shape[1], q.shape[-1]
+    rep = q.shape[2] // k.shape[2]
+    future = torch.ones(t, t, dtype=torch.bool).triu_(1)
+    out = []
+    for qb, kb in zip(q, k):  # one sequence at a time: [Hq, T, T] probabilities, not [B, Hq, T, T]
+        kb = kb.transpose(0, 1).repeat_interleave(rep, 0)
+        logits = (qb.transpose(0, 1).float() @ kb.float().transpose(-1, -2)) / d**0.5
+        probs = logits.masked_fill_(future, float("-inf")).softmax(-1)
+        out.append(probs.sum(-2).mean(0))
+    return torch.cat(out)
+
+
 # ------------------------------------------------------------------------------- the quantizer
 class GPTQQuantizer(Quantizer):
     name = "gptq"
+    sequential = True  # each linear only needs its own input's Hessian: one pass per layer
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
-        known = {"dampening_frac", "block_size", "max_damp_retries", "token_cap"}
+        known = {"dampening_frac", "block_size", "max_damp_retries", "token_cap", "kv_attention_weights"}
         unknown = set(self.options) - known
         if unknown:
             raise UserError(f"gptq: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -290,6 +363,7 @@ class GPTQQuantizer(Quantizer):
         self.block_size = int(self.options.get("block_size", 128))
         self.max_retries = int(self.options.get("max_damp_retries", 3))
         self.token_cap = float(self.options.get("token_cap", DEFAULT_TOKEN_CAP))
+        self.kv_attention_weights = str(self.options.get("kv_attention_weights", True)).lower() in ("1", "true", "yes")
         if not self.dampening_frac > 0 or self.block_size <= 0 or self.max_retries < 0:
             raise UserError("gptq: dampening_frac must be > 0, block_size > 0, max_damp_retries >= 0")
         self._hessians: dict[str, HessianAccumulator] = {}
@@ -308,47 +382,77 @@ class GPTQQuantizer(Quantizer):
             for n in group:
                 self._hessians[n] = acc
             hooks[group[0]] = acc.add
+            kv = [n for n in group if n in KV_PROJ]
+            if self.kv_attention_weights and kv and self.calib is not None:
+                kv_acc = HessianAccumulator(self.token_cap)
+                for n in kv:
+                    self._hessians[n] = kv_acc
+                hooks[group[0]] = self._kv_weighted_hook(layer, acc if len(kv) < len(group) else None, kv_acc)
         return hooks
+
+    def _kv_weighted_hook(self, layer: nn.Module, acc: HessianAccumulator | None, kv_acc: HessianAccumulator):
+        cos, sin = self.calib.cos, self.calib.sin
+        inside = [False]  # as a forward hook on q_proj, our own q_proj call re-enters: ignore that
+
+        def add(x: torch.Tensor) -> None:
+            if inside[0]:
+                return
+            if acc is not None:  # q_proj: every token counts once
+                acc.add(x)
+            inside[0] = True
+            try:
+                kv_acc.add(x, received_attention(layer.self_attn, x, cos, sin))
+            finally:
+                inside[0] = False
+        return add
 
     def quantize_layer(self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None,
                        layer_idx: int) -> LayerResult:
         if calib is None or not self._hessians:
             raise UserError("gptq needs calibration data")
         result = LayerResult({})
-        dynamic = any(s.weights.actorder == "dynamic" and s.weights.strategy == "group" for s in schemes.values())
-        if dynamic and layer_idx == 0:  # once per checkpoint, in the manifest's warnings
-            result.warnings.append(DYNAMIC_ACTORDER_WARNING)
         for group in input_groups(list(schemes)):
-            h = self._hessians[group[0]].hessian()
-            # members with identical args are swept together (rows are independent in GPTQ)
-            by_args: dict[QuantArgs, list[str]] = {}
-            for n in group:
-                by_args.setdefault(schemes[n].weights, []).append(n)
-            hinv_cache: dict[str | None, InverseHessian | None] = {}
-            for args, names in by_args.items():
-                label = f"model.layers.{layer_idx}.{'+'.join(n.split('.')[-1] for n in names)}"
-                if args.actorder not in hinv_cache:
-                    hinv_cache[args.actorder], warns = inverse_hessian(
-                        h, args.actorder, self.dampening_frac, self.max_retries, label)
-                    result.warnings += warns
-                hinv = hinv_cache[args.actorder]
-                weights = [layer.get_submodule(n).weight.data.float() for n in names]
-                if hinv is None:
-                    result.warnings.append(f"{label}: fell back to RTN")
-                    for n, w in zip(names, weights):
-                        qw = rtn_quantize_weight(w, args, self.scale_dtype)
-                        qw.metrics["rtn_fallback"] = 1.0
-                        result.weights[n] = qw
-                    continue
-                stacked = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
-                out = gptq_sweep(stacked, hinv, args, self.scale_dtype, self.block_size)
-                r0 = 0
-                for n, w in zip(names, weights):
-                    r1 = r0 + w.shape[0]
-                    part = GPTQOutput(out.q[r0:r1].clone(), out.scale[r0:r1].clone(),
-                                      out.zero_point[r0:r1].clone() if out.zero_point is not None else None,
-                                      out.g_idx.clone() if out.g_idx is not None else None, out.row_loss[r0:r1])
-                    result.weights[n] = _to_quantized_weight(w, part, args, hinv)
-                    r0 = r1
+            self.quantize_group(layer, group, schemes, layer_idx, result)
         self._hessians = {}
         return result
+
+    def quantize_group(self, layer: nn.Module, group: tuple[str, ...], schemes: dict[str, Scheme],
+                       layer_idx: int, result: LayerResult) -> None:
+        group = tuple(n for n in group if n in schemes)
+        if not group:
+            return
+        if layer_idx == 0 and group[0] == next(iter(schemes)) and any(
+                s.weights.actorder == "dynamic" and s.weights.strategy == "group" for s in schemes.values()):
+            result.warnings.append(DYNAMIC_ACTORDER_WARNING)  # once per checkpoint, in the manifest
+        # members with one Hessian and identical args are swept together (GPTQ's rows are independent)
+        by_key: dict[tuple[int, QuantArgs], list[str]] = {}
+        for n in group:
+            by_key.setdefault((id(self._hessians[n]), schemes[n].weights), []).append(n)
+        hessians = {id(self._hessians[n]): self._hessians[n] for n in group}
+        h_of = {key: acc.hessian() for key, acc in hessians.items()}
+        hinv_cache: dict[tuple[int, str | None], InverseHessian | None] = {}
+        for (hid, args), names in by_key.items():
+            label = f"model.layers.{layer_idx}.{'+'.join(n.split('.')[-1] for n in names)}"
+            if (hid, args.actorder) not in hinv_cache:
+                hinv_cache[hid, args.actorder], warns = inverse_hessian(
+                    h_of[hid], args.actorder, self.dampening_frac, self.max_retries, label)
+                result.warnings += warns
+            hinv = hinv_cache[hid, args.actorder]
+            weights = [layer.get_submodule(n).weight.data.float() for n in names]
+            if hinv is None:
+                result.warnings.append(f"{label}: fell back to RTN")
+                for n, w in zip(names, weights):
+                    qw = rtn_quantize_weight(w, args, self.scale_dtype)
+                    qw.metrics["rtn_fallback"] = 1.0
+                    result.weights[n] = qw
+                continue
+            stacked = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
+            out = gptq_sweep(stacked, hinv, args, self.scale_dtype, self.block_size)
+            r0 = 0
+            for n, w in zip(names, weights):
+                r1 = r0 + w.shape[0]
+                part = GPTQOutput(out.q[r0:r1].clone(), out.scale[r0:r1].clone(),
+                                  out.zero_point[r0:r1].clone() if out.zero_point is not None else None,
+                                  out.g_idx.clone() if out.g_idx is not None else None, out.row_loss[r0:r1])
+                result.weights[n] = _to_quantized_weight(w, part, args, hinv)
+                r0 = r1

@@ -210,6 +210,7 @@ class SmoothQuantQuantizer(Quantizer):
         # GPTQ needs Hessians of the *smoothed* inputs: one more pass through the smoothed layer
         # (its float function is unchanged, only the linears' inputs are rescaled).
         wq.scale_dtype = self.scale_dtype
+        wq.calib = calib
         if wq.needs_calibration and calib is not None:
             calib.run(layer, hooks=wq.calibration_hooks(layer, schemes, layer_idx))
         return wq.quantize_layer(layer, schemes, calib, layer_idx).weights

@@ -101,13 +101,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(
+    def heads_output(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         context: AttentionContext | None = None,
     ) -> torch.Tensor:
+        """Everything before o_proj: the attention output [..., T, Hq * D] (o_proj's input)."""
         q, k, v = self.project_qkv(x, cos, sin)
         if context is not None:
             out = context.attend(self.layer_idx, q, k, v)
@@ -115,7 +116,16 @@ class Attention(nn.Module):
             if self.kv_round_trip is not None:
                 k, v = self.kv_round_trip(k, v)
             out = causal_attention(q, k, v)
-        return self.o_proj(out.reshape(*x.shape[:-1], self.num_heads * self.head_dim))
+        return out.reshape(*x.shape[:-1], self.num_heads * self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: AttentionContext | None = None,
+    ) -> torch.Tensor:
+        return self.o_proj(self.heads_output(x, cos, sin, context))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -134,8 +144,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """down_proj's input: silu(gate(x)) * up(x)."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.hidden(x))
 
 
 class DecoderLayer(nn.Module):

@@ -104,6 +104,33 @@ def test_propagation_modes_and_layer_errors(tmp_path, monkeypatch):
     assert l0[0] == pytest.approx(l0[1]) and l1[0] != l1[1]
 
 
+@pytest.mark.parametrize("propagate,expected", [("quantized", {"sequential": 2, "run": 0}),
+                                                 ("float", {"sequential": 0, "run": 4})])
+def test_gptq_runs_one_sequential_pass_per_layer(tmp_path, monkeypatch, propagate, expected):
+    """GPTQ with quantized propagation costs one pass per layer (not a float + a quantized pass);
+    float propagation still needs both (its next-layer inputs are the float outputs)."""
+    from lmfoundry.quantizers.base import LayerCalibration
+
+    calls = {"sequential": 0, "run": 0}
+    run, run_sequential = LayerCalibration.run, LayerCalibration.run_sequential
+
+    def counting(key, fn):
+        def wrapper(*a, **kw):
+            calls[key] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(LayerCalibration, "run", counting("run", run))
+    monkeypatch.setattr(LayerCalibration, "run_sequential", counting("sequential", run_sequential))
+    src = tiny_model_folder(tmp_path / "src", "llama")
+    rec = recipe(tmp_path, method="gptq", scheme="w4a16", group_size=32)
+    rec["calibration"]["propagate"] = propagate
+    run_quantize(str(src), tmp_path / "out", rec, progress=False)
+    assert calls == expected
+    layers = read_manifest(tmp_path / "out")["layers"]
+    assert all(layers[f"model.layers.{i}"]["self_attn.q_proj"]["gptq_loss"] > 0 for i in range(2))
+
+
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
     src = tiny_model_folder(tmp_path / "src", "llama")
     import lmfoundry.calibration.pipeline as pipeline

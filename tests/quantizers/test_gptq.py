@@ -27,6 +27,20 @@ def out_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float((x @ (w - w_hat).t()).norm() / (x @ w.t()).norm())
 
 
+@pytest.mark.parametrize("cols", [100, 301])  # 301: block upper triangle with a ragged last block
+def test_hessian_accumulator_equals_float64(cols):
+    """The block-triangular accumulation gives the full symmetric 2·XᵀX/N, within float32
+    rounding of each sum (|error| <= ~N·u·Σ|x_i x_j| bounds it; 1e-5 relative is ample)."""
+    x = torch.randn(1000, cols, generator=torch.Generator().manual_seed(2)) + 0.3
+    acc = HessianAccumulator()
+    for chunk in x.split(300):
+        acc.add(chunk)
+    h = acc.hessian()
+    ref = 2 * x.double().t() @ x.double() / x.shape[0]
+    assert torch.equal(h, h.t())
+    assert float((h.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("actorder", [None, "static", "dynamic"])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bits,group", [(4, 32), (3, 64), (8, None)])
@@ -101,7 +115,11 @@ def reference_gptq(w: torch.Tensor, h: torch.Tensor, args: QuantArgs, damp: floa
 
 @pytest.mark.parametrize("actorder", [None, "static", "dynamic"])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_8x16_matches_reference(actorder, symmetric):
+@pytest.mark.parametrize("inner", [32, 2])  # 2: rank-1 updates in sub-blocks, matmul between them
+def test_8x16_matches_reference(actorder, symmetric, inner, monkeypatch):
+    import lmfoundry.quantizers.gptq as gptq
+
+    monkeypatch.setattr(gptq, "INNER_BLOCK", inner)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(8, 16, generator=g)
     x = torch.randn(64, 16, generator=g) @ torch.randn(16, 16, generator=g) * torch.linspace(0.2, 3, 16)
@@ -289,3 +307,66 @@ def test_token_energy_cap_limits_massive_tokens_only():
     assert torch.equal(cap_token_energy(x, 0.0), x)
     # its direction is kept
     torch.testing.assert_close(capped[7] / capped[7].norm(), x[7] / x[7].norm())
+
+
+# ------------------------------------------------------------------- attention-weighted K/V
+def _attention_layer(seed: int = 0):
+    from helpers import TINY_CONFIGS
+    from lmfoundry.runtime.config import ModelConfig
+    from lmfoundry.runtime.model import DecoderLayer, RotaryEmbedding
+
+    torch.manual_seed(seed)
+    config = ModelConfig.from_dict(TINY_CONFIGS["llama"])
+    layer = DecoderLayer(config, 0).eval()
+    cos, sin = RotaryEmbedding(config)(torch.arange(10).unsqueeze(0), torch.float32)
+    return layer, cos, sin, config
+
+
+def test_received_attention_matches_explicit_softmax():
+    """Per token: Σ over queries of softmax(qkᵀ/√d) with the causal mask, mean over heads; the
+    first token receives every query's first-position weight, and the mean is exactly 1."""
+    from lmfoundry.quantizers.gptq import received_attention
+
+    layer, cos, sin, config = _attention_layer()
+    x = torch.randn(2, 10, config.hidden_size)
+    got = received_attention(layer.self_attn, x, cos, sin)
+    q, k, _ = layer.self_attn.project_qkv(x, cos, sin)
+    q, k = q.double(), k.double().repeat_interleave(q.shape[2] // k.shape[2], 2)
+    ref = []
+    for b in range(2):
+        for_heads = []
+        for h in range(q.shape[2]):
+            logits = q[b, :, h] @ k[b, :, h].t() / q.shape[-1] ** 0.5
+            logits += torch.triu(torch.full((10, 10), float("-inf"), dtype=torch.float64), 1)
+            for_heads.append(torch.softmax(logits, -1).sum(0))
+        ref.append(torch.stack(for_heads).mean(0))
+    ref = torch.cat(ref)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    assert abs(float(got.mean()) - 1.0) < 1e-5
+    assert got.view(2, 10)[:, 0].min() >= 1.0  # the first token is attended by every query
+
+
+def test_kv_hessian_weighted_by_received_attention():
+    """With the layer's calibration known, k/v share an attention-weighted Hessian (q keeps the
+    plain one); with the option off all three share one, as before."""
+    from lmfoundry.quantizers.base import LayerCalibration
+    from lmfoundry.quantizers.gptq import received_attention
+
+    layer, cos, sin, config = _attention_layer(1)
+    x = torch.randn(2, 10, config.hidden_size)
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    q = GPTQQuantizer({"token_cap": 0})
+    q.calib = LayerCalibration([x], cos, sin)
+    hooks = q.calibration_hooks(layer, dict.fromkeys(names), 0)
+    LayerCalibration([x], cos, sin).run(layer, hooks=hooks)
+    h = q._hessians
+    assert h["self_attn.k_proj"] is h["self_attn.v_proj"] is not h["self_attn.q_proj"]
+    xn = layer.input_layernorm(x).reshape(-1, config.hidden_size).detach()
+    w = received_attention(layer.self_attn, layer.input_layernorm(x), cos, sin)
+    torch.testing.assert_close(h["self_attn.q_proj"].hessian(), 2 * xn.t() @ xn / 20, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(h["self_attn.k_proj"].hessian(), 2 * (xn * w[:, None]).t() @ xn / 20,
+                               rtol=1e-4, atol=1e-5)
+    off = GPTQQuantizer({"kv_attention_weights": "false"})
+    off.calib = q.calib
+    off.calibration_hooks(layer, dict.fromkeys(names), 0)
+    assert off._hessians["self_attn.q_proj"] is off._hessians["self_attn.k_proj"]
