@@ -73,6 +73,49 @@ def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+GRAPH_REPEAT = 20
+TIME_WITH_GRAPH = False  # set by --graph
+
+
+def time_ms(ex, executor) -> float:
+    """Median ms of one call. Plain: `examples.time_ms` (Python dispatch + launch included, so
+    calls under ~50 us measure the host). --graph: GRAPH_REPEAT calls captured in one CUDA graph,
+    replayed and divided: the GPU time of the kernel alone."""
+    if not TIME_WITH_GRAPH:
+        return examples.time_ms(ex, executor)
+    call = ex.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        executor.run(call)  # compile / load outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_REPEAT):
+                executor.run(call)
+    except Exception as exc:  # noqa: BLE001 - an executor that syncs cannot be captured: say so, time plainly
+        print(f"    (graph capture failed, timing with dispatch: {type(exc).__name__}: {str(exc)[:120]})")
+        torch.cuda.synchronize()
+        return examples.time_ms(ex, executor)
+    return bench(graph.replay) / GRAPH_REPEAT
+
+
+def dense_ms(shape: dict) -> float:
+    """Graph-replay time of torch's bf16 `linear` (cuBLAS) for the same M, N, K: the baseline a
+    weight-only kernel must beat when decoding is memory-bound."""
+    x = torch.randn(shape["M"], shape["K"], device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(shape["N"], shape["K"], device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.linear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_REPEAT):
+            torch.nn.functional.linear(x, w)
+    return bench(graph.replay) / GRAPH_REPEAT
+
+
 def ceilings(cap: int) -> dict[str, float]:
     """Copy bandwidth and matmul throughput measured on this GPU."""
     out: dict[str, float] = {}
@@ -172,15 +215,20 @@ def run_all(args, cap: int, ceil: dict) -> list[dict]:
         print(f"[check {status[:4]}] {label}" + ("" if status == "ok" else f"\n    {status}"), flush=True)
         for rows in rows_list if status == "ok" else []:
             ex = examples.build(kernel, types, sem, bench_shape(kernel, shape, rows), "cuda")
-            ms = examples.time_ms(ex, jit)
+            ms = time_ms(ex, jit)
             gbps = ex.bytes / ms / 1e6
             tflops = ex.flops / ms / 1e9
             peak = {"w8a8_gemm": ceil.get("int8_TOPs"), "fp8_gemm": ceil.get("fp8_TFLOPs")}.get(kernel, ceil["bf16_TFLOPs"])
             row = {"kernel": kernel, "types": types, "semantics": sem, "shape": bench_shape(kernel, shape, rows),
                    "ms": ms, "GBps": gbps, "TFLOPs": tflops, "pct_copy_bw": 100 * gbps / ceil["copy_GBps"],
                    "pct_matmul": 100 * tflops / peak if peak and ex.flops else None, "check": status}
+            if kernel.startswith("w4a16") and TIME_WITH_GRAPH:  # the dense bf16 layer it replaces
+                row["dense_bf16_ms"] = dense_ms(row["shape"])
+                row["speedup_vs_dense"] = row["dense_bf16_ms"] / ms
             rows_out.append(row)
             mm = f" {tflops:7.1f} TFLOP/s ({row['pct_matmul']:5.1f}% of matmul)" if ex.flops else ""
+            if "dense_bf16_ms" in row:
+                mm += f"; dense bf16 {row['dense_bf16_ms'] * 1e3:.1f} us ({row['speedup_vs_dense']:.2f}x)"
             print(f"    rows={rows:<5} {ms * 1e3:9.1f} us {gbps:8.0f} GB/s ({row['pct_copy_bw']:5.1f}% of copy){mm}",
                   flush=True)
         if status != "ok":
@@ -224,7 +272,7 @@ def sweep(args) -> list[dict]:
                 try:
                     ex = examples.build(kernel, {"act": BF, "scale": BF}, w4, shape, "cuda")
                     examples.run_and_check(ex, jit, acc_unit(kernel, 90))
-                    ms = examples.time_ms(ex, jit)
+                    ms = time_ms(ex, jit)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile/fit: skip it
                     print(f"  sweep {kernel} {shape} {cfg.as_dict()}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
@@ -285,7 +333,7 @@ def verify_engine(path: str, cap: int) -> bool:
             examples.run_and_check(ex, ks.executor, acc_unit(e["kernel"], cap))
             used = {k: ks.stats.get(k, 0) - before.get(k, 0) for k in ("cubin", "jit")}
             status = "ok" if used == {"cubin": 1, "jit": 0} else f"not from the cubin: {used}"
-            ms = examples.time_ms(ex, ks.executor)
+            ms = time_ms(ex, ks.executor)
             print(f"[{status}] {e['key']} {e['sm']} {shape} {ms * 1e3:.1f} us")
             ok &= status == "ok"
         except Exception as exc:  # noqa: BLE001 - report every kernel, not only the first failure
@@ -304,11 +352,15 @@ def main() -> None:
     parser.add_argument("--json", help="write the timing rows here")
     parser.add_argument("--only", type=lambda v: v.split(","), default=None, help="comma list of kernels to run")
     parser.add_argument("--sweep", action="store_true", help="time W4A16 tile candidates (writes --json.sweep)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time kernels by CUDA-graph replay (GPU time only, no Python dispatch)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("no CUDA GPU: this benchmark needs one (the CPU tests cover correctness via the interpreter)")
     import triton
 
+    global TIME_WITH_GRAPH
+    TIME_WITH_GRAPH = args.graph
     major, minor = torch.cuda.get_device_capability()
     cap = major * 10 + minor
     print(f"{torch.cuda.get_device_name()} sm_{cap}; torch {torch.__version__}; triton {triton.__version__}")
