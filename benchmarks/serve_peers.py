@@ -65,13 +65,26 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """SIGINT, then SIGKILL, to the server's whole process group (vLLM runs its engine in a child)."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        _signal_group(proc, signal.SIGINT)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _signal_group(proc, signal.SIGKILL)
             proc.wait()
+    _signal_group(proc, signal.SIGKILL)  # children left behind by a parent that exited
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the server was started in a session of its own: pgid == pid
+    except ProcessLookupError:
+        pass
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def peer_command(peer: str, args: argparse.Namespace, folder: Path, port: int) -> tuple[list[str], dict[str, str]]:
@@ -92,8 +105,16 @@ def peer_command(peer: str, args: argparse.Namespace, folder: Path, port: int) -
                 "-np", str(max(args.levels)), "-c", str(args.max_model_len * max(args.levels))], env
     if peer == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        return [args.vllm_python, "-c", VLLM_SHIM, "--model", str(folder), "--host", "127.0.0.1", "--port",
-                str(port), "--dtype", "float32", "--max-model-len", max_len, "--served-model-name", "model"], env
+        # vLLM-CPU sizes its OpenMP pool from VLLM_CPU_OMP_THREADS_BIND ("auto": every core of the NUMA
+        # node), not OMP_NUM_THREADS; "nobind" leaves the pool to OMP_NUM_THREADS, unpinned.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vLLM picks its CPU platform when its version says "cpu"; the shim's answer ("0.32.0") does not.
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        cmd = [args.vllm_python, "-c", VLLM_SHIM, "--model", str(folder), "--host", "127.0.0.1", "--port",
+               str(port), "--dtype", "float32", "--max-model-len", max_len, "--served-model-name", "model"]
+        if args.vllm_eager:
+            cmd.append("--enforce-eager")  # skip torch.compile (minutes on the first start)
+        return cmd, env
     raise SystemExit(f"unknown peer {peer!r}")
 
 
@@ -110,12 +131,18 @@ def run_peer(peer: str, args: argparse.Namespace, folder: Path) -> dict[str, Any
     cmd, env = peer_command(peer, args, folder, port)
     log = open(args.out.with_suffix(f".{peer}.log"), "w")
     print(f"== {peer}: {' '.join(cmd[:6])} ...", flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
         wait_ready(url, proc, args.start_timeout)
-        return asyncio.run(run_bench(url, args.levels, args.max_tokens, args.prefix_words, args.requests,
-                                     warmup=2, log=lambda line: print(f"   {line}", flush=True)))
+        startup = time.monotonic() - t0
+        print(f"   ready after {startup:.0f} s", flush=True)
+        res = asyncio.run(run_bench(url, args.levels, args.max_tokens, args.prefix_words, args.requests,
+                                    warmup=2, log=lambda line: print(f"   {line}", flush=True)))
+        res["startup_s"] = startup
+        res["command"] = cmd if peer != "vllm" else [cmd[0], "-c", "<shim>"] + cmd[3:]
+        return res
     finally:
         stop(proc)
         log.close()
@@ -136,6 +163,58 @@ def print_ratios(results: dict[str, dict[str, Any]]) -> None:
     for peer, res in results.items():
         print(f"  {peer:<14} " + "  ".join(f"c={lv['concurrency']}: {lv['ttft_s']['p95']:.3f}"
                                          for lv in res["levels"] if lv["ttft_s"]["p95"] is not None))
+
+
+def ratio_rows(results: dict[str, dict[str, Any]], ours: str = "ours") -> list[str]:
+    """Markdown rows: ours / peer for output tok/s (>1: ours faster) and TTFT p95 (<1: ours sooner)."""
+    mine = results.get(ours)
+    rows = []
+    if mine is None:
+        return rows
+    for peer, res in results.items():
+        if peer == ours:
+            continue
+        cells_tp, cells_ttft = [], []
+        for a, b in zip(mine["levels"], res["levels"]):
+            tp = a["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else None
+            ta, tb = a["ttft_s"]["p95"], b["ttft_s"]["p95"]
+            cells_tp.append(f"{tp:.2f}x" if tp else "-")
+            cells_ttft.append(f"{ta / tb:.2f}x" if ta is not None and tb else "-")
+        rows.append(f"| {peer} | " + " | ".join(cells_tp) + " | " + " | ".join(cells_ttft) + " |")
+    return rows
+
+
+def write_markdown(path: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]], failed: dict[str, str]) -> None:
+    levels = meta["levels"]
+    lines = [f"# Serving peers: {meta['model']}, {meta['threads']} thread(s) per server", "",
+             f"Load: streaming /v1/completions, greedy, max_tokens {meta['max_tokens']} with ignore_eos, "
+             f"prompts of {meta['prompt_tokens']} tokens sharing a {meta['prefix_words']}-word prefix "
+             f"(`lmfoundry bench`'s load generator); requests per level max(2c, 8), 2 warm-up requests. "
+             f"Peers run one after another, each alone on the server side.", "",
+             f"Machine: {meta['cpus']} CPUs shared with other work; 1/5/15-min load average "
+             f"{meta['loadavg_before']} before the run and {meta['loadavg_after']} after "
+             f"(run took {meta['wall_s'] / 60:.0f} min).", ""]
+    lines += ["## Results", "",
+              "| peer | c | output tok/s | TTFT p50 s | TTFT p95 s | ITL p50 ms | E2E p95 s | startup s |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for peer, res in results.items():
+        for lv in res["levels"]:
+            t, i, e = lv["ttft_s"], lv["itl_s"], lv["e2e_s"]
+            f = lambda v, k=1.0, d=3: "-" if v is None else f"{v * k:.{d}f}"  # noqa: E731
+            err = f" ({lv['errors']} errors)" if lv["errors"] else ""
+            lines.append(f"| {peer} | {lv['concurrency']} | {lv['output_tokens_per_s']:.1f}{err} | {f(t['p50'])} | "
+                         f"{f(t['p95'])} | {f(i['p50'], 1000, 0)} | {f(e['p95'], 1, 2)} | {res.get('startup_s', 0):.0f} |")
+    lines += ["", "## ours / peer", "",
+              "Output tok/s ratio (>1: ours faster) and TTFT p95 ratio (<1: ours answers sooner).", "",
+              "| peer | " + " | ".join(f"tok/s c={c}" for c in levels) + " | "
+              + " | ".join(f"TTFT p95 c={c}" for c in levels) + " |",
+              "| --- |" + " ---: |" * (2 * len(levels))]
+    lines += ratio_rows(results)
+    if failed:
+        lines += ["", "## Peers that did not run", ""] + [f"- {p}: {why}" for p, why in failed.items()]
+    if meta.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
+    path.write_text("\n".join(lines) + "\n")
 
 
 # ---- the naive HF server ---------------------------------------------------------------------
@@ -238,6 +317,8 @@ def main() -> None:
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server (enables llama.cpp)")
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: packaged SmolLM2 Q4_1)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (enables vllm)")
+    p.add_argument("--vllm-eager", action="store_true", help="start vLLM with --enforce-eager (no torch.compile)")
+    p.add_argument("--note", action="append", default=[], help="a line for the Markdown report's notes")
     p.add_argument("--start-timeout", type=float, default=1200)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_peers.json"))
     p.add_argument("--serve-hf", default=None, help=argparse.SUPPRESS)
@@ -254,20 +335,38 @@ def main() -> None:
         peers.append("vllm")
     from lmfoundry.models import resolve_model
 
+    from lmfoundry.runtime.server.loadgen import make_prompts
+
     folder = resolve_model(args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from transformers import AutoTokenizer
+
+        prompt_tokens = len(AutoTokenizer.from_pretrained(folder)(make_prompts(1, args.prefix_words)[0]).input_ids)
+    except Exception:  # noqa: BLE001 - only for the report
+        prompt_tokens = None
+    meta: dict[str, Any] = {"model": args.model, "threads": args.threads, "levels": args.levels,
+                            "max_tokens": args.max_tokens, "prefix_words": args.prefix_words,
+                            "prompt_tokens": prompt_tokens, "cpus": os.cpu_count(), "loadavg_before": loadavg(),
+                            "vllm_eager": args.vllm_eager, "notes": args.note}
+    t_start = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
     for peer in peers:
         try:
             results[peer] = run_peer(peer, args, folder)
         except Exception as exc:  # noqa: BLE001 - one peer failing should not lose the others
+            failed[peer] = str(exc)
             print(f"   {peer} failed: {exc} (log: {args.out.with_suffix(f'.{peer}.log')})", flush=True)
-        args.out.write_text(json.dumps({"model": args.model, "threads": args.threads, "peers": results}, indent=2))
+        args.out.write_text(json.dumps(meta | {"failed": failed, "peers": results}, indent=2))
+    meta |= {"loadavg_after": loadavg(), "wall_s": time.monotonic() - t_start}
+    args.out.write_text(json.dumps(meta | {"failed": failed, "peers": results}, indent=2))
+    write_markdown(args.out.with_suffix(".md"), meta, results, failed)
     print_ratios(results)
     from lmfoundry.runtime.bench_cli import plot
 
     plot(list(results.values()), args.out.with_suffix(".png"), labels=list(results))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

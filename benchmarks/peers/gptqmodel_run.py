@@ -11,7 +11,6 @@ quantization alone (not the export) go to --out/peer_stats.json.
 import argparse
 import json
 import os
-import resource
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # RESOURCES.md: dies at start-up otherwise
 
 import torch
+from _proc import peak_rss_bytes
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     qdir = Path(a.out + ".gptq")
     model.save(str(qdir))
     stats = {"cpu_s": time.process_time() - c0, "wall_s": time.time() - t0,
-             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+             "peak_rss": peak_rss_bytes()}
     (qdir / "peer_stats.json").write_text(json.dumps(stats))
 
 
