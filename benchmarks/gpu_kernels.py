@@ -240,12 +240,12 @@ def run_all(args, cap: int, ceil: dict) -> list[dict]:
 
 
 SWEEP = {
-    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M None for the GEMV
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); the GEMV sweep is at M=1
     "w4a16_gemm": [(bm, bn, bk, w, st) for bm, bn, bk, w in
                    [(64, 64, 64, 4), (64, 128, 64, 4), (64, 128, 128, 4), (64, 256, 64, 8), (128, 64, 64, 4),
                     (128, 128, 64, 8), (128, 128, 128, 8), (128, 256, 64, 8), (64, 128, 32, 4), (128, 128, 32, 8)]
                    for st in (3,)] + [(64, 128, 64, 4, 4), (128, 128, 64, 8, 4)],
-    "w4a16_gemv": [(None, bn, bk, w, 2) for bn, bk, w in
+    "w4a16_gemv": [(1, bn, bk, w, 2) for bn, bk, w in
                    [(8, 256, 4), (16, 256, 4), (32, 256, 4), (16, 128, 4), (16, 512, 4), (32, 128, 4),
                     (64, 128, 4), (8, 512, 4), (16, 256, 2), (32, 512, 8)]],
 }

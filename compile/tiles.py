@@ -40,9 +40,11 @@ GEMM_TABLES: dict[str, dict[int, list[tuple[int, TileConfig]]]] = {
     },
     "w4a16_gemv": {
         # Few output columns per program (many programs to stream the weight), a long k-tile.
-        80: [(UNBOUNDED, cfg(None, 16, 256, 4, 2))],
-        89: [(UNBOUNDED, cfg(None, 16, 256, 4, 2))],
-        90: [(UNBOUNDED, cfg(None, 8, 512, 4, 2))],  # H200 sweep: 17.8 us at 4096x4096 vs 29.7 (16x256)
+        # M=1 alone; 2..4 rows share each weight tile (BLOCK_M 4)
+        80: [(1, cfg(1, 8, 256, 4, 2)), (UNBOUNDED, cfg(4, 8, 256, 4, 2))],
+        89: [(1, cfg(1, 8, 256, 4, 2)), (UNBOUNDED, cfg(4, 8, 256, 4, 2))],
+        # H200, graph-timed sweep: 8x256 4.1 us at 3072x576, 14.2 us at 4096x4096 (8x512: 4.3 / 13.7)
+        90: [(1, cfg(1, 8, 256, 4, 2)), (UNBOUNDED, cfg(4, 8, 256, 4, 2))],
     },
     "w8a8_gemm": {
         80: [(32, cfg(32, 64, 128, 4, 3)), (128, cfg(64, 128, 128, 4, 3)), (UNBOUNDED, cfg(128, 128, 128, 8, 3))],

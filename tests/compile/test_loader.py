@@ -157,9 +157,11 @@ def test_cubin_launch_uses_the_shipped_metadata(cubin_set, hopper_engine):
     assert args[0] == ("ptr", x.data_ptr()) and args[1] == ("ptr", w.weight_packed.data_ptr())
     assert args[6] == ("ptr", out.data_ptr())
     assert args[7:10] == [("i32", 37), ("i32", N_QKV), ("i32", K)]
-    # Decode-sized calls go to the GEMV specialization.
+    # Decode-sized calls go to the GEMV specialization: one program per N tile for all rows.
     ks.w4a16_linear(x[:2], w, out=out[:2])
-    assert fake.loads[-1][1] == "w4a16_gemv_kernel" and fake.launches[-1]["grid"][0] == 2
+    gemv = ks.executor.find(w4a16.make_call(x[:2], w, out[:2]))
+    assert fake.loads[-1][1] == "w4a16_gemv_kernel"
+    assert fake.launches[-1]["grid"] == [1, -(-N_QKV // gemv.config["BLOCK_N"]), 1]
 
 
 @interpreter_only
