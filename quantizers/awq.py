@@ -21,8 +21,13 @@ How this implementation searches, and why:
   amplified by the softmax, as the AWQ authors note).
 The output is the same pack-quantized checkpoint as RTN/GPTQ: AWQ only chooses better scales.
 
+- k_proj/v_proj's H weights each token by the attention it receives (as GPTQ does, see
+  `gptq.received_attention`), so the attention-sink token's keys and values count as much as the
+  attention output depends on them.
+
 Options: n_grid (20), duo_scaling (both | true | false; default both), clip (true), token_cap (10,
-as in GPTQ: caps the weight of massive-activation tokens in H, not in the channel magnitudes).
+as in GPTQ: caps the weight of massive-activation tokens in H, not in the channel magnitudes),
+kv_attention_weights (true).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers._input_groups import input_groups
-from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, cap_token_energy
+from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, KV_PROJ, cap_token_energy, kv_weighted_hook
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
@@ -53,13 +58,16 @@ class InputStats:
         self.token_cap = token_cap
 
     @torch.no_grad()
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add the rows of x; `weights` (one per row, mean ~1) weight them in the error objective."""
         x = x.detach().reshape(-1, x.shape[-1]).float()
         if self.xtx is None:
             self.xtx = torch.zeros(x.shape[1], x.shape[1])
             self.abs_sum = torch.zeros(x.shape[1])
         self.abs_sum += x.abs().sum(0)
         xc = cap_token_energy(x, self.token_cap)  # the error objective, not the magnitudes
+        if weights is not None:
+            xc = xc * weights.reshape(-1, 1).float().sqrt()
         self.xtx.addmm_(xc.t(), xc)
         self.count += x.shape[0]
 
@@ -110,20 +118,22 @@ def output_error(dw: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def search_scales(weights: list[torch.Tensor], args: list[QuantArgs], h: torch.Tensor, x_mean: torch.Tensor,
-                  scale_dtype: torch.dtype, n_grid: int = 20, duo: str = "both",
+def search_scales(weights: list[torch.Tensor], args: list[QuantArgs], h: torch.Tensor | list[torch.Tensor],
+                  x_mean: torch.Tensor, scale_dtype: torch.dtype, n_grid: int = 20, duo: str = "both",
                   expand: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Best per-channel scale s (over the channels of x_mean) for the given linears.
 
-    `expand` (index tensor) maps the linears' input columns to scale channels when one scale
-    covers several columns (v → o under grouped-query attention)."""
+    `h` is the input second moment of the linears, or one per linear (k/v weighted by received
+    attention, q not). `expand` (index tensor) maps the linears' input columns to scale channels
+    when one scale covers several columns (v → o under grouped-query attention)."""
+    hs = h if isinstance(h, list) else [h] * len(weights)
     x_mean = x_mean.float().clamp_min(1e-8)
     rel = [w.abs() / w.abs().amax(1, keepdim=True).clamp_min(1e-12) for w in weights]
     w_mean = torch.cat(rel, 0).mean(0)  # normalized weight magnitude per input column
     if expand is not None:  # average the columns sharing one scale
         w_mean = torch.zeros_like(x_mean).index_add_(0, expand, w_mean) / torch.bincount(expand, minlength=x_mean.numel())
     w_mean = w_mean.clamp_min(1e-8)
-    base = sum(output_error(w - _fake_quant(w, a, scale_dtype), h) for w, a in zip(weights, args))
+    base = sum(output_error(w - _fake_quant(w, a, scale_dtype), hw) for w, a, hw in zip(weights, args, hs))
     best = (float(base), torch.ones_like(x_mean), 0.0, "none")
     families = {"both": (False, True), "true": (True,), "false": (False,)}[str(duo).lower()]
     for use_w in families:
@@ -135,9 +145,9 @@ def search_scales(weights: list[torch.Tensor], args: list[QuantArgs], h: torch.T
                 continue
             cols = s[expand] if expand is not None else s
             err = 0.0
-            for w, a in zip(weights, args):
+            for w, a, hw in zip(weights, args, hs):
                 ws = w * cols
-                err = err + output_error(w - _fake_quant(ws, a, scale_dtype) / cols, h)
+                err = err + output_error(w - _fake_quant(ws, a, scale_dtype) / cols, hw)
             if float(err) < best[0]:
                 best = (float(err), s, alpha, "duo" if use_w else "act")
     err, s, alpha, family = best
@@ -183,7 +193,7 @@ class AWQQuantizer(Quantizer):
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
-        known = {"n_grid", "duo_scaling", "clip", "token_cap"}
+        known = {"n_grid", "duo_scaling", "clip", "token_cap", "kv_attention_weights"}
         unknown = set(self.options) - known
         if unknown:
             raise UserError(f"awq: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -193,6 +203,7 @@ class AWQQuantizer(Quantizer):
             raise UserError("awq: duo_scaling must be both|true|false and n_grid >= 1")
         self.clip = bool(self.options.get("clip", True))
         self.token_cap = float(self.options.get("token_cap", DEFAULT_TOKEN_CAP))
+        self.kv_attention_weights = str(self.options.get("kv_attention_weights", True)).lower() in ("1", "true", "yes")
         self._stats: dict[str, InputStats] = {}
 
     def validate(self, scheme: Scheme) -> None:
@@ -207,6 +218,15 @@ class AWQQuantizer(Quantizer):
             for n in group:
                 self._stats[n] = st
             hooks[group[0]] = st.add
+            kv = [n for n in group if n in KV_PROJ]
+            if self.kv_attention_weights and kv and self.calib is not None:
+                # k/v's error objective weights each token by the attention it receives (see
+                # gptq.received_attention); q's and the channel magnitudes stay per token
+                kv_st = InputStats(self.token_cap)
+                for n in kv:
+                    self._stats[n] = kv_st
+                hooks[group[0]] = kv_weighted_hook(layer, self.calib, st.add if len(kv) < len(group) else None,
+                                                   kv_st.add)
         return hooks
 
     @torch.no_grad()
@@ -217,7 +237,8 @@ class AWQQuantizer(Quantizer):
         attn = layer.self_attn
         for m in layer_mappings(schemes):
             st = self._stats[m.stats_of]
-            h, x_mean = st.hessian(), st.mean_abs()
+            x_mean = st.mean_abs()
+            h = [self._stats[n].hessian() for n in m.linears]
             expand = None
             if m.prev == "self_attn.v_proj":
                 # o_proj column (head h, dim d) reads v channel (h // rep, d)
@@ -234,8 +255,9 @@ class AWQQuantizer(Quantizer):
                 lin = layer.get_submodule(n)
                 lin.weight.data = (lin.weight.data.float() * cols).to(lin.weight.dtype)
             # the linears now read x / s: rescale the statistics they share
-            st.xtx = st.xtx / torch.outer(cols, cols)
-            st.abs_sum = st.abs_sum / cols
+            for shared in {id(self._stats[n]): self._stats[n] for n in m.linears}.values():
+                shared.xtx = shared.xtx / torch.outer(cols, cols)
+                shared.abs_sum = shared.abs_sum / cols
             metrics[f"{m.prev}->{'+'.join(n.split('.')[-1] for n in m.linears)}"] = info
         return metrics
 

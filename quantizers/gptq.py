@@ -348,6 +348,25 @@ def received_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin:
     return torch.cat(out)
 
 
+def kv_weighted_hook(layer: nn.Module, calib: LayerCalibration, add: Callable | None, add_kv: Callable):
+    """A forward hook body for the q/k/v input: `add(x)` for q_proj's statistics (every token
+    once), `add_kv(x, received_attention)` for k_proj/v_proj's. Shared by GPTQ and AWQ."""
+    cos, sin = calib.cos, calib.sin
+    inside = [False]  # as a forward hook on q_proj, our own q_proj call re-enters: ignore that
+
+    def hook(x: torch.Tensor) -> None:
+        if inside[0]:
+            return
+        if add is not None:
+            add(x)
+        inside[0] = True
+        try:
+            add_kv(x, received_attention(layer.self_attn, x, cos, sin))
+        finally:
+            inside[0] = False
+    return hook
+
+
 # ------------------------------------------------------------------------------- the quantizer
 class GPTQQuantizer(Quantizer):
     name = "gptq"
@@ -387,24 +406,9 @@ class GPTQQuantizer(Quantizer):
                 kv_acc = HessianAccumulator(self.token_cap)
                 for n in kv:
                     self._hessians[n] = kv_acc
-                hooks[group[0]] = self._kv_weighted_hook(layer, acc if len(kv) < len(group) else None, kv_acc)
+                hooks[group[0]] = kv_weighted_hook(layer, self.calib, acc.add if len(kv) < len(group) else None,
+                                                   kv_acc.add)
         return hooks
-
-    def _kv_weighted_hook(self, layer: nn.Module, acc: HessianAccumulator | None, kv_acc: HessianAccumulator):
-        cos, sin = self.calib.cos, self.calib.sin
-        inside = [False]  # as a forward hook on q_proj, our own q_proj call re-enters: ignore that
-
-        def add(x: torch.Tensor) -> None:
-            if inside[0]:
-                return
-            if acc is not None:  # q_proj: every token counts once
-                acc.add(x)
-            inside[0] = True
-            try:
-                kv_acc.add(x, received_attention(layer.self_attn, x, cos, sin))
-            finally:
-                inside[0] = False
-        return add
 
     def quantize_layer(self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None,
                        layer_idx: int) -> LayerResult:

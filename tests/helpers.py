@@ -107,3 +107,18 @@ def reference_greedy(model, ids: list[int], max_tokens: int, eos: int | None = N
             if tok == eos:
                 break
     return out
+
+
+def tiny_decoder_layer(arch: str = "llama", seed: int = 0, tokens: int = 10):
+    """(layer, cos, sin, config): one random decoder layer of a tiny config with the rotary tables
+    for `tokens` positions — what a quantizer's hooks see inside the layer-wise pipeline."""
+    import torch
+
+    from lmfoundry.runtime.config import ModelConfig
+    from lmfoundry.runtime.model import DecoderLayer, RotaryEmbedding
+
+    torch.manual_seed(seed)
+    config = ModelConfig.from_dict(TINY_CONFIGS[arch])
+    layer = DecoderLayer(config, 0).eval()
+    cos, sin = RotaryEmbedding(config)(torch.arange(tokens).unsqueeze(0), torch.float32)
+    return layer, cos, sin, config

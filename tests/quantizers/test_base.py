@@ -5,22 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY_CONFIGS
+from helpers import tiny_decoder_layer
 from lmfoundry.quantizers.base import LayerCalibration
-from lmfoundry.runtime.config import ModelConfig
-from lmfoundry.runtime.model import DecoderLayer, RotaryEmbedding
+from lmfoundry.runtime.model import DecoderLayer
 
 GROUPS = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]
 
 
 def _layer_and_calib(arch: str, seed: int = 0) -> tuple[DecoderLayer, LayerCalibration]:
-    torch.manual_seed(seed)
-    config = ModelConfig.from_dict(TINY_CONFIGS[arch])
-    layer = DecoderLayer(config, 0).eval()
+    layer, cos, sin, config = tiny_decoder_layer(arch, seed, tokens=12)
     for p in layer.parameters():  # non-trivial norms too
         p.data.normal_(0, 0.2)
-    cos, sin = RotaryEmbedding(config)(torch.arange(12).unsqueeze(0), torch.float32)
     inputs = [torch.randn(2, 12, config.hidden_size) for _ in range(3)]
     return layer, LayerCalibration(inputs, cos, sin)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_model_folder, write_text
+from helpers import tiny_decoder_layer, tiny_model_folder, write_text
 from lmfoundry.quantizers.gptq import GPTQQuantizer, HessianAccumulator, gptq_quantize, inverse_hessian
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
 from lmfoundry.quantizers.scheme import QuantArgs
@@ -310,24 +310,12 @@ def test_token_energy_cap_limits_massive_tokens_only():
 
 
 # ------------------------------------------------------------------- attention-weighted K/V
-def _attention_layer(seed: int = 0):
-    from helpers import TINY_CONFIGS
-    from lmfoundry.runtime.config import ModelConfig
-    from lmfoundry.runtime.model import DecoderLayer, RotaryEmbedding
-
-    torch.manual_seed(seed)
-    config = ModelConfig.from_dict(TINY_CONFIGS["llama"])
-    layer = DecoderLayer(config, 0).eval()
-    cos, sin = RotaryEmbedding(config)(torch.arange(10).unsqueeze(0), torch.float32)
-    return layer, cos, sin, config
-
-
 def test_received_attention_matches_explicit_softmax():
     """Per token: Σ over queries of softmax(qkᵀ/√d) with the causal mask, mean over heads; the
     first token receives every query's first-position weight, and the mean is exactly 1."""
     from lmfoundry.quantizers.gptq import received_attention
 
-    layer, cos, sin, config = _attention_layer()
+    layer, cos, sin, config = tiny_decoder_layer()
     x = torch.randn(2, 10, config.hidden_size)
     got = received_attention(layer.self_attn, x, cos, sin)
     q, k, _ = layer.self_attn.project_qkv(x, cos, sin)
@@ -352,7 +340,7 @@ def test_kv_hessian_weighted_by_received_attention():
     from lmfoundry.quantizers.base import LayerCalibration
     from lmfoundry.quantizers.gptq import received_attention
 
-    layer, cos, sin, config = _attention_layer(1)
+    layer, cos, sin, config = tiny_decoder_layer(seed=1)
     x = torch.randn(2, 10, config.hidden_size)
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     q = GPTQQuantizer({"token_cap": 0})
