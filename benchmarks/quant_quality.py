@@ -75,6 +75,10 @@ ROWS: dict[str, Row] = {
     # schemes other helpers are adding; "unavailable" until their modules exist
     "rtn-w8a8": Row("RTN w8a8", {"method": "rtn", "scheme": "w8a8"}),
     "smoothquant-w8a8": Row("SmoothQuant w8a8", {"method": "smoothquant", "scheme": "w8a8"}, family="w8a8-int8"),
+    "smoothquant-w8a8-search": Row("SmoothQuant w8a8, alpha searched per layer", {
+        "method": "smoothquant", "scheme": "w8a8", "options": {"alpha_search": True}}, family="w8a8-int8"),
+    "smoothquant-gptq-w8a8": Row("SmoothQuant w8a8 + GPTQ weights (llm-compressor's recipe)", {
+        "method": "smoothquant", "scheme": "w8a8", "options": {"weight_method": "gptq"}}, family="w8a8-int8"),
     "fp8-dynamic": Row("FP8 dynamic", {"method": "fp8", "scheme": "fp8-dynamic"}, family="fp8-dynamic"),
     "fp8-static": Row("FP8 static", {"method": "fp8", "scheme": "fp8-static"}),
     "gptq-kv-int8": Row("GPTQ+actorder w4a16 g64 + KV int8", {"method": "gptq", **W4, "actorder": "static", "kv_cache": "int8"}),
@@ -262,14 +266,13 @@ def main() -> None:
             status = json.loads(status_file.read_text()) if status_file.exists() else {"state": "failed"}
             status_file.unlink(missing_ok=True)
             rec["state"] = status["state"] if stats["rc"] == 0 else "failed"
-            if status.get("summary", {}).get("peak_rss_bytes"):
-                rec["peak_rss_mib"] = status["summary"]["peak_rss_bytes"] / 2**20
             rec["reason"] = status.get("reason") or (f"exit {stats['rc']}, see {work / (name + '.log')}" if stats["rc"] else None)
             if rec["state"] == "ok":
                 manifest = json.loads((work / name / "lmfoundry.json").read_text())
                 if manifest["calibration"]["token_ids_sha256"] != token_hash(calib.token_ids):
                     raise SystemExit(f"{name}: calibration ids differ from the parent's")
                 rec["manifest_warnings"] = len(manifest["warnings"])
+                rec["peak_rss_mib"] = manifest["peak_rss_bytes"] / 2**20  # the child's own VmHWM
                 rec.update(score_or_fail(work / name, stream, args.ctx, args.eval_windows))
         else:
             rec.update(run_peer(row, name, folder, ids_file, work, args.peer_timeout))
