@@ -115,8 +115,8 @@ def test_awq_checkpoint_beats_rtn_and_loads_in_transformers(tmp_path):
 
 
 def test_kv_statistics_weighted_by_received_attention():
-    """k/v get their own attention-weighted second moment (q keeps the per-token one and the
-    channel magnitudes); with the option off, q/k/v share one statistic as before."""
+    """With the option on, k/v get their own attention-weighted second moment (q keeps the
+    per-token one and the channel magnitudes); by default q/k/v share one statistic."""
     from helpers import tiny_decoder_layer
     from lmfoundry.quantizers.gptq import received_attention
 
@@ -124,7 +124,7 @@ def test_kv_statistics_weighted_by_received_attention():
     x = torch.randn(2, 10, config.hidden_size)
     calib = LayerCalibration([x], cos, sin)
     names = dict.fromkeys(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])
-    q = AWQQuantizer({"token_cap": 0})
+    q = AWQQuantizer({"token_cap": 0, "kv_attention_weights": True})
     q.calib = calib
     calib.run(layer, hooks=q.calibration_hooks(layer, names, 0))
     st = q._stats
@@ -134,7 +134,7 @@ def test_kv_statistics_weighted_by_received_attention():
     torch.testing.assert_close(st["self_attn.q_proj"].hessian(), 2 * xn.t() @ xn / 20, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(st["self_attn.k_proj"].hessian(), 2 * (xn * w[:, None]).t() @ xn / 20,
                                rtol=1e-4, atol=1e-5)
-    off = AWQQuantizer({"kv_attention_weights": False})
+    off = AWQQuantizer()  # the default: one statistic for q/k/v
     off.calib = calib
     off.calibration_hooks(layer, names, 0)
     assert off._stats["self_attn.q_proj"] is off._stats["self_attn.k_proj"]
