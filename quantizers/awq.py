@@ -39,8 +39,7 @@ from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers._input_groups import input_groups
-from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, KV_PROJ, cap_token_energy, kv_weighted_hook
+from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
@@ -213,22 +212,10 @@ class AWQQuantizer(Quantizer):
             raise UserError(f"awq produces integer weight-only schemes (wNa16), not {scheme.name}")
 
     def calibration_hooks(self, layer: nn.Module, schemes: dict[str, Scheme], layer_idx: int):
-        self._stats = {}
-        hooks = {}
-        for group in input_groups(list(schemes)):
-            st = InputStats(self.token_cap)
-            for n in group:
-                self._stats[n] = st
-            hooks[group[0]] = st.add
-            kv = [n for n in group if n in KV_PROJ]
-            if self.kv_attention_weights and kv and self.calib is not None:
-                # k/v's error objective weights each token by the attention it receives (see
-                # gptq.received_attention); q's and the channel magnitudes stay per token
-                kv_st = InputStats(self.token_cap)
-                for n in kv:
-                    self._stats[n] = kv_st
-                hooks[group[0]] = kv_weighted_hook(layer, self.calib, st.add if len(kv) < len(group) else None,
-                                                   kv_st.add)
+        # with kv_attention_weights, k/v's error objective weights each token by the attention it
+        # receives (see gptq.received_attention); q's and the channel magnitudes stay per token
+        self._stats, hooks = group_statistics(layer, schemes, self.calib, lambda: InputStats(self.token_cap),
+                                              self.kv_attention_weights)
         return hooks
 
     @torch.no_grad()

@@ -367,6 +367,27 @@ def kv_weighted_hook(layer: nn.Module, calib: LayerCalibration, add: Callable | 
     return hook
 
 
+def group_statistics(layer: nn.Module, schemes: dict, calib: LayerCalibration | None, make: Callable,
+                     kv_weighted: bool) -> tuple[dict, dict[str, Callable]]:
+    """One input statistic (`make()`, with `.add(x[, weights])`) per group of linears sharing an
+    input, plus — when `kv_weighted` and the layer's calibration is known — a separate one for
+    k_proj/v_proj weighted by received attention; returns (linear name -> statistic, hooks)."""
+    stats: dict = {}
+    hooks: dict[str, Callable] = {}
+    for group in input_groups(list(schemes)):
+        st = make()
+        for n in group:
+            stats[n] = st
+        hooks[group[0]] = st.add
+        kv = [n for n in group if n in KV_PROJ]
+        if kv_weighted and kv and calib is not None:
+            kv_st = make()
+            for n in kv:
+                stats[n] = kv_st
+            hooks[group[0]] = kv_weighted_hook(layer, calib, st.add if len(kv) < len(group) else None, kv_st.add)
+    return stats, hooks
+
+
 # ------------------------------------------------------------------------------- the quantizer
 class GPTQQuantizer(Quantizer):
     name = "gptq"
@@ -394,20 +415,8 @@ class GPTQQuantizer(Quantizer):
             raise UserError(f"actorder {scheme.weights.actorder!r}: expected static or dynamic")
 
     def calibration_hooks(self, layer: nn.Module, schemes: dict[str, Scheme], layer_idx: int):
-        self._hessians = {}
-        hooks = {}
-        for group in input_groups(list(schemes)):
-            acc = HessianAccumulator(self.token_cap)
-            for n in group:
-                self._hessians[n] = acc
-            hooks[group[0]] = acc.add
-            kv = [n for n in group if n in KV_PROJ]
-            if self.kv_attention_weights and kv and self.calib is not None:
-                kv_acc = HessianAccumulator(self.token_cap)
-                for n in kv:
-                    self._hessians[n] = kv_acc
-                hooks[group[0]] = kv_weighted_hook(layer, self.calib, acc.add if len(kv) < len(group) else None,
-                                                   kv_acc.add)
+        self._hessians, hooks = group_statistics(layer, schemes, self.calib,
+                                                 lambda: HessianAccumulator(self.token_cap), self.kv_attention_weights)
         return hooks
 
     def quantize_layer(self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None,
