@@ -121,7 +121,6 @@ def _sequential_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer
                       calib: LayerCalibration, idx: int, work_dtype: torch.dtype) -> LayerResult:
     """Calibrate and quantize one layer in a single pass, group by group (see
     `LayerCalibration.run_sequential`); leaves the layer's outputs in `calib.inputs`."""
-    quantizer.calib = calib
     hooks = quantizer.calibration_hooks(layer, schemes, idx)
     result = LayerResult({})
 
@@ -146,7 +145,6 @@ def _two_pass_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: 
                     extra_layer_passes: list[Any]) -> tuple[LayerResult, dict[str, Any]]:
     """A float pass (outputs, plus the quantizer's statistics through its hooks), the quantizer,
     then a pass through the quantized layer: the output error metric and the next layer's inputs."""
-    quantizer.calib = calib
     hooks = quantizer.calibration_hooks(layer, schemes, idx) if calib is not None else {}
     float_out = calib.run(layer, hooks=hooks, keep_outputs=True) if calib is not None else None
     with torch.no_grad():
@@ -206,6 +204,7 @@ def run_pipeline(
     del embed
     release_memory()
 
+    quantizer.calib = calib  # one object for the whole run: its inputs advance layer by layer
     bar = tqdm(range(config.num_layers), desc=f"{quantizer.name} layers", unit="layer", disable=not progress)
     sequential = calib is not None and quantizer.sequential and propagate == "quantized" and not extra_layer_passes
     for idx in bar:

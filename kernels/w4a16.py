@@ -275,36 +275,28 @@ def _gemm_sass(arch: int, cfg: TileConfig, types: Mapping[str, str], sem: Mappin
     return ("HMMA",)
 
 
-GEMM = KernelDef(
-    name="w4a16_gemm",
-    fn=w4a16_gemm_kernel,
-    params=_PARAMS,
-    grid=("cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)", "1"),
-    type_vars=("act", "scale"),
-    semantics=_SEMANTICS,
-    tiles=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-    reference=_reference_call,
-    default_config=_gemm_default,
-    expect_sass=_gemm_sass,
-    shape_ints=_shape_ints,
-    static_shape=("N", "K", "bits"),
-    rows="M",
-)
+def _kernel_def(name: str, fn, default_config, **extra) -> KernelDef:
+    """The GEMM and the GEMV share parameters, grid rule, tiles and reference: only the kernel
+    body, its default tiles and the expected tensor-core instruction differ."""
+    return KernelDef(
+        name=name,
+        fn=fn,
+        params=_PARAMS,
+        grid=("cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)", "1"),
+        type_vars=("act", "scale"),
+        semantics=_SEMANTICS,
+        tiles=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+        reference=_reference_call,
+        default_config=default_config,
+        shape_ints=_shape_ints,
+        static_shape=("N", "K", "bits"),
+        rows="M",
+        **extra,
+    )
 
-GEMV = KernelDef(
-    name="w4a16_gemv",
-    fn=w4a16_gemv_kernel,
-    params=_PARAMS,
-    grid=("cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)", "1"),
-    type_vars=("act", "scale"),
-    semantics=_SEMANTICS,
-    tiles=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-    reference=_reference_call,
-    default_config=_gemv_default,
-    shape_ints=_shape_ints,
-    static_shape=("N", "K", "bits"),
-    rows="M",
-)
+
+GEMM = _kernel_def("w4a16_gemm", w4a16_gemm_kernel, _gemm_default, expect_sass=_gemm_sass)
+GEMV = _kernel_def("w4a16_gemv", w4a16_gemv_kernel, _gemv_default)
 
 
 # ---- op -----------------------------------------------------------------------------------------

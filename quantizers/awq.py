@@ -190,21 +190,19 @@ def clip_qparams(w: torch.Tensor, args: QuantArgs, h: torch.Tensor, scale_dtype:
 class AWQQuantizer(Quantizer):
     name = "awq"
 
+    known_options = ("n_grid", "duo_scaling", "clip", "token_cap", "kv_attention_weights")
+
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
-        known = {"n_grid", "duo_scaling", "clip", "token_cap", "kv_attention_weights"}
-        unknown = set(self.options) - known
-        if unknown:
-            raise UserError(f"awq: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         self.n_grid = int(self.options.get("n_grid", 20))
         self.duo = str(self.options.get("duo_scaling", "both")).lower()
         if self.duo not in ("both", "true", "false") or self.n_grid < 1:
             raise UserError("awq: duo_scaling must be both|true|false and n_grid >= 1")
-        self.clip = bool(self.options.get("clip", True))
+        self.clip = self.flag("clip", True)
         self.token_cap = float(self.options.get("token_cap", DEFAULT_TOKEN_CAP))
         # off by default: unlike GPTQ, AWQ measured no clear gain (SmolLM2 W4A16 g64: -0.20 ppl at
         # 8 x 512 calibration, +0.22 at 32 x 512), and it costs an attention pass per batch
-        self.kv_attention_weights = str(self.options.get("kv_attention_weights", False)).lower() in ("1", "true", "yes")
+        self.kv_attention_weights = self.flag("kv_attention_weights", False)
         self._stats: dict[str, InputStats] = {}
 
     def validate(self, scheme: Scheme) -> None:

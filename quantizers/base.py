@@ -142,8 +142,22 @@ class Quantizer(ABC):
     needs_calibration: bool = True  # must the pipeline run calibration data through each layer?
     scale_dtype: torch.dtype = torch.float32  # dtype of stored scales; set by the pipeline
 
+    # The `--option` keys a method takes; set by subclasses, checked here (None: the subclass checks).
+    known_options: tuple[str, ...] | None = None
+
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})
+        if self.known_options is not None:
+            unknown = set(self.options) - set(self.known_options)
+            if unknown:
+                raise UserError(f"{self.name}: unknown option(s) {', '.join(sorted(unknown))}; "
+                                f"known: {', '.join(sorted(self.known_options))}")
+
+    def flag(self, key: str, default: bool) -> bool:
+        """A boolean option: recipes give YAML booleans, `--option k=false` JSON ones; the strings
+        "true"/"false" (any case) are accepted too."""
+        value = self.options.get(key, default)
+        return value.strip().lower() in ("1", "true", "yes") if isinstance(value, str) else bool(value)
 
     def validate(self, scheme: Scheme) -> None:
         """Refuse a scheme this method cannot produce (before any work)."""

@@ -393,17 +393,15 @@ class GPTQQuantizer(Quantizer):
     name = "gptq"
     sequential = True  # each linear only needs its own input's Hessian: one pass per layer
 
+    known_options = ("dampening_frac", "block_size", "max_damp_retries", "token_cap", "kv_attention_weights")
+
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
-        known = {"dampening_frac", "block_size", "max_damp_retries", "token_cap", "kv_attention_weights"}
-        unknown = set(self.options) - known
-        if unknown:
-            raise UserError(f"gptq: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         self.dampening_frac = float(self.options.get("dampening_frac", 0.01))
         self.block_size = int(self.options.get("block_size", 128))
         self.max_retries = int(self.options.get("max_damp_retries", 3))
         self.token_cap = float(self.options.get("token_cap", DEFAULT_TOKEN_CAP))
-        self.kv_attention_weights = str(self.options.get("kv_attention_weights", True)).lower() in ("1", "true", "yes")
+        self.kv_attention_weights = self.flag("kv_attention_weights", True)
         if not self.dampening_frac > 0 or self.block_size <= 0 or self.max_retries < 0:
             raise UserError("gptq: dampening_frac must be > 0, block_size > 0, max_damp_retries >= 0")
         self._hessians: dict[str, HessianAccumulator] = {}
