@@ -58,8 +58,12 @@ def current_rss_bytes() -> int:
 
 
 def release_memory() -> None:
-    """Hand freed heap back to the OS between layers (glibc keeps it otherwise), so the resident
-    set tracks the one layer in flight rather than the high-water mark of earlier ones."""
+    """Hand freed heap back to the OS (glibc keeps it otherwise): once, after the embeddings.
+
+    Not between layers: every layer needs the same amount of memory as the one before, so the heap
+    it frees is what the next reuses, and trimming only made each layer fault its working set in
+    again without lowering the peak (measured for GPTQ 32 x 512 on SmolLM2: 5.2 -> 1.4 s of system
+    time, peak RSS 1.00 GB either way)."""
     try:
         import ctypes
 
@@ -222,7 +226,6 @@ def run_pipeline(
         report.layers[f"model.layers.{idx}"] = layer_metrics
         writer.write_shard(_shard(idx + 1, config), _layer_tensors(layer, idx, result, schemes, out_dtype))
         del layer, result
-        release_memory()
         bar.set_postfix(rss=f"{peak_rss_bytes() / 2**20:.0f}MiB")
 
     # --- final norm and LM head

@@ -101,19 +101,22 @@ class LayerCalibration:
         group's input for every batch, then `finish(group)` may replace the group's weights
         (quantize them) before any batch runs through them. So every linear is calibrated on the
         inputs the already-quantized linears before it produce ("true sequential" GPTQ), and the
-        layer outputs are the quantized layer's, without a second pass. Cheap values (norm
-        outputs) are recomputed; the attention output and the MLP hidden state of every batch are
-        kept (hidden + intermediate floats per token). Consumes `self.inputs` (returns the new
-        hidden states in their place).
+        layer outputs are the quantized layer's, without a second pass. Each norm output is kept
+        from its group's observation until the next step consumes it (freed batch by batch as the
+        next list grows, so the peak stays at two hidden-sized lists plus the MLP's intermediate
+        one). Consumes `self.inputs` (returns the new hidden states in their place).
         """
         attn, mlp = layer.self_attn, layer.mlp
         qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        normed = []
         for x in self.inputs:
-            observe(qkv, layer.input_layernorm(x))
+            normed.append(layer.input_layernorm(x))
+            observe(qkv, normed[-1])
         finish(qkv)
         heads = []
-        for x in self.inputs:
-            heads.append(attn.heads_output(layer.input_layernorm(x), self.cos, self.sin))
+        for i, xn in enumerate(normed):
+            normed[i] = None
+            heads.append(attn.heads_output(xn, self.cos, self.sin))
             observe(("self_attn.o_proj",), heads[-1])
         finish(("self_attn.o_proj",))
         hs, self.inputs = self.inputs, []
@@ -121,12 +124,15 @@ class LayerCalibration:
             hs[i] = hs[i] + attn.o_proj(a)  # residual stream after attention
             heads[i] = None
         gate_up = ("mlp.gate_proj", "mlp.up_proj")
+        normed = []
         for h in hs:
-            observe(gate_up, layer.post_attention_layernorm(h))
+            normed.append(layer.post_attention_layernorm(h))
+            observe(gate_up, normed[-1])
         finish(gate_up)
         mids = []
-        for h in hs:
-            mids.append(mlp.hidden(layer.post_attention_layernorm(h)))
+        for i, hn in enumerate(normed):
+            normed[i] = None
+            mids.append(mlp.hidden(hn))
             observe(("mlp.down_proj",), mids[-1])
         finish(("mlp.down_proj",))
         for i, mid in enumerate(mids):

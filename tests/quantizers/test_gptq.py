@@ -27,9 +27,9 @@ def out_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float((x @ (w - w_hat).t()).norm() / (x @ w.t()).norm())
 
 
-@pytest.mark.parametrize("cols", [100, 301])  # 301: block upper triangle with a ragged last block
+@pytest.mark.parametrize("cols", [100, 301])
 def test_hessian_accumulator_equals_float64(cols):
-    """The block-triangular accumulation gives the full symmetric 2·XᵀX/N, within float32
+    """The one-triangle (ssyrk) accumulation gives the full symmetric 2·XᵀX/N, within float32
     rounding of each sum (|error| <= ~N·u·Σ|x_i x_j| bounds it; 1e-5 relative is ample)."""
     x = torch.randn(1000, cols, generator=torch.Generator().manual_seed(2)) + 0.3
     acc = HessianAccumulator()
@@ -61,6 +61,23 @@ def test_gptq_beats_rtn_output_error(actorder, symmetric, bits, group):
     assert qw.q.dtype == torch.int8 and args.qmin <= qw.q.min() and qw.q.max() <= args.qmax
     assert (qw.g_idx is not None) == (actorder == "dynamic" and group is not None)
     assert qw.metrics["gptq_loss"] > 0
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_scales_feed_back_the_stored_dequantization(scale_dtype):
+    """With bf16/fp16 scales the error fed back is w - (q·s rounded to the scale dtype), what the
+    checkpoint will hold: the loss equals that of a float32-scale run up to the scales' rounding,
+    and the output error still beats RTN's."""
+    x = correlated_inputs(2048, 128, seed=7)
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(8))
+    h = 2 * x.t() @ x / x.shape[0]
+    args = QuantArgs(4, symmetric=False, strategy="group", group_size=32)
+    qw, _ = gptq_quantize(w, h, args, scale_dtype=scale_dtype)
+    ref, _ = gptq_quantize(w, h, args, scale_dtype=torch.float32)
+    assert qw.scale.dtype == scale_dtype
+    assert qw.metrics["gptq_loss"] == pytest.approx(ref.metrics["gptq_loss"], rel=0.05)
+    rtn = rtn_quantize_weight(w, args, scale_dtype)
+    assert out_err(x, w, qw.dequantize(torch.float32)) < 0.85 * out_err(x, w, rtn.dequantize(torch.float32))
 
 
 # ------------------------------------------------------------------- a plain reference of GPTQ
@@ -159,6 +176,30 @@ def test_static_block_start_qparams_with_small_blocks():
 
 
 # ------------------------------------------------------------------------- degenerate Hessians
+@pytest.mark.parametrize("n", [1, 7, 96])
+def test_upper_cholesky_of_inverse_matches_the_three_step_reference(n):
+    """U from one Cholesky of the flipped H and a triangular inverse equals the factor of the
+    textbook route (cholesky -> cholesky_inverse -> upper cholesky): upper triangular, Uᵀ·U = H⁻¹.
+    Both are backward stable; with cond(H) ~ 1e3 here float32 gives ~1e-4 relative at most."""
+    from lmfoundry.quantizers.gptq import upper_cholesky_of_inverse
+
+    a = torch.randn(2 * n + 3, n, generator=torch.Generator().manual_seed(n)) + 0.2
+    h = (a.t() @ a / a.shape[0]).double()
+    h.diagonal().add_(0.01 * float(h.diagonal().mean()))
+    u = upper_cholesky_of_inverse(h.float().flip(0, 1))
+    assert u is not None and u.dtype == torch.float32 and u.is_contiguous()
+    assert torch.equal(u, torch.triu(u)) and bool((u.diagonal() > 0).all())
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    assert float((u.double() - ref).abs().max() / ref.abs().max()) < 1e-4
+    torch.testing.assert_close(u.double().t() @ u.double(), torch.linalg.inv(h), rtol=1e-3, atol=1e-3 * float(ref.abs().max()) ** 2)
+
+
+def test_upper_cholesky_of_inverse_refuses_an_indefinite_matrix():
+    from lmfoundry.quantizers.gptq import upper_cholesky_of_inverse
+
+    assert upper_cholesky_of_inverse(torch.diag(torch.tensor([1.0, -1.0, 2.0]))) is None
+
+
 def test_indefinite_hessian_retries_with_more_damping():
     q, _ = torch.linalg.qr(torch.randn(32, 32, generator=torch.Generator().manual_seed(5)))
     eig = torch.ones(32)
@@ -310,14 +351,16 @@ def test_token_energy_cap_limits_massive_tokens_only():
 
 
 # ------------------------------------------------------------------- attention-weighted K/V
-def test_received_attention_matches_explicit_softmax():
+@pytest.mark.parametrize("chunk", [64, 3, 1])
+def test_received_attention_matches_explicit_softmax(chunk):
     """Per token: Σ over queries of softmax(qkᵀ/√d) with the causal mask, mean over heads; the
-    first token receives every query's first-position weight, and the mean is exactly 1."""
+    first token receives every query's first-position weight, and the mean is exactly 1. Query
+    chunks (one, several with a ragged last one, one query each) give the same sums."""
     from lmfoundry.quantizers.gptq import received_attention
 
     layer, cos, sin, config = tiny_decoder_layer()
     x = torch.randn(2, 10, config.hidden_size)
-    got = received_attention(layer.self_attn, x, cos, sin)
+    got = received_attention(layer.self_attn, x, cos, sin, chunk=chunk, low_precision=False)
     q, k, _ = layer.self_attn.project_qkv(x, cos, sin)
     q, k = q.double(), k.double().repeat_interleave(q.shape[2] // k.shape[2], 2)
     ref = []
@@ -332,6 +375,20 @@ def test_received_attention_matches_explicit_softmax():
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
     assert abs(float(got.mean()) - 1.0) < 1e-5
     assert got.view(2, 10)[:, 0].min() >= 1.0  # the first token is attended by every query
+
+
+def test_received_attention_in_bf16_is_close_to_float32():
+    """The bf16 scores move each token's weight by a few bf16 roundings of the logits (relative
+    2⁻⁸ of |qk|/√d ≲ 4 here, so ≲ 2-3 % of a probability); the total stays exactly T per sequence."""
+    from lmfoundry.quantizers.gptq import received_attention
+
+    layer, cos, sin, config = tiny_decoder_layer(seed=3, tokens=40)
+    x = torch.randn(2, 40, config.hidden_size)
+    ref = received_attention(layer.self_attn, x, cos, sin, chunk=16, low_precision=False)
+    got = received_attention(layer.self_attn, x, cos, sin, chunk=16, low_precision=True)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=0.05, atol=1e-3)
+    torch.testing.assert_close(got.view(2, 40).sum(1), torch.full((2,), 40.0), rtol=1e-5, atol=1e-4)
 
 
 def test_kv_hessian_weighted_by_received_attention():
