@@ -101,43 +101,31 @@ class LayerCalibration:
         group's input for every batch, then `finish(group)` may replace the group's weights
         (quantize them) before any batch runs through them. So every linear is calibrated on the
         inputs the already-quantized linears before it produce ("true sequential" GPTQ), and the
-        layer outputs are the quantized layer's, without a second pass. Each norm output is kept
-        from its group's observation until the next step consumes it (freed batch by batch as the
-        next list grows, so the peak stays at two hidden-sized lists plus the MLP's intermediate
-        one). Consumes `self.inputs` (returns the new hidden states in their place).
+        layer outputs are the quantized layer's, without a second pass. Each step's inputs are
+        freed batch by batch as its outputs are made, so the peak stays at two hidden-sized lists
+        plus the MLP's intermediate one. Consumes `self.inputs` (returns the new hidden states in
+        their place).
         """
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        normed = []
-        for x in self.inputs:
-            normed.append(layer.input_layernorm(x))
-            observe(qkv, normed[-1])
-        finish(qkv)
-        heads = []
-        for i, xn in enumerate(normed):
-            normed[i] = None
-            heads.append(attn.heads_output(xn, self.cos, self.sin))
-            observe(("self_attn.o_proj",), heads[-1])
-        finish(("self_attn.o_proj",))
-        hs, self.inputs = self.inputs, []
-        for i, a in enumerate(heads):
-            hs[i] = hs[i] + attn.o_proj(a)  # residual stream after attention
-            heads[i] = None
-        gate_up = ("mlp.gate_proj", "mlp.up_proj")
-        normed = []
-        for h in hs:
-            normed.append(layer.post_attention_layernorm(h))
-            observe(gate_up, normed[-1])
-        finish(gate_up)
-        mids = []
-        for i, hn in enumerate(normed):
-            normed[i] = None
-            mids.append(mlp.hidden(hn))
-            observe(("mlp.down_proj",), mids[-1])
-        finish(("mlp.down_proj",))
-        for i, mid in enumerate(mids):
-            hs[i] = hs[i] + mlp.down_proj(mid)
-            mids[i] = None
+
+        def step(group: tuple[str, ...], inputs: list[torch.Tensor], fn: Callable) -> list[torch.Tensor]:
+            """Observe `group`'s input of every batch, let it be quantized, then run it: each
+            input is replaced in its list by fn(i, input), so it is freed as its output is made."""
+            for x in inputs:
+                observe(group, x)
+            finish(group)
+            for i, x in enumerate(inputs):
+                inputs[i] = fn(i, x)
+            return inputs
+
+        hs, self.inputs = self.inputs, []  # the residual stream, updated in place
+        normed = [layer.input_layernorm(x) for x in hs]
+        heads = step(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), normed,
+                     lambda i, x: attn.heads_output(x, self.cos, self.sin))
+        step(("self_attn.o_proj",), heads, lambda i, a: hs[i].add_(attn.o_proj(a)))
+        normed = [layer.post_attention_layernorm(h) for h in hs]
+        mids = step(("mlp.gate_proj", "mlp.up_proj"), normed, lambda i, x: mlp.hidden(x))
+        step(("mlp.down_proj",), mids, lambda i, m: hs[i].add_(mlp.down_proj(m)))
         return hs
 
 
