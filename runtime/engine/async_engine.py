@@ -5,6 +5,9 @@ Only the engine thread touches the engine's state: callers post "add" and "abort
 it applies between steps. torch releases the GIL in its kernels, so the event loop keeps serving
 HTTP while a step runs.
 
+A request that fails inside a step (see `LLMEngine.step`) is failed alone: its stream raises
+`RequestFailed`, the others keep streaming.
+
 The waiting queue is bounded: a request is refused with `QueueFull` when the unfinished sequences
 would exceed max_num_seqs running plus max_waiting_requests waiting.
 """
@@ -29,6 +32,10 @@ log = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """The engine's waiting queue is full; retry later (HTTP 429)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone (its other requests keep running): HTTP 500."""
 
 
 @dataclass
@@ -177,4 +184,10 @@ class AsyncLLMEngine:
                     self._deliver(request_id, RuntimeError(f"engine failure: {exc}"))
                 continue
             for ev in events:
-                self._deliver(ev.request_id, ev)
+                if ev.error is not None:
+                    log.error("request %s failed; the others keep running", ev.request_id, exc_info=ev.error)
+                    failure = RequestFailed(f"the request failed in the engine: {ev.error}")
+                    failure.__cause__ = ev.error
+                    self._deliver(ev.request_id, failure)
+                else:
+                    self._deliver(ev.request_id, ev)

@@ -16,11 +16,13 @@ class StepEvent:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     request_finished: bool  # every sequence of the request is finished
     num_prompt_tokens: int
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, on the sequence's first event
+    # Why the request failed (finish_reason "error"): the engine failed it alone and freed its blocks.
+    error: Exception | None = None
 
 
 @dataclass

@@ -2,13 +2,32 @@
 
 The fields follow vLLM / the OpenAI API so that the server maps requests onto them one to one.
 `temperature == 0` means greedy (argmax, first index on ties, as transformers' greedy `generate`).
+
+`validate` is the only gate between a request and the engine thread, where a bad value would fail
+inside a batched step; so it checks types as well as ranges (a bool is not accepted as a number,
+NaN and infinities are refused). Checks that need the model (stop token ids and logprobs against the
+vocabulary) are in `LLMEngine.check_request`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any
 
 MAX_LOGPROBS = 20
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit, as torch.Generator takes them
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        bounds = f"in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
 
 
 @dataclass
@@ -34,29 +53,39 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in self.stop if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = [s for s in self.stop if s] if isinstance(self.stop, (list, tuple)) else self.stop
+        if isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None:
+            self.stop_token_ids = list(self.stop_token_ids or [])
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (the server turns it into a 400)."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_int("max_tokens", self.max_tokens, 1)
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.prompt_logprobs_start < 1:
-            raise ValueError(f"prompt_logprobs_start must be at least 1, got {self.prompt_logprobs_start}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        _check_int("n", self.n, 1)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 1)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for token_id in self.stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token_id!r}")
 
     @property
     def greedy(self) -> bool:

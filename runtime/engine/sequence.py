@@ -73,7 +73,8 @@ class Sequence:
 
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + index)
+            # Choice i of a seeded request draws from seed + i, wrapped into torch's uint64 range.
+            self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -3,43 +3,61 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health, GET /metrics. Errors use OpenAI's body
 {"error": {"message", "type", "param", "code"}}: 400 for invalid requests, 401 for a missing or
-wrong API key, 404 for an unknown model, 429 when the waiting queue is full.
+wrong API key, 404 for an unknown model, 408 for a body that does not arrive in time, 413 for a
+body over the size limit, 415 for a POST that is not application/json, 429 when the waiting queue
+is full, 500 when the engine fails the request (the others keep running).
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
 aborted, which frees its KV blocks.
+
+The event loop only moves bytes: the body is read with a size limit and a deadline, then parsing,
+the chat template and tokenization (seconds for a multi-megabyte prompt) run in a small thread
+pool, so the other streams keep flowing. Requiring application/json on POST keeps browsers from
+reaching a keyless server on 127.0.0.1 with cross-site "simple" requests (text/plain or form
+bodies are sent without a CORS preflight; application/json is not).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from lmfoundry.runtime.engine.async_engine import AsyncLLMEngine, QueueFull, RequestStream
 from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
+from lmfoundry.runtime.server.background import DEFAULT_READ_TIMEOUT
 from lmfoundry.runtime.server.metrics import ServerMetrics
 from lmfoundry.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from lmfoundry.runtime.server.responses import ChatBuilder, CompletionBuilder
 
 MAX_N = 8
+# Enough for any prompt that fits a long context as text or token ids; larger bodies get 413.
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+PREP_THREADS = 4  # parse + chat template + tokenize, off the event loop
+
+T = TypeVar("T")
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.close = close  # the body was not read to its end: end the connection rather than drain it
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers={"Connection": "close"} if self.close else None)
 
 
 class ClientGone(Exception):
@@ -52,11 +70,45 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return (f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))), loc or None
 
 
-async def _parse(request: Request, schema: type[BaseModel]) -> Any:
-    body = await request.body()
+def _require_json(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json, got "
+                            f"{media_type or 'no Content-Type'}", code="unsupported_media_type", close=True)
+
+
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused (413) past `limit` bytes without reading the rest, and (408) when it has
+    not all arrived `timeout` seconds after the headers: a stalled client must not hold a slot."""
+    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
+                         code="request_too_large", close=True)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+
+    async def receive() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
+    try:
+        return await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                       close=True) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+
+
+def _parse(body: bytes, schema: type[BaseModel]) -> Any:
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except ValueError as exc:  # also UnicodeDecodeError and over-long integer literals
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -71,14 +123,26 @@ class OpenAIServer:
     """Request handling, separated from route registration so that it reads top to bottom."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, aliases: tuple[str, ...] = (),
-                 max_n: int = MAX_N) -> None:
+                 max_n: int = MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.model_name = model_name
         self.names = {model_name, *aliases}
         self.max_n = max_n
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout = read_timeout
         self.metrics = ServerMetrics(engine.engine)
         self.created = int(time.time())
+        self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
+
+    async def _body(self, request: Request) -> bytes:
+        _require_json(request)
+        return await _read_body(request, self.max_body_bytes, self.read_timeout)
+
+    async def _off_loop(self, fn: Callable[[bytes], T], body: bytes) -> T:
+        """Run request preparation (parse, template, tokenize) in the prep pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, body)
 
     # ---- shared checks ----------------------------------------------------------------------
     def _check_common(self, req: Any) -> None:
@@ -121,9 +185,8 @@ class OpenAIServer:
         return _merge([self.metrics.observe(st.__aiter__(), start) for st in streams], streams)
 
     # ---- /v1/completions --------------------------------------------------------------------
-    async def completions(self, request: Request) -> Response:
-        start = time.monotonic()
-        req: CompletionRequest = await _parse(request, CompletionRequest)
+    def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
+        req: CompletionRequest = _parse(body, CompletionRequest)
         self._check_common(req)
         prompts = [self._encode(p) for p in req.prompts()]
         if not prompts:
@@ -136,6 +199,11 @@ class OpenAIServer:
         params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if want_prompt_lps else None)
         for ids in prompts:
             self._check(ids, params)
+        return req, prompts, params
+
+    async def completions(self, request: Request) -> Response:
+        start = time.monotonic()
+        req, prompts, params = await self._off_loop(self._prepare_completion, await self._body(request))
         rid = f"cmpl-{uuid.uuid4().hex}"
         events = self._submit(prompts, params, rid, start)
         builder = CompletionBuilder(self, req, prompts, rid)
@@ -145,9 +213,8 @@ class OpenAIServer:
         return JSONResponse(result)
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
-    async def chat(self, request: Request) -> Response:
-        start = time.monotonic()
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+    def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
+        req: ChatCompletionRequest = _parse(body, ChatCompletionRequest)
         self._check_common(req)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
@@ -165,6 +232,11 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
         self._check(ids, params)
+        return req, ids, params
+
+    async def chat(self, request: Request) -> Response:
+        start = time.monotonic()
+        req, ids, params = await self._off_loop(self._prepare_chat, await self._body(request))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         events = self._submit([ids], params, rid, start)
         builder = ChatBuilder(self, req, ids, rid)
@@ -201,7 +273,7 @@ class OpenAIServer:
             watcher.cancel()
             try:
                 return task.result()
-            except RuntimeError as exc:  # the engine failed this request (logged by the engine thread)
+            except Exception as exc:  # noqa: BLE001 - the engine failed this request (logged by its thread)
                 raise APIError(500, str(exc), type_="server_error") from None
         task.cancel()
         try:
@@ -261,9 +333,18 @@ async def _merge(gens: list[AsyncIterator[StepEvent]], streams: list[RequestStre
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-               aliases: tuple[str, ...] = (), max_n: int = MAX_N) -> FastAPI:
-    server = OpenAIServer(engine, model_name, aliases, max_n)
-    app = FastAPI(title="lmfoundry", docs_url=None, redoc_url=None, openapi_url=None)
+               aliases: tuple[str, ...] = (), max_n: int = MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               read_timeout: float = DEFAULT_READ_TIMEOUT) -> FastAPI:
+    """The FastAPI app. `max_body_bytes` bounds request bodies (413 beyond); `read_timeout` bounds
+    the time a body may take to arrive after its headers (408 beyond)."""
+    server = OpenAIServer(engine, model_name, aliases, max_n, max_body_bytes, read_timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.prep.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="lmfoundry", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
 
     def authorize(request: Request) -> None:
@@ -282,6 +363,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody is listening; the request was aborted
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # A bug: uvicorn still logs the traceback; the client gets the OpenAI error shape.
+        return await api_error(request, APIError(500, f"internal error: {exc}", type_="server_error"))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

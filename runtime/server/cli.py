@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from lmfoundry.errors import UserError
+
+if TYPE_CHECKING:
+    from lmfoundry.runtime.engine import LLMEngine
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -17,6 +22,41 @@ def _print_url(host: str, port: int, api_key: str | None) -> None:
     click.echo(f"lmfoundry serving on http://{shown}:{port}/v1"
                f"{' (API key required)' if api_key else ''}", err=False)
     sys.stdout.flush()
+
+
+def _bundle_block_size(path: str) -> int:
+    from lmfoundry.compile.loader import read_manifest
+
+    return int(read_manifest(path)["kv_cache"]["block_size"])
+
+
+def _check_server_options(port: int, max_model_len: int | None, max_waiting: int, kv_cache_gb: float,
+                          threads: int | None, max_request_mb: float, timeout_read: float,
+                          timeout_keep_alive: float) -> None:
+    """Refuse out-of-range options in one line before loading the model (--kv-cache-gb 0 used to
+    run with one block, --max-waiting -5 shrank the running capacity, nan reached the allocator)."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {port}")
+    if max_model_len is not None and max_model_len < 2:
+        raise UserError(f"--max-model-len must be at least 2 (a prompt token and an output token), got {max_model_len}")
+    if max_waiting < 0:
+        raise UserError(f"--max-waiting must be at least 0, got {max_waiting}")
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads must be at least 1, got {threads}")
+    for name, value in (("--kv-cache-gb", kv_cache_gb), ("--max-request-mb", max_request_mb),
+                        ("--timeout-read", timeout_read), ("--timeout-keep-alive", timeout_keep_alive)):
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"{name} must be a positive number, got {value}")
+
+
+def _note_capped_context(engine: LLMEngine, max_model_len: int | None, kv_cache_gb: float) -> None:
+    """Say so when the context was capped to what the KV cache holds (as vLLM reports its estimated
+    maximum model length); an explicit --max-model-len over the capacity is refused by the engine."""
+    full = engine.model.config.max_position_embeddings
+    if max_model_len is None and engine.max_model_len < full:
+        click.echo(f"note: the KV cache (--kv-cache-gb {kv_cache_gb:g}) holds {engine.max_model_len} tokens, "
+                   f"less than the model's context of {full}: max model len is capped to {engine.max_model_len}; "
+                   f"raise --kv-cache-gb for more", err=True)
 
 
 @click.command("serve")
@@ -36,22 +76,47 @@ def _print_url(host: str, port: int, api_key: str | None) -> None:
 @click.option("--kv-cache-gb", type=float, default=1.0, show_default=True, help="KV-cache memory.")
 @click.option("--kv-cache-dtype", default="auto", show_default=True,
               help="auto, float32, bfloat16, float16, int8 or fp8 (int8/fp8 need checkpoint scales).")
-@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--block-size", type=int, default=None,
+              help="Tokens per KV block (default 16, or the block size an engine bundle was compiled for).")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu or cuda[:N]. An engine bundle (`lmfoundry compile` output) runs its kernels there: "
+                   "shipped cubins on a matching GPU, Triton JIT otherwise, each kernel's PyTorch reference on "
+                   "CPU. A checkpoint folder or model name runs the PyTorch reference model on CPU.")
+@click.option("--enforce-eager", is_flag=True,
+              help="On a GPU, run every decode step eagerly instead of replaying CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
 @click.option("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS or all cores).")
+@click.option("--max-request-mb", type=float, default=8.0, show_default=True,
+              help="Largest request body in MiB (larger: HTTP 413).")
+@click.option("--timeout-read", type=float, default=30.0, show_default=True,
+              help="Seconds a client may take to send a request's headers (else the connection is closed), "
+                   "and then its body (else HTTP 408).")
+@click.option("--timeout-keep-alive", type=float, default=5.0, show_default=True,
+              help="Seconds an idle keep-alive connection stays open.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int,
-          kv_cache_gb: float, kv_cache_dtype: str, block_size: int, no_prefix_caching: bool,
-          threads: int | None, log_level: str) -> None:
-    """Serve MODEL (a checkpoint folder or a known model name) with an OpenAI-compatible API."""
+          kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, enforce_eager: bool,
+          no_prefix_caching: bool,
+          threads: int | None, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
+          log_level: str) -> None:
+    """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
+    or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device."""
+    _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
+                          timeout_keep_alive)
     import torch
     import uvicorn
 
     from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine
     from lmfoundry.runtime.server.app import create_app
+    from lmfoundry.runtime.server.background import uvicorn_config
 
+    from lmfoundry.runtime.loader import check_device, is_engine_bundle
+
+    device = check_device(device)
+    if block_size is None:
+        block_size = _bundle_block_size(model) if is_engine_bundle(model) else 16
     for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
                         ("--block-size", block_size)):
         if value < 1:
@@ -62,11 +127,14 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         block_size=block_size, kv_cache_memory_gb=kv_cache_gb, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_waiting_requests=max_waiting, enable_prefix_caching=not no_prefix_caching,
-        kv_cache_dtype=kv_cache_dtype, num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or None)
-    engine = LLMEngine.from_pretrained(model, None if dtype == "auto" else getattr(torch, dtype), config)
+        kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager, num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or None)
+    engine = LLMEngine.from_pretrained(model, None if dtype == "auto" else getattr(torch, dtype), config,
+                                       device=device)
+    _note_capped_context(engine, max_model_len, kv_cache_gb)
     name = served_model_name or os.path.basename(os.path.normpath(model))
     async_engine = AsyncLLMEngine(engine)
-    app = create_app(async_engine, name, api_key=api_key, aliases=(model,))
+    app = create_app(async_engine, name, api_key=api_key, aliases=(model,),
+                     max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:  # type: ignore[override]
@@ -75,7 +143,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
                 bound = self.servers[0].sockets[0].getsockname()
                 _print_url(host, bound[1], api_key)
 
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    server = Server(uvicorn_config(app, host, port, log_level, read_timeout=timeout_read,
+                                   keep_alive=timeout_keep_alive, timeout_graceful_shutdown=5))
     try:
         server.run()
     finally:

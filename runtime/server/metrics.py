@@ -64,7 +64,8 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     async def observe(self, events: AsyncIterator[StepEvent], start: float) -> AsyncIterator[StepEvent]:
-        """Pass events through, timing the first token, the gaps between tokens and the end."""
+        """Pass events through, timing the first token, the gaps between tokens and the end. A
+        request the engine failed is counted with finish_reason "error", one the client left as "abort"."""
         last: dict[int, float] = {}
         reason = "abort"
         try:
@@ -82,7 +83,10 @@ class ServerMetrics:
                 if ev.finish_reason is not None:
                     reason = ev.finish_reason
                 yield ev
+        except Exception:
+            reason = "error"
+            raise
         finally:
-            if reason != "abort":
+            if reason not in ("abort", "error"):
                 self.e2e.observe(time.monotonic() - start)
             self.finished.labels(finish_reason=reason).inc()
