@@ -120,6 +120,7 @@ class RuntimeLM(TemplateLM):
         max_length: int | None = None,
         max_gen_toks: int = 256,
         engine_config: Any = None,
+        device: str = "cpu",
         **_: Any,
     ) -> None:
         super().__init__()
@@ -128,10 +129,15 @@ class RuntimeLM(TemplateLM):
                 raise UserError("the lmfoundry lm-eval model needs `pretrained=` (a folder, GGUF or built-in name)")
             from lmfoundry.runtime.loader import load_model
 
-            model, tokenizer = load_model(pretrained)
+            model, tokenizer = load_model(pretrained, device=device)
         if tokenizer is None:
             raise UserError("the lmfoundry lm-eval model needs a tokenizer")
-        self.model = model.eval()
+        from lmfoundry.runtime.engine.kernel_model import KernelModel
+
+        # An engine bundle's kernels are driven through the serving engine (paged cache, prefix
+        # caching of shared contexts); the reference model through its own batched scoring.
+        self.kernel_model = isinstance(model, KernelModel)
+        self.model = model if self.kernel_model else model.eval()
         self.tokenizer = tokenizer
         self.add_bos = parse_add_bos(add_bos)
         self.batch_tokens = int(batch_tokens)
@@ -161,7 +167,7 @@ class RuntimeLM(TemplateLM):
 
     @property
     def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
+        return self.model.device if self.kernel_model else self.model.lm_head.weight.device
 
     @property
     def tokenizer_name(self) -> str:
@@ -232,6 +238,8 @@ class RuntimeLM(TemplateLM):
         roughly half the tokens. Batches are sorted by length, ties by content, so results do not
         depend on request order. Only needed positions go through the LM head; log-softmax is
         taken in float32."""
+        if self.kernel_model:
+            return self._score_on_engine(jobs)
         parts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         for job in jobs:
             if not job.context or not job.continuation:
@@ -292,6 +300,20 @@ class RuntimeLM(TemplateLM):
             out.append((ll, bool(greedy)))
         return out
 
+    def _score_on_engine(self, jobs: list[ScoreRequest]) -> list[tuple[float, bool]]:
+        """`score` through the serving engine (an engine bundle's kernels), with the same
+        left-truncation to max_length."""
+        pairs = []
+        for job in jobs:
+            if not job.context or not job.continuation:
+                raise ValueError("loglikelihood needs a non-empty context and continuation")
+            n = len(job.continuation)
+            if n > self.max_length:
+                raise UserError(f"a continuation of {n} tokens exceeds max_length {self.max_length}")
+            keep = max(1, self.max_length + 1 - n)
+            pairs.append((job.context[-keep:], job.continuation))
+        return self.engine().loglikelihood(pairs)
+
     def _padded(self, seqs: list[tuple[int, ...]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ids [B, T] and their positions (row r starts at starts[r])."""
         width = max(len(s) for s in seqs)
@@ -326,7 +348,9 @@ class RuntimeLM(TemplateLM):
             from lmfoundry.runtime.engine.config import EngineConfig
             from lmfoundry.runtime.engine.llm_engine import LLMEngine
 
-            self._engine = LLMEngine(self.model, self.tokenizer, self._engine_config or EngineConfig())
+            config = self._engine_config or EngineConfig(
+                block_size=self.model.block_size if self.kernel_model else EngineConfig.block_size)
+            self._engine = LLMEngine(self.model, self.tokenizer, config)
         return self._engine
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:

@@ -28,12 +28,58 @@ def load_tokenizer(folder: str | Path) -> Any:
 
 
 def load_model(
-    path_or_name: str | Path, dtype: torch.dtype | None = None, allow_pickle: bool = False
-) -> tuple[CausalLM, Any]:
-    """(model, tokenizer) for a model folder, GGUF file, built-in name or quantized checkpoint."""
+    path_or_name: str | Path, dtype: torch.dtype | None = None, allow_pickle: bool = False,
+    device: str | torch.device = "cpu",
+) -> tuple[Any, Any]:
+    """(model, tokenizer) for a model folder, GGUF file, built-in name or quantized checkpoint —
+    the reference `CausalLM` on CPU — or for an engine bundle, its `KernelModel` on `device`."""
+    if is_engine_bundle(path_or_name):
+        return load_bundle(path_or_name, device)
+    if torch.device(device).type != "cpu":
+        raise UserError(f"{path_or_name}: --device {device} runs an engine bundle's kernels; build one with "
+                        f"`lmfoundry compile {path_or_name} --arch ...` and pass the bundle folder")
     folder = resolve_model(path_or_name, allow_pickle=allow_pickle)
     model = load_causal_lm(CheckpointReader(folder), dtype)
     return model, load_tokenizer(folder)
+
+
+def check_device(device: str) -> str:
+    """A --device value as torch understands it, or a one-line error (cuda asked on a machine
+    without one included)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device!r}: use cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}: use cpu or cuda[:N]")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: this machine has no CUDA GPU (use --device cpu)")
+    return str(dev)
+
+
+def is_engine_bundle(path: str | Path) -> bool:
+    return (Path(path) / "engine.json").is_file()
+
+
+def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret: bool | None = None
+                ) -> tuple[Any, Any]:
+    """(KernelModel, tokenizer) of an engine bundle: kernel files and weights verified against
+    engine.json first (a tampered or foreign file refuses the bundle), then the kernels for
+    `device` (cubins, JIT, interpreter or references) and the weights in their stored form."""
+    from lmfoundry.compile.loader import load_engine, read_manifest, verify_weights
+    from lmfoundry.runtime.engine.kernel_model import load_kernel_model
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    engine = Path(path)
+    verify_weights(engine, read_manifest(engine))
+    kernels = load_engine(engine, device, interpret=interpret)
+    with torch.device("cpu"):
+        model = load_kernel_model(engine, kernels, device)
+    weights = engine / "weights"
+    has_tokenizer = any((weights / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return model, load_tokenizer(weights) if has_tokenizer else None
 
 
 @torch.no_grad()

@@ -122,3 +122,21 @@ def tiny_decoder_layer(arch: str = "llama", seed: int = 0, tokens: int = 10):
     layer = DecoderLayer(config, 0).eval()
     cos, sin = RotaryEmbedding(config)(torch.arange(tokens).unsqueeze(0), torch.float32)
     return layer, cos, sin, config
+
+
+def wait_for_url(proc: Any, timeout: float = 120) -> str:
+    """The URL a `lmfoundry serve` subprocess prints once it listens (kills it on timeout)."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if m := re.search(r"serving on (http://\S+)", line):
+            return m.group(1)
+    proc.kill()
+    raise AssertionError("no URL printed:\n" + "".join(seen))

@@ -26,3 +26,6 @@ class EngineConfig:
     # "bfloat16", "float16", "int8", "fp8" (the last two need k/v scales from the checkpoint).
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None keeps the process setting
+    # Decode steps of an engine bundle on a GPU replay a CUDA graph per batch-size bucket (no
+    # per-kernel launch or argument packing cost); False runs every step eagerly.
+    cuda_graphs: bool = True

@@ -63,10 +63,12 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, dtype: torch.dtype | None = None,
-                        config: EngineConfig | None = None) -> "LLMEngine":
+                        config: EngineConfig | None = None, device: str | torch.device = "cpu") -> "LLMEngine":
+        """An engine for a checkpoint (reference executor, CPU) or an engine bundle (its kernels
+        on `device`)."""
         from lmfoundry.runtime.loader import load_model
 
-        model, tokenizer = load_model(path_or_name, dtype=dtype)
+        model, tokenizer = load_model(path_or_name, dtype=dtype, device=device)
         return cls(model, tokenizer, config)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -93,6 +95,12 @@ class LLMEngine:
                              f"exceed the context of {self.max_model_len} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        # The sampler indexes the logits row with these: an id past the vocabulary would fail the step.
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {max(params.stop_token_ids)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}")
 
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams,
                     arrival_time: float | None = None) -> str:
@@ -136,11 +144,19 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        """Run one forward pass of the scheduled batch; return the sequences' new output."""
+        """Run one forward pass of the scheduled batch; return the sequences' new output.
+
+        A failure is contained to the requests it belongs to: a sampling or detokenizing error fails
+        that request alone; a failed forward pass (shared by the batch) fails the requests in the
+        batch, and waiting ones still get their turn. A failed request gets one event with
+        finish_reason "error" and `error` set, and its blocks are freed."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:  # noqa: BLE001 - reported per request below
+            return [self._fail(rid, exc) for rid in dict.fromkeys(seq.request_id for seq, _ in batch)]
         for seq, n in batch:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -148,8 +164,34 @@ class LLMEngine:
                 seq.prompt_logprobs[pos] = lp
         if result.logits is None:
             return []
-        tokens, logprobs = self.sampler(result.logits, result.sample_seqs)
-        return [self._append(seq, tok, lp) for seq, tok, lp in zip(result.sample_seqs, tokens, logprobs)]
+        sampled = self.sampler(result.logits, result.sample_seqs)
+        events: list[StepEvent] = []
+        errors: dict[str, Exception] = {}
+        for i, seq in enumerate(result.sample_seqs):
+            if seq.request_id in errors:
+                continue
+            exc = sampled.errors.get(i)
+            if exc is None:
+                try:
+                    events.append(self._append(seq, sampled.tokens[i], sampled.logprobs[i]))
+                    continue
+                except Exception as append_exc:  # noqa: BLE001 - fails this request only
+                    exc = append_exc
+            errors[seq.request_id] = exc
+        events.extend(self._fail(rid, exc) for rid, exc in errors.items())
+        return events
+
+    def _fail(self, request_id: str, exc: Exception) -> StepEvent:
+        """Finish every sequence of a request with finish_reason "error" and free its blocks. The
+        event is returned even if the request already left `_requests` (an `_append` that raised
+        after finishing it), since its caller has not been told it ended."""
+        seqs = self._requests.pop(request_id, [])
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+        return StepEvent(request_id=request_id, index=0, token_ids=[], text="", logprobs=None,
+                         finish_reason="error", request_finished=True,
+                         num_prompt_tokens=seqs[0].num_prompt_tokens if seqs else 0, num_cached_tokens=0, error=exc)
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> StepEvent:
         p = seq.params
@@ -214,6 +256,10 @@ class LLMEngine:
             if not events and not self.scheduler.has_work():
                 raise RuntimeError("engine stopped with unfinished requests")  # a bug, not a user error
             for ev in events:
+                if ev.error is not None:
+                    for rid in pending:
+                        self.abort(rid)  # leave the engine clean for the caller's next call
+                    raise RuntimeError(f"request {ev.request_id} failed: {ev.error}") from ev.error
                 if ev.request_id in results:
                     results[ev.request_id].add(ev)
                     if ev.request_finished:

@@ -1,25 +1,26 @@
 """Runs one scheduled batch through the model: flat ragged inputs, paged attention, logits.
 
-Only the rows that need logits go through the LM head: the last token of each sequence whose
-prompt (or chunk series) is complete, plus every prompt row of sequences that asked for prompt
-logprobs. For a 512-token prefill that skips 511 of 512 vocab projections.
+The runner owns what both executors share: the KV capacity (blocks that fit the memory budget),
+the flat step inputs (decode rows first, then prefill chunks) and which rows need logits. Only the
+rows that need logits go through the LM head: the last token of each sequence whose prompt (or
+chunk series) is complete, plus every prompt row of sequences that asked for prompt logprobs. For
+a 512-token prefill that skips 511 of 512 vocab projections.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import nn
 
-from lmfoundry.runtime.engine.attention import Chunk, DecodeGroup, PagedAttention
+from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.config import EngineConfig
-from lmfoundry.runtime.engine.kv_cache import PagedKVCache, resolve_kv_formats
+from lmfoundry.runtime.engine.executor import StepInputs, make_executor
 from lmfoundry.runtime.engine.scheduler import ScheduledBatch
 from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
 
-PROMPT_LOGPROB_ROWS = 128
-CASCADE_MIN_TOKENS = 64  # shared-prefix length from which decode attention is split (cascade)  # vocab projections done at once for prompt logprobs (memory bound)
+PROMPT_LOGPROB_ROWS = 128  # vocab projections done at once for prompt logprobs (memory bound)
 
 
 @dataclass
@@ -30,94 +31,65 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
-        self.model = model.eval()
+    def __init__(self, model: Any, config: EngineConfig) -> None:
+        self.model = model
         self.config = config
-        cfg = model.config
         self.block_size = config.block_size
-        self.formats = resolve_kv_formats(model, config.kv_cache_dtype)
-        bytes_per_token = sum(f.bytes_per_token(cfg.num_kv_heads, cfg.head_dim) for f in self.formats)
+        self.executor = make_executor(model, config)
+        bytes_per_token = self.executor.kv_bytes_per_token()
         if config.num_kv_blocks is not None:
             self.num_blocks = config.num_kv_blocks
         else:
             budget = int(config.kv_cache_memory_gb * 2**30)
-            self.num_blocks = max(1, budget // (bytes_per_token * self.block_size))
-        self.cache = PagedKVCache(self.formats, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+            self.num_blocks = budget // (bytes_per_token * self.block_size)
+        if self.num_blocks < 1:
+            raise UserError(f"the KV cache budget holds no block of {self.block_size} tokens "
+                            f"({bytes_per_token * self.block_size} bytes each); give it more memory")
+        self.executor.allocate(self.num_blocks)
         self.kv_cache_bytes = bytes_per_token * self.block_size * self.num_blocks
 
     @property
-    def round_trips(self) -> list:
-        return [getattr(layer.self_attn, "kv_round_trip", None) for layer in self.model.model.layers]
+    def cache(self) -> Any:
+        """The reference executor's paged cache (tests and stats look at its tensors)."""
+        return getattr(self.executor, "cache", None)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _shared_blocks(self, tables: torch.Tensor) -> int:
-        """Leading blocks every decode sequence shares, when enough to pay for a cascade split.
-        Shared block ids are prefix-cache hits: full blocks, and never the block being written."""
-        if tables.shape[0] < 2 or not self.config.cascade_attention:
-            return 0
-        same = (tables == tables[:1]).all(dim=0)
-        shared = int(torch.cumprod(same.to(torch.int64), 0).sum())
-        return shared if shared * self.block_size >= CASCADE_MIN_TOKENS else 0
+    def inputs(self, batch: ScheduledBatch) -> tuple[list[tuple[Sequence, int]], StepInputs]:
+        """The batch reordered decodes first, and its flat step inputs."""
+        ordered = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes first
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        items, offsets = [], []
+        for seq, n in ordered:
+            c = seq.num_computed_tokens
+            offsets.append(len(ids))
+            ids.extend(seq.token_ids[c : c + n])
+            positions.extend(range(c, c + n))
+            slots.extend(self._slots(seq, c, c + n))
+            items.append((c, n, seq.block_table))
+        num_decode = sum(1 for _, n in ordered if n == 1)
+        return ordered, StepInputs(ids, positions, slots, items, offsets, num_decode, self.block_size)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        decode_rows: list[int] = []
-        decode_seqs: list[Sequence] = []
-        chunks: list[Chunk] = []
-        lossless = all(f.lossless for f in self.formats)
-        for seq, n in batch:
-            c, row = seq.num_computed_tokens, len(ids)
-            ids.extend(seq.token_ids[c : c + n])
-            positions.append(torch.arange(c, c + n))
-            slots.append(self._slots(seq, c, c + n))
-            if n == 1:
-                decode_rows.append(row)
-                decode_seqs.append(seq)
-            elif c == 0 and lossless:
-                chunks.append(Chunk(row, row + n, 0, None, None))
-            else:
-                blocks = torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)], dtype=torch.long)
-                mask = None
-                if c > 0:
-                    mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None]
-                chunks.append(Chunk(row, row + n, c, blocks, mask))
-
-        decode = None
-        if decode_seqs:
-            lengths = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs])
-            max_len = int(lengths.max())
-            max_blocks = -(-max_len // self.block_size)
-            tables = torch.zeros(len(decode_seqs), max_blocks, dtype=torch.long)
-            for i, s in enumerate(decode_seqs):
-                t = s.block_table[:max_blocks]
-                tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            real = torch.arange(max_blocks * self.block_size)[None, :] < lengths[:, None]
-            contiguous = decode_rows == list(range(len(decode_rows)))
-            rows = None if contiguous and not chunks else torch.tensor(decode_rows)
-            decode = DecodeGroup(rows, tables, real[:, None, None, :], self._shared_blocks(tables))
-
-        context = PagedAttention(self.cache, self.round_trips, torch.cat(slots), decode, chunks)
-        hidden = self.model.hidden_states(torch.tensor(ids, dtype=torch.long), torch.cat(positions), context)
-
-        sample_seqs, sample_rows, row = [], [], 0
+        ordered, step = self.inputs(batch)
+        hidden = self.executor.forward(step)
+        sample_seqs, sample_rows = [], []
         result = StepResult([], None)
-        for seq, n in batch:
+        for (seq, n), row in zip(ordered, step.offsets):
             if seq.num_computed_tokens + n == len(seq):
                 sample_seqs.append(seq)
                 sample_rows.append(row + n - 1)
             if seq.prompt_logprobs is not None:
                 self._prompt_logprobs(seq, hidden[row : row + n], seq.num_computed_tokens, result)
-            row += n
         result.sample_seqs = sample_seqs
         if sample_rows:
-            result.logits = self.model.lm_head(hidden[torch.tensor(sample_rows)]).float()
+            rows = torch.tensor(sample_rows, device=hidden.device)
+            result.logits = self.executor.logits(hidden.index_select(0, rows))
         return result
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int, result: StepResult) -> None:
@@ -128,7 +100,7 @@ class ModelRunner:
         out = result.prompt_logprobs.setdefault(seq.seq_id, [])
         for lo in range(first, last, PROMPT_LOGPROB_ROWS):
             hi = min(lo + PROMPT_LOGPROB_ROWS, last)
-            logp = torch.log_softmax(self.model.lm_head(hidden[lo - start : hi - start]).float(), dim=-1)
+            logp = torch.log_softmax(self.executor.logits(hidden[lo - start : hi - start]), dim=-1).cpu()
             targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1])
             chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
             top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
+
+from helpers import wait_for_url as _wait_for_url
 
 from lmfoundry.runtime.engine.toy import save_toy_checkpoint
 
@@ -19,20 +19,6 @@ def _serve(args: list[str]) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "lmfoundry.cli", "serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _wait_for_url(proc: subprocess.Popen, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        seen.append(line)
-        if m := re.search(r"serving on (http://\S+)", line):
-            return m.group(1)
-    proc.kill()
-    raise AssertionError("no URL printed:\n" + "".join(seen))
 
 
 def test_serve_cli_prints_url_and_streams_chat(tmp_path) -> None:

@@ -1,0 +1,276 @@
+"""How a scheduled step's flat inputs become hidden states: the two model executors.
+
+- `ReferenceModelExecutor`: the PyTorch reference `CausalLM` (the model every stage shares) with
+  attention over the engine's paged cache through `PagedAttention` (CPU serving, eval on CPU).
+- `KernelModelExecutor`: an engine bundle's `KernelModel`, every op a compiled kernel (cubins on a
+  matching GPU, Triton JIT / interpreter, or each kernel's reference on CPU).
+
+`ModelRunner` builds one `StepInputs` per step (rows ordered decodes first) and hands it to its
+executor; an executor owns its KV cache tensors and turns the step into what its ops need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lmfoundry.runtime.engine.attention import Chunk, DecodeGroup, PagedAttention
+from lmfoundry.runtime.engine.config import EngineConfig
+from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
+from lmfoundry.runtime.engine.kv_cache import PagedKVCache, resolve_kv_formats
+
+CASCADE_MIN_TOKENS = 64  # shared-prefix length from which decode attention is split (cascade)
+
+
+@dataclass
+class StepInputs:
+    """One step's tokens, flat: rows [0, num_decode) are single-token decodes, then one chunk per
+    prefilling sequence. `items[j] = (context, n, block_table)`: n new tokens after `context`
+    cached ones; rows of item j are `offsets[j] : offsets[j] + n`."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    items: list[tuple[int, int, list[int]]]
+    offsets: list[int]
+    num_decode: int
+    block_size: int
+
+    @property
+    def decode_items(self) -> list[tuple[int, int, list[int]]]:
+        return self.items[: self.num_decode]
+
+    @property
+    def prefill_items(self) -> list[tuple[int, int, list[int]]]:
+        return self.items[self.num_decode :]
+
+
+class ModelExecutor(Protocol):
+    config: Any  # ModelConfig
+    dtype: torch.dtype
+
+    def kv_bytes_per_token(self) -> int: ...
+    def allocate(self, num_blocks: int) -> None: ...
+    def forward(self, step: StepInputs) -> torch.Tensor: ...
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def _table(blocks: list[int], width: int) -> list[int]:
+    return list(blocks[:width]) + [0] * (width - min(len(blocks), width))
+
+
+class ReferenceModelExecutor:
+    """The reference `CausalLM` over the engine's `PagedKVCache` (float, INT8 or FP8 storage)."""
+
+    name = "reference"
+
+    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+        self.model = model.eval()
+        self.engine_config = config
+        self.config = model.config
+        self.dtype = model.dtype
+        self.formats = resolve_kv_formats(model, config.kv_cache_dtype)
+        self.cache: PagedKVCache | None = None
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.config
+        return sum(f.bytes_per_token(cfg.num_kv_heads, cfg.head_dim) for f in self.formats)
+
+    def allocate(self, num_blocks: int) -> None:
+        cfg = self.config
+        self.cache = PagedKVCache(self.formats, num_blocks, self.engine_config.block_size, cfg.num_kv_heads,
+                                  cfg.head_dim)
+
+    @property
+    def round_trips(self) -> list:
+        return [getattr(layer.self_attn, "kv_round_trip", None) for layer in self.model.model.layers]
+
+    def _shared_blocks(self, tables: torch.Tensor) -> int:
+        """Leading blocks every decode sequence shares, when enough to pay for a cascade split.
+        Shared block ids are prefix-cache hits: full blocks, and never the block being written."""
+        if tables.shape[0] < 2 or not self.engine_config.cascade_attention:
+            return 0
+        same = (tables == tables[:1]).all(dim=0)
+        shared = int(torch.cumprod(same.to(torch.int64), 0).sum())
+        return shared if shared * self.engine_config.block_size >= CASCADE_MIN_TOKENS else 0
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        bs = step.block_size
+        lossless = all(f.lossless for f in self.formats)
+        chunks = []
+        for (c, n, table), row in zip(step.prefill_items, step.offsets[step.num_decode :]):
+            if c == 0 and lossless:
+                chunks.append(Chunk(row, row + n, 0, None, None))
+                continue
+            blocks = torch.tensor(table[: -(-(c + n) // bs)], dtype=torch.long)
+            mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None] if c > 0 else None
+            chunks.append(Chunk(row, row + n, c, blocks, mask))
+        decode = None
+        if step.num_decode:
+            lengths = torch.tensor([c + 1 for c, _, _ in step.decode_items])
+            width = -(-int(lengths.max()) // bs)
+            tables = torch.tensor([_table(t, width) for _, _, t in step.decode_items], dtype=torch.long)
+            real = torch.arange(width * bs)[None, :] < lengths[:, None]
+            rows = torch.arange(step.num_decode) if chunks else None
+            decode = DecodeGroup(rows, tables, real[:, None, None, :], self._shared_blocks(tables))
+        context = PagedAttention(self.cache, self.round_trips, torch.tensor(step.slots, dtype=torch.long), decode,
+                                 chunks)
+        return self.model.hidden_states(torch.tensor(step.ids, dtype=torch.long),
+                                        torch.tensor(step.positions, dtype=torch.long), context)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()
+
+
+class KernelModelExecutor:
+    """An engine bundle's kernels (see `kernel_model.py`). Step metadata goes to the device as one
+    int32 buffer (one host-to-device copy per step), sliced into ids, positions, slots, tables."""
+
+    name = "kernels"
+
+    def __init__(self, model: KernelModel, config: EngineConfig) -> None:
+        if config.block_size != model.kernels.manifest["kv_cache"]["block_size"]:
+            from lmfoundry.errors import UserError
+
+            raise UserError(f"the engine's kernels were built for KV blocks of "
+                            f"{model.kernels.manifest['kv_cache']['block_size']} tokens, not --block-size "
+                            f"{config.block_size}")
+        self.model = model
+        self.engine_config = config
+        self.config = model.config
+        self.dtype = model.dtype
+        self.device = model.device
+        self.caches: list = []
+        self._graphs: DecodeGraphs | None = None
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.config
+        size = torch.empty((), dtype=self.model.cache_dtype()).element_size()
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
+
+    def allocate(self, num_blocks: int) -> None:
+        self.caches = self.model.allocate_cache(num_blocks, self.engine_config.block_size)
+
+    def attention_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
+        """(ids, positions, attention inputs) on the device from one packed int32 copy."""
+        bs, nd = step.block_size, step.num_decode
+        dec, pre = step.decode_items, step.prefill_items
+        dec_width = max((-(-(c + 1) // bs) for c, _, _ in dec), default=0)
+        pre_width = max((-(-(c + n) // bs) for c, n, _ in pre), default=0)
+        cu = [0]
+        for _, n, _ in pre:
+            cu.append(cu[-1] + n)
+        parts: list[list[int]] = [step.ids, step.positions, step.slots,
+                                  [c + 1 for c, _, _ in dec], [x for _, _, t in dec for x in _table(t, dec_width)],
+                                  cu if pre else [], [c + n for c, n, _ in pre],
+                                  [x for _, _, t in pre for x in _table(t, pre_width)]]
+        flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        views, at = [], 0
+        for p in parts:
+            views.append(flat[at : at + len(p)])
+            at += len(p)
+        ids, positions, slots, dec_lens, dec_tab, cu_t, pre_lens, pre_tab = views
+        attn = AttentionInputs(
+            slots=slots, num_decode=nd,
+            decode_tables=dec_tab.view(len(dec), dec_width) if dec else None, decode_lens=dec_lens if dec else None,
+            prefill_tables=pre_tab.view(len(pre), pre_width) if pre else None,
+            cu_seqlens=cu_t if pre else None, prefill_lens=pre_lens if pre else None,
+            max_q_len=max((n for _, n, _ in pre), default=0))
+        return ids, positions, attn
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and step.num_decode == len(step.items):
+            hidden = self.graphs.run(step)
+            if hidden is not None:
+                return hidden
+        ids, positions, attn = self.attention_inputs(step)
+        return self.model.hidden_states(ids, positions, attn, self.caches)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    @property
+    def graphs(self) -> "DecodeGraphs | None":
+        if self._graphs is None and self.device.type == "cuda" and self.engine_config.cuda_graphs and self.caches:
+            max_len = self.engine_config.max_model_len or self.config.max_position_embeddings
+            self._graphs = DecodeGraphs(self, -(-max_len // self.engine_config.block_size))
+        return self._graphs
+
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeGraphs:
+    """One CUDA graph per decode batch-size bucket, captured on first use: a step copies its
+    metadata into the bucket's static int32 buffer (one host-to-device copy) and replays every
+    kernel of the forward. Padding rows write no cache slot (slot -1) and attend to one token."""
+
+    def __init__(self, executor: KernelModelExecutor, table_width: int) -> None:
+        self.executor = executor
+        self.width = table_width
+        self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.failed = ""
+
+    def _host(self, step: StepInputs, bucket: int) -> torch.Tensor:
+        bs, b = step.block_size, len(step.items)
+        pad = bucket - b
+        rows = [_table(t, self.width) for _, _, t in step.items] + [[0] * self.width] * pad
+        flat = (step.ids + [0] * pad) + (step.positions + [0] * pad) + (step.slots + [-1] * pad) \
+            + ([c + 1 for c, _, _ in step.items] + [1] * pad) + [x for r in rows for x in r]
+        assert bs == self.executor.engine_config.block_size
+        return torch.tensor(flat, dtype=torch.int32).pin_memory()
+
+    def _views(self, buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
+        ids, pos, slots, lens = (buf[i * bucket : (i + 1) * bucket] for i in range(4))
+        table = buf[4 * bucket :].view(bucket, self.width)
+        return ids, pos, AttentionInputs(slots, bucket, table, lens, None, None, None, 0)
+
+    def _capture(self, step: StepInputs, bucket: int) -> None:
+        ex = self.executor
+        buf = self._host(step, bucket).to(ex.device)
+        ids, pos, attn = self._views(buf, bucket)
+        stream = torch.cuda.Stream(ex.device)
+        stream.wait_stream(torch.cuda.current_stream(ex.device))
+        with torch.cuda.stream(stream):  # warm-up: loads cubins / JIT-compiles outside the capture
+            ex.model.hidden_states(ids, pos, attn, ex.caches)
+        torch.cuda.current_stream(ex.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = ex.model.hidden_states(ids, pos, attn, ex.caches)
+        self.graphs[bucket] = (graph, buf, hidden)
+
+    def run(self, step: StepInputs) -> torch.Tensor | None:
+        """Hidden states of a decode-only step by graph replay; None when no bucket fits (or
+        capture failed once: then every step runs eagerly, with one log line)."""
+        b = len(step.items)
+        bucket = next((x for x in GRAPH_BUCKETS if x >= b), None)
+        if bucket is None or self.failed or any(-(-(c + 1) // step.block_size) > self.width for c, _, _ in step.items):
+            return None
+        if bucket not in self.graphs:
+            try:
+                self._capture(step, bucket)
+            except Exception as exc:  # a kernel that cannot be captured: fall back to eager steps
+                import logging
+
+                self.failed = str(exc)
+                logging.getLogger("lmfoundry.engine").warning("CUDA graph capture failed (%s); decoding eagerly",
+                                                              exc)
+                return None
+        graph, buf, hidden = self.graphs[bucket]
+        buf.copy_(self._host(step, bucket), non_blocking=True)
+        graph.replay()
+        return hidden[:b]
+
+
+def make_executor(model: Any, config: EngineConfig) -> ModelExecutor:
+    """The executor for a loaded model: a `KernelModel` runs its bundle's kernels, anything else
+    (the reference `CausalLM`) runs the PyTorch reference path."""
+    if isinstance(model, KernelModel):
+        return KernelModelExecutor(model, config)
+    return ReferenceModelExecutor(model, config)

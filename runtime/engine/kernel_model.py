@@ -1,0 +1,346 @@
+"""The decoder as the engine bundle's kernels run it: weights in their stored (packed) form, one
+kernel call per op, in the order `lmfoundry compile` planned and fused.
+
+Per layer: [residual add +] RMSNorm [+ activation quantization] -> fused q/k/v GEMM -> rotary (in
+place on the q/k views) -> store K/V into the paged cache (quantizing on write) -> paged attention
+(decode rows, then prefill chunks) -> o_proj -> [residual add +] RMSNorm [+ quantization] -> fused
+gate/up GEMM -> SiLU-mul -> down_proj. The final norm takes the last residual add; the LM head is
+a dense GEMM (or the kernel of its scheme).
+
+Every op is a `lmfoundry.kernels` op bound to the `KernelSet` of `load_engine`: shipped cubins on a
+matching GPU, Triton JIT where they do not fit (or under TRITON_INTERPRET=1 on CPU), each kernel's
+PyTorch reference otherwise. Nothing here dequantizes a weight: a W4A16 layer keeps int4 codes
+and scales resident. This module holds no scheduling state; `KernelModelExecutor` feeds it the
+flat inputs of one step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from lmfoundry.errors import UserError
+from lmfoundry.kernels.kv_cache import PagedKVCache
+from lmfoundry.kernels.rotary import rope_tables
+from lmfoundry.kernels.scaled_mm import ScaledLinear
+from lmfoundry.kernels.w4a16 import PackedLinear
+from lmfoundry.runtime.config import ModelConfig
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+QUANT_DTYPE = {"int-quantized": torch.int8, "float-quantized": torch.float8_e4m3fn}
+
+
+@dataclass
+class Gemm:
+    """One GEMM in its stored form: `dense` [N, K] weight, `packed` (W4A16/W8A16) or `scaled`
+    (W8A8 / FP8, with the quantized dtype its input takes)."""
+
+    name: str
+    dense: torch.Tensor | None = None
+    packed: PackedLinear | None = None
+    scaled: ScaledLinear | None = None
+    quant_dtype: torch.dtype | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        if self.dense is not None:
+            return self.dense.shape[0]
+        return (self.packed or self.scaled).out_features  # type: ignore[union-attr]
+
+    def nbytes(self) -> int:
+        parts = [self.dense, self.bias]
+        if self.packed is not None:
+            p = self.packed
+            parts += [p.weight_packed, p.weight_scale, p.weight_zero_point, p.weight_g_idx]
+        if self.scaled is not None:
+            parts += [self.scaled.weight, self.scaled.weight_scale, self.scaled.input_scale]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: list[Gemm]  # one fused GEMM, or q, k, v
+    o_proj: Gemm
+    gate_up: list[Gemm]  # one fused GEMM, or gate, up
+    down: Gemm
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionInputs:
+    """Device tensors describing one step's attention, rows ordered decodes first.
+
+    decode: the first `num_decode` rows, one query each, over `decode_lens[b]` cached tokens.
+    prefill: the remaining rows as `len(prefill_lens)` chunks (`cu_seqlens` offsets relative to
+    the first prefill row); chunk b's keys are the first `prefill_lens[b]` slots of its table.
+    """
+
+    slots: torch.Tensor  # [T] int32
+    num_decode: int
+    decode_tables: torch.Tensor | None  # [Bd, max_blocks] int32
+    decode_lens: torch.Tensor | None  # [Bd] int32
+    prefill_tables: torch.Tensor | None  # [Bp, max_blocks] int32
+    cu_seqlens: torch.Tensor | None  # [Bp + 1] int32
+    prefill_lens: torch.Tensor | None  # [Bp] int32
+    max_q_len: int = 0
+
+
+@dataclass
+class KernelModel:
+    """Weights of one bundle on one device, and the forward pass through its kernels."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    kernels: Any  # lmfoundry.compile.loader.KernelSet
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: Gemm
+    layers: list[LayerWeights]
+    norm_quant: dict[str, bool]  # input_layernorm / post_attention_layernorm -> fused quantization
+    kv_dtype: str  # auto | int8 | fp8
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [Hkv] fp32
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block the bundle's attention kernels were compiled for."""
+        return int(self.kernels.manifest["kv_cache"]["block_size"])
+
+    # ---- memory ------------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes of resident weights (what a W4A16 bundle saves is visible here)."""
+        total = self.embed.numel() * self.embed.element_size() + self.final_norm.numel() * self.final_norm.element_size()
+        if self.lm_head.dense is not self.embed:
+            total += self.lm_head.nbytes()
+        for layer in self.layers:
+            total += sum(g.nbytes() for g in (*layer.qkv, layer.o_proj, *layer.gate_up, layer.down))
+            total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm))
+        return total
+
+    def cache_dtype(self) -> torch.dtype:
+        return {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(self.kv_dtype, self.dtype)
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> list[PagedKVCache]:
+        cfg = self.config
+        out = []
+        for i in range(cfg.num_layers):
+            ks, vs = self.kv_scales[i] if self.kv_scales else (None, None)
+            out.append(PagedKVCache.allocate(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                             self.cache_dtype(), self.device, ks, vs))
+        return out
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _gemm(self, g: Gemm, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """y = x W^T for one stored GEMM; `xq` is x already quantized by a fused norm."""
+        ks = self.kernels
+        if g.packed is not None:
+            return ks.w4a16_linear(x, g.packed)
+        if g.scaled is not None:
+            op = ks.w8a8_gemm if g.quant_dtype == torch.int8 else ks.fp8_gemm
+            if xq is None:
+                xq = ks.rmsnorm_quant(x, None, quant_dtype=g.quant_dtype, static_scale=g.scaled.input_scale)[:2]
+            return op(xq[0], xq[1], g.scaled, self.dtype)
+        y = x @ g.dense.t()  # type: ignore[union-attr]
+        return y + g.bias if g.bias is not None else y
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, consumers: list[Gemm],
+              fuse_quant: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
+        """(normed x in the model dtype or None, its quantization if fused, new residual)."""
+        eps = self.config.rms_norm_eps
+        if fuse_quant:
+            g = consumers[0]
+            q, scale, res = self.kernels.rmsnorm_quant(x, weight, eps, quant_dtype=g.quant_dtype, residual=residual,
+                                                       static_scale=g.scaled.input_scale)
+            return x, (q, scale), (res if residual is not None else x)
+        out, _, res = self.kernels.rmsnorm_quant(x, weight, eps, residual=residual)
+        return out, None, (res if residual is not None else x)
+
+    def _projections(self, gemms: list[Gemm], h: torch.Tensor, hq: Any) -> list[torch.Tensor]:
+        return [self._gemm(g, h, hq) for g in gemms]
+
+    def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
+                      caches: list[PagedKVCache]) -> torch.Tensor:
+        """Final-norm hidden states [T, H] for the flat batch (rows ordered as `attn` says)."""
+        cfg, ks = self.config, self.kernels
+        hq_heads, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = self.embed.index_select(0, ids)
+        residual: torch.Tensor | None = None
+        t = x.shape[0]
+        for i, layer in enumerate(self.layers):
+            h, hq, residual = self._norm(x, layer.input_norm, residual, layer.qkv, self.norm_quant["input_layernorm"])
+            parts = self._projections(layer.qkv, h, hq)
+            if len(parts) == 1:
+                qkv = parts[0]
+                q = qkv[:, : hq_heads * d].view(t, hq_heads, d)
+                k = qkv[:, hq_heads * d : (hq_heads + hkv) * d].view(t, hkv, d)
+                v = qkv[:, (hq_heads + hkv) * d :].view(t, hkv, d)
+            else:
+                q, k, v = (p.view(t, -1, d) for p in parts)
+            if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before rotary
+                q = ks.rmsnorm_quant(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps)[0].view(t, hq_heads, d)
+                k = ks.rmsnorm_quant(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps)[0].view(t, hkv, d)
+            ks.apply_rotary(q, k, positions, self.cos, self.sin, q_out=q, k_out=k)
+            ks.store_kv(k, v, caches[i], attn.slots)
+            out = torch.empty((t, hq_heads, d), dtype=self.dtype, device=self.device)
+            nd = attn.num_decode
+            if nd:
+                ks.paged_decode(q[:nd], caches[i], attn.decode_tables, attn.decode_lens, out=out[:nd])
+            if nd < t:
+                ks.paged_prefill(q[nd:], caches[i], attn.prefill_tables, attn.cu_seqlens, attn.prefill_lens,
+                                 attn.max_q_len, out=out[nd:])
+            x = self._gemm(layer.o_proj, out.view(t, hq_heads * d))
+            h, hq, residual = self._norm(x, layer.post_norm, residual, layer.gate_up,
+                                         self.norm_quant["post_attention_layernorm"])
+            parts = self._projections(layer.gate_up, h, hq)
+            gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            x = self._gemm(layer.down, ks.silu_mul(gate_up))
+        out, _, _ = ks.rmsnorm_quant(x, self.final_norm, cfg.rms_norm_eps, residual=residual)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._gemm(self.lm_head, hidden).float()
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, T, V] of whole causal sequences (what `CausalLM.forward` returns), for
+        perplexity: each row is one prefill chunk over a scratch paged cache of its own."""
+        b, t = input_ids.shape
+        bs = self.block_size
+        width = -(-t // bs)
+        caches = self.allocate_cache(b * width, bs)
+        dev = self.device
+        tables = torch.arange(b * width, dtype=torch.int32, device=dev).view(b, width)
+        slots = (tables[:, :, None] * bs + torch.arange(bs, dtype=torch.int32, device=dev)).view(b, -1)[:, :t]
+        attn = AttentionInputs(
+            slots=slots.reshape(-1).contiguous(), num_decode=0, decode_tables=None, decode_lens=None,
+            prefill_tables=tables, cu_seqlens=torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev),
+            prefill_lens=torch.full((b,), t, dtype=torch.int32, device=dev), max_q_len=t)
+        positions = torch.arange(t, dtype=torch.int32, device=dev).repeat(b)
+        hidden = self.hidden_states(input_ids.to(dev).reshape(-1), positions, attn, caches)
+        return self.logits(hidden).view(b, t, -1)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+
+def _scheme_gemm(name: str, tensors: dict[str, torch.Tensor], scheme: Any, in_features: int,
+                 dtype: torch.dtype, device: torch.device) -> Gemm:
+    """The stored tensors of one (possibly fused) linear as a kernel-ready `Gemm`."""
+    def dev(t: torch.Tensor | None, to: torch.dtype | None = None) -> torch.Tensor | None:
+        return None if t is None else t.to(device=device, dtype=to or t.dtype).contiguous()
+
+    bias = dev(tensors.get("bias"), dtype)
+    stored = tensors.get("weight")
+    if scheme is None or (stored is not None and stored.is_floating_point() and stored.element_size() > 1):
+        if stored is None:
+            raise UserError(f"{name}: no weight in the bundle")
+        return Gemm(name, dense=dev(stored, dtype), bias=bias)
+    fmt = scheme.format
+    w = scheme.weights
+    if fmt == "pack-quantized":
+        group = w.group_size if w.strategy == "group" else 0
+        packed = PackedLinear(dev(tensors["weight_packed"]), dev(tensors["weight_scale"]), w.num_bits, group,
+                              in_features, dev(tensors.get("weight_zero_point")),
+                              dev(tensors.get("weight_g_idx"), torch.int32), bias)
+        return Gemm(name, packed=packed)
+    if fmt in QUANT_DTYPE:
+        a = scheme.input_activations
+        if a is None:
+            raise UserError(f"{name}: {fmt} without input activations has no kernel in the bundle")
+        scale = tensors["weight_scale"].reshape(-1)
+        input_scale = None if a.dynamic else dev(tensors["input_scale"].float().reshape(1))
+        scaled = ScaledLinear(dev(tensors["weight"]), dev(scale.float()), input_scale, bias)
+        return Gemm(name, scaled=scaled, quant_dtype=QUANT_DTYPE[fmt])
+    raise UserError(f"{name}: stored format {fmt!r} has no kernel")
+
+
+def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device,
+                      progress: Callable[[int], None] | None = None) -> KernelModel:
+    """Read the bundle's (verified) weights onto `device` in the layout its kernels were built for."""
+    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.compile.repack import fuse_members
+
+    engine = Path(engine_dir)
+    manifest = kernels.manifest
+    reader = CheckpointReader(engine / "weights")
+    cfg = ModelConfig.from_dict(reader.config)
+    dtype = DTYPES[manifest["model"]["dtype"]]
+    applied = {f["name"] for f in manifest["fusions"] if f["applied"]}
+    plan = reader.plan
+
+    def scheme_of(name: str) -> Any:
+        return plan.scheme_for(name) if plan is not None else None
+
+    def linear(prefix: str, local: str) -> list[Gemm]:
+        name = f"{prefix}.{local}"
+        if local in FUSED and local in applied:
+            members = [f"{prefix}.{m}" for m in FUSED[local]]
+            if reader.has(f"{name}.weight") or reader.has(f"{name}.weight_packed"):  # repacked at compile
+                tensors = reader.prefixed(name)
+            else:
+                rows = [cfg.linear_shapes[m][0] for m in FUSED[local]]
+                got = reader.get([n for n in reader.index if any(n.startswith(m + ".") for m in members)])
+                tensors, _ = fuse_members(members, rows, got.__getitem__, got.__contains__)
+            k = cfg.linear_shapes[FUSED[local][0]][1]
+            return [_scheme_gemm(name, tensors, scheme_of(members[0]), k, dtype, device)]
+        locals_ = FUSED.get(local, (local,))
+        return [_scheme_gemm(f"{prefix}.{m}", reader.prefixed(f"{prefix}.{m}"), scheme_of(f"{prefix}.{m}"),
+                             cfg.linear_shapes[m][1], dtype, device) for m in locals_]
+
+    def vec(name: str) -> torch.Tensor:
+        return reader.get([name])[name].to(device=device, dtype=dtype).contiguous()
+
+    layers, kv_scales = [], []
+    kv_dtype = manifest["kv_cache"]["dtype"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        layers.append(LayerWeights(
+            input_norm=vec(f"{p}.input_layernorm.weight"), post_norm=vec(f"{p}.post_attention_layernorm.weight"),
+            qkv=linear(p, "self_attn.qkv_proj"), o_proj=linear(p, "self_attn.o_proj")[0],
+            gate_up=linear(p, "mlp.gate_up_proj"), down=linear(p, "mlp.down_proj")[0],
+            q_norm=vec(f"{p}.self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=vec(f"{p}.self_attn.k_norm.weight") if cfg.qk_norm else None))
+        if kv_dtype != "auto":
+            names = [f"{p}.self_attn.k_scale", f"{p}.self_attn.v_scale"]
+            if not all(reader.has(n) for n in names):
+                raise UserError(f"{engine}: the bundle's KV cache is {kv_dtype} but {names[0]} is missing")
+            got = reader.get(names)
+            kv_scales.append(tuple(got[n].float().reshape(-1).expand(cfg.num_kv_heads).contiguous().to(device)
+                                   for n in names))
+        if progress is not None:
+            progress(i)
+    embed = vec("model.embed_tokens.weight")
+    if reader.has("lm_head.weight") or reader.has("lm_head.weight_packed"):
+        lm_head = _scheme_gemm("lm_head", reader.prefixed("lm_head"), scheme_of("lm_head"), cfg.hidden_size,
+                               dtype, device)
+    else:
+        lm_head = Gemm("lm_head", dense=embed)  # tied embeddings
+    norm_quant = {norm: any(f["applied"] and f["kind"] == "norm_quant" and f["members"][0] == norm
+                            for f in manifest["fusions"]) for norm in ("input_layernorm", "post_attention_layernorm")}
+    inv_freq, scaling = cfg.rope_inv_freq()
+    cos, sin = rope_tables(inv_freq.to(device), cfg.max_position_embeddings, scaling)
+    return KernelModel(cfg, dtype, device, kernels, embed, vec("model.norm.weight"), lm_head, layers, norm_quant,
+                       kv_dtype, kv_scales, cos, sin)
+
+
+def engine_manifest(path: str | Path) -> dict[str, Any] | None:
+    """engine.json of a bundle folder, None for anything else (a checkpoint folder, a name)."""
+    f = Path(path) / "engine.json"
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{f}: unreadable engine manifest ({exc})") from None

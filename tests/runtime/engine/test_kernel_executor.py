@@ -1,0 +1,227 @@
+"""The kernel executor: a tiny model quantized (W4A16, W8A8, FP8, W4A16 + FP8 / INT8 KV), compiled
+into an engine bundle, and run through the bundle's kernels.
+
+Two comparisons, each with a bound derived from the arithmetic:
+- kernel executor vs the PyTorch reference executor (today's CPU path: the reference `CausalLM`,
+  dequantized W4A16, its own KV cache). The two round at different points (the fused RMSNorm +
+  quantization keeps fp32 in registers, rotary runs in fp32, the paged kernels fold KV scales into
+  the softmax): teacher-forced on the same tokens, every log-probability agrees within
+  2·K·u·max_v Σ_j |h_j||W_vj| (first-order effect on a logit of a relative perturbation K·u of the
+  final hidden state h; K = 6 differently rounded intermediates per layer + 2, u = 2^-8 for bf16),
+  and the greedy choice agrees wherever the reference's top-2 margin exceeds that bound.
+- Triton kernels (the interpreter on CPU, a GPU in the `gpu` test) vs the same executor on each
+  kernel's PyTorch reference: same rounding points, so 16 greedy tokens on 3 prompts must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_model_folder, wait_for_url, write_text
+
+from lmfoundry.cli import main
+from lmfoundry.compile.bundle import build_engine
+from lmfoundry.compile.loader import EngineIntegrityError
+from lmfoundry.kernels.dispatch import is_interpreter
+from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from lmfoundry.runtime.loader import load_bundle, load_model
+
+SCHEMES = {
+    "w4a16": ["--scheme", "w4a16", "--group-size", "32"],
+    "w8a8": ["--method", "smoothquant", "--scheme", "w8a8"],
+    "fp8": ["--method", "fp8", "--scheme", "fp8-dynamic"],
+    "w4a16-kv-fp8": ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "fp8"],
+    "w4a16-kv-int8": ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "int8"],
+}
+PROMPTS = [[1, 5, 9, 33, 70, 8], [1, 40, 41, 42], [1, *range(100, 130)]]
+U_BF16 = 2.0**-8
+
+
+class Bundles:
+    """Quantized checkpoints and their hopper bundles, built once per module on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.model = tiny_model_folder(root / "tiny", "llama", head_dim=64, torch_dtype="bfloat16")
+        self.calib = write_text(root / "calib.txt")
+
+    def checkpoint(self, scheme: str) -> Path:
+        out = self.root / scheme
+        if not (out / "config.json").exists():
+            main(["quantize", str(self.model), "-o", str(out), "--quiet", "--num-samples", "2", "--seq-len", "32",
+                  "--calib", str(self.calib), *SCHEMES[scheme]])
+        return out
+
+    def engine(self, scheme: str) -> Path:
+        out = self.root / f"{scheme}-engine"
+        if not (out / "engine.json").exists():
+            build_engine(self.checkpoint(scheme), ["hopper"], out, progress=False)
+        return out
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> Bundles:
+    return Bundles(tmp_path_factory.mktemp("kernel-executor"))
+
+
+def _engine(model, tokenizer) -> LLMEngine:
+    return LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64))
+
+
+def teacher_forced(engine: LLMEngine, ids: list[int]) -> list:
+    """Prompt log-probabilities (top 2) of every position of `ids` (prefill through the engine)."""
+    out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    return out.prompt_logprobs[1:]
+
+
+def logit_bound(ref_model, ids: list[int]) -> torch.Tensor:
+    """Per position: 2 K u max_v sum_j |h_j| |W_vj| (see the module docstring)."""
+    with torch.no_grad():
+        h = ref_model.hidden_states(torch.tensor([ids]))[0].float()
+    w = ref_model.lm_head.weight.float()
+    k = 6 * ref_model.config.num_layers + 2
+    return 2 * k * U_BF16 * (h.abs() @ w.abs().t()).amax(dim=-1)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_kernel_executor_agrees_with_the_reference_executor(bundles: Bundles, scheme: str) -> None:
+    ref_model, tok = load_model(bundles.checkpoint(scheme), dtype=torch.bfloat16)
+    kmodel, _ = load_bundle(bundles.engine(scheme), "cpu", interpret=False)
+    reference, kernels = _engine(ref_model, tok), _engine(kmodel, tok)
+    for prompt in PROMPTS:
+        greedy = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].token_ids
+        ids = prompt + greedy
+        bound = logit_bound(ref_model, ids)
+        ref_lp, ker_lp = teacher_forced(reference, ids), teacher_forced(kernels, ids)
+        assert len(ref_lp) == len(ker_lp) == len(ids) - 1
+        for pos, (r, k) in enumerate(zip(ref_lp, ker_lp)):
+            b = float(bound[pos])
+            assert abs(r.logprob - k.logprob) <= b, (scheme, pos, r.logprob, k.logprob, b)
+            margin = r.top[0][1] - r.top[1][1]
+            if margin > b:
+                assert k.top[0][0] == r.top[0][0], (scheme, pos, r.top, k.top, b)
+    # the executor ran the bundle's ops, not the reference model
+    assert kmodel.kernels.mode == "reference" and kmodel.kernels.stats["reference"] > 0
+
+
+def _greedy(engine: LLMEngine, n: int) -> list[list[int]]:
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_triton_matches_references(bundles: Bundles, scheme: str, device: str, tokens: int) -> None:
+    ref_model, tok = load_bundle(bundles.engine(scheme), "cpu", interpret=False)
+    triton_model, _ = load_bundle(bundles.engine(scheme), device)
+    assert triton_model.kernels.mode in ("interpret", "cubin", "jit")
+    expected = _greedy(_engine(ref_model, tok), tokens)
+    got = _greedy(_engine(triton_model, tok), tokens)
+    assert got == expected
+    stats = triton_model.kernels.stats
+    if device != "cpu":
+        assert stats.get("jit", 0) == 0 and stats["cubin"] > 0, stats  # every call from a shipped cubin
+
+
+@pytest.mark.skipif(not is_interpreter(), reason="runs the Triton kernels through the interpreter")
+def test_interpreted_kernels_match_their_references(bundles: Bundles) -> None:
+    check_triton_matches_references(bundles, "w4a16-kv-int8", "cpu", tokens=3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not is_interpreter(), reason="runs the Triton kernels through the interpreter")
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_interpreted_kernels_match_their_references_16_tokens(bundles: Bundles, scheme: str) -> None:
+    check_triton_matches_references(bundles, scheme, "cpu", tokens=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_cuda_kernels_match_their_references(bundles: Bundles, scheme: str) -> None:
+    check_triton_matches_references(bundles, scheme, "cuda", tokens=16)
+
+
+def test_w4a16_weights_stay_packed(bundles: Bundles) -> None:
+    kmodel, _ = load_bundle(bundles.engine("w4a16"), "cpu", interpret=False)
+    ref_model, _ = load_model(bundles.checkpoint("w4a16"), dtype=torch.bfloat16)
+    layer = kmodel.layers[0]
+    assert len(layer.qkv) == 1 and layer.qkv[0].packed is not None  # fused and packed, never dequantized
+    assert layer.qkv[0].packed.weight_packed.dtype == torch.int32
+    linears = sum(p.numel() * 2 for n, p in ref_model.named_parameters() if "layers." in n and p.ndim == 2)
+    packed = sum(g.nbytes() for lw in kmodel.layers for g in (*lw.qkv, lw.o_proj, *lw.gate_up, lw.down))
+    assert packed <= 0.3 * linears  # int4 codes + bf16 scales of g32: 0.25 + 1/32 of bf16
+
+
+def test_tampered_weights_are_refused(bundles: Bundles, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(bundles.engine("w4a16"), copy)
+    shard = copy / "weights" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(EngineIntegrityError, match="sha256"):
+        load_bundle(copy, "cpu")
+    shutil.copy(bundles.engine("w4a16") / "weights" / "model.safetensors", shard)
+    (copy / "weights" / "extra.safetensors").write_bytes(b"planted")
+    with pytest.raises(EngineIntegrityError, match="not listed"):
+        load_bundle(copy, "cpu")
+
+
+def test_perplexity_through_the_kernels(bundles: Bundles) -> None:
+    from lmfoundry.evals.perplexity import perplexity
+
+    ref_model, _ = load_model(bundles.checkpoint("w8a8"), dtype=torch.bfloat16)
+    kmodel, _ = load_bundle(bundles.engine("w8a8"), "cpu", interpret=False)
+    stream = torch.randint(3, 256, (4 * 32,), generator=torch.Generator().manual_seed(0))
+    ref = perplexity(ref_model, stream, ctx=32, batch_size=2, progress=False)
+    ker = perplexity(kmodel, stream, ctx=32, batch_size=2, progress=False)
+    assert ker.tokens == ref.tokens and abs(ker.nll - ref.nll) < 0.01, (ker.nll, ref.nll)
+
+
+def test_manifest_records_repacked_weights(bundles: Bundles) -> None:
+    manifest = json.loads((bundles.engine("w4a16") / "engine.json").read_text())
+    assert manifest["weights"]["mode"] == "repack"
+    assert all("sha256" in f for f in manifest["weights"]["files"].values())
+
+
+def _serve(args: list[str]):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TRITON_INTERPRET="0")  # kernel references
+    return subprocess.Popen([sys.executable, "-m", "lmfoundry.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_serve_engine_dir_answers_the_openai_client(bundles: Bundles, tmp_path: Path) -> None:
+    import shutil
+
+    import openai
+
+    engine = bundles.engine("w8a8")
+    proc = _serve([str(engine), "--port", "0", "--device", "cpu", "--kv-cache-gb", "0.01"])
+    try:
+        url = wait_for_url(proc, timeout=180)
+        client = openai.OpenAI(base_url=url, api_key="unused")
+        name = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Hi"}]
+        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
+                                                stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        whole = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0)
+        assert whole.usage.completion_tokens >= 1 and text == whole.choices[0].message.content
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    # a tampered bundle is refused at start-up with one line and no traceback
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    (copy / "weights" / "config.json").write_text((copy / "weights" / "config.json").read_text() + " ")
+    proc = _serve([str(copy), "--port", "0"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "config.json: sha256" in out and "Traceback" not in out, out
