@@ -4,6 +4,9 @@ Bundle layout:
     engine.json                         manifest: kernels + sha256, archs, toolchain, fusions, source
     weights/                            the checkpoint's files (symlinked, copied, or repacked)
     kernels/<sm>/<key>.cubin|.ptx|.json one compiled specialization and its launch metadata
+
+The bundle is written into a hidden sibling folder and moved into place once complete: a build
+that is refused, fails or is interrupted leaves neither a half-written bundle nor a damaged old one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -61,21 +65,82 @@ class BuildResult:
         return self.manifest["kernels"]
 
 
-def _prepare_output(out: Path, checkpoint: Path) -> None:
+def _is_engine_bundle(folder: Path) -> bool:
+    """Whether `folder` holds one of our bundles (an engine.json object of our format): only then
+    may a rebuild replace its kernels/, weights/ and engine.json."""
+    try:
+        manifest = json.loads((folder / "engine.json").read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == ENGINE_FORMAT
+
+
+def _check_output(out: Path, checkpoint: Path) -> None:
+    """Refuse an -o that cannot receive the engine, before any work (nothing is created here)."""
     if out.resolve() == checkpoint.resolve():
         raise UserError(f"{out}: the engine cannot be written into the checkpoint folder itself")
-    if out.exists():
+    if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise UserError(f"{out}: exists and is not a folder")
-        if any(out.iterdir()) and not (out / "engine.json").exists():
+        if any(out.iterdir()) and not _is_engine_bundle(out):
             raise UserError(f"{out}: exists, is not empty and is not an engine bundle; choose another -o")
-        for sub in ("kernels", "weights"):
-            if (out / sub).is_symlink() or (out / sub).is_file():
-                (out / sub).unlink()
-            elif (out / sub).exists():
-                shutil.rmtree(out / sub)
-        (out / "engine.json").unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _remove_dirs(created: list[Path]) -> None:
+    for d in created:  # deepest first
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def _staging(out: Path) -> tuple[Path, list[Path]]:
+    """A fresh hidden sibling of `out` to build the bundle in (same filesystem, so the finished
+    bundle is moved into place by rename), and the ancestors of `out` created for it (removed again
+    if the build fails). A build that fails or is interrupted leaves no half-written bundle."""
+    created = []
+    real = out.resolve()  # next to the real folder when -o is a symlink: renames stay on one filesystem
+    parent = real.parent
+    while not parent.exists() and parent != parent.parent:
+        created.append(parent)
+        parent = parent.parent
+    stage = real.parent / f".{real.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        real.parent.mkdir(parents=True, exist_ok=True)
+        stage.mkdir()
+    except OSError as exc:
+        _remove_dirs(created)
+        raise UserError(f"{out}: cannot write the engine there ({exc.strerror or exc})") from None
+    return stage, created
+
+
+def _install(stage: Path, out: Path) -> None:
+    """Move the finished bundle from `stage` to `out`. A new `out` is one rename; an existing bundle
+    (or empty folder) keeps any other files the user put there and gets its kernels/, weights/ and
+    engine.json replaced, engine.json removed first and written last so that no reader sees a
+    manifest next to files it does not describe."""
+    if not out.exists():
+        os.replace(stage, out)
+        return
+    (out / "engine.json").unlink(missing_ok=True)
+    for sub in ("kernels", "weights"):
+        if (out / sub).is_symlink() or (out / sub).is_file():
+            (out / sub).unlink()
+        elif (out / sub).exists():
+            shutil.rmtree(out / sub)
+        if (stage / sub).exists():
+            os.replace(stage / sub, out / sub)
+    os.replace(stage / "engine.json", out / "engine.json")
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def _keep_log(log_path: Path) -> Path:
+    """Move a failed build's compile.log out of the staging folder (which is removed) to a temp
+    file the error message can point to."""
+    fd, kept = tempfile.mkstemp(prefix="lmfoundry-compile-", suffix=".log")
+    os.close(fd)
+    shutil.move(str(log_path), kept)
+    return Path(kept)
 
 
 def _place_weights(ck: Checkpoint, plan: Plan, out: Path, mode: str) -> dict[str, Any]:
@@ -94,7 +159,8 @@ def _place_weights(ck: Checkpoint, plan: Plan, out: Path, mode: str) -> dict[str
         target = dst / src.name
         if mode == "link":
             os.symlink(src.resolve(), target)
-            record["files"][src.name] = {"bytes": src.stat().st_size, "link": str(src.resolve())}
+            record["files"][src.name] = {"bytes": src.stat().st_size, "link": str(src.resolve()),
+                                         "sha256": sha256_file(src)}
         else:
             shutil.copy2(src, target)
             record["files"][src.name] = {"bytes": target.stat().st_size, "sha256": sha256_file(target)}
@@ -106,7 +172,7 @@ def build_engine(
     archs: list[str],
     output: str | Path | None = None,
     *,
-    weights: str = "link",
+    weights: str = "repack",
     workers: int = 2,
     block_size: int = 16,
     dtype: str | None = None,
@@ -122,15 +188,28 @@ def build_engine(
         raise UserError(f"--weights must be one of {', '.join(WEIGHT_MODES)}")
     caps = list(dict.fromkeys(parse_arch(a) for a in archs))
     src = Path(checkpoint)
+    final = Path(output) if output is not None else default_output(src)
+    _check_output(final, src)  # before any work; nothing is created until the checks below pass
     ck = load_checkpoint(src, dtype)
     plan = make_plan(ck, caps, block_size)
     if tune:
         from lmfoundry.compile.tune import tune_plan
 
         tune_plan(plan, log)
-    out = Path(output) if output is not None else default_output(src)
-    _prepare_output(out, src)
+    stage, created = _staging(final)
+    try:
+        built = _write_bundle(stage, ck, plan, caps, src, weights, workers, tune, progress, log, t0)
+        _install(stage, final)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_dirs(created)
+        raise
+    return BuildResult(final, built.manifest, time.perf_counter() - t0)
 
+
+def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: Path, weights: str, workers: int,
+                  tune: bool, progress: bool, log: Callable[[str], None], t0: float) -> BuildResult:
+    """Compile the kernels and write the whole bundle into `out` (a fresh staging folder)."""
     jobs = []
     for i, spec in enumerate(plan.specs):
         jobs.append({"id": i, "key": spec.key(), "capability": spec.capability, "sm": spec.sm, "kernel": spec.kernel,
@@ -152,8 +231,9 @@ def build_engine(
     failed = [(j, r) for j, r in zip(jobs, replies) if not r.get("ok")]
     if failed:
         j, r = failed[0]
+        kept = _keep_log(out / "compile.log")
         raise UserError(f"{len(failed)} kernels failed to compile; first: {j['kernel']} for {j['sm']}: "
-                        f"{r.get('error', '?').splitlines()[0]} (details: {out / 'compile.log'})", exit_code=3)
+                        f"{(r.get('error') or '?').splitlines()[0]} (details: {kept})", exit_code=3)
     for spec, reply in zip(plan.specs, replies):
         sass.check(spec.kernel, spec.sm, spec.expected_sass(), reply["mma"])
     (out / "compile.log").unlink(missing_ok=True)

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lmfoundry.errors import UserError
+from lmfoundry.manifest import contained_file
+from lmfoundry.models import safetensors_files
 from lmfoundry.runtime.config import ModelConfig
 
 LAYER_LINEARS = (
@@ -96,15 +100,110 @@ _SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "
                        "I64": "int64", "F8_E4M3": "float8_e4m3fn"}
 
 
+# bits per element of every dtype the safetensors format knows (what its Rust reader accepts)
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}
+MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors format's own limit
+
+
+def regular_file(path: Path, what: str) -> os.stat_result:
+    """stat of `path`, refused unless it is a regular file: a FIFO, device or folder named like a
+    data file would block or never end when read (`/dev/zero`, a named pipe)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UserError(f"{path}: {what} is missing") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{path}: {what} is not a regular file")
+    return st
+
+
+def _bad(path: Path, why: str) -> UserError:
+    return UserError(f"{path}: corrupt safetensors file: {why}")
+
+
 def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a .safetensors file (tensor names, dtypes, shapes) without its data."""
+    """The JSON header of a .safetensors file (tensor name -> dtype, shape, data_offsets), without
+    `__metadata__` and without reading the data — validated against the file the way the
+    safetensors reader will check it at load time (header length within the file, known dtypes,
+    byte ranges matching dtype x shape, ranges tiling the data section exactly), so a truncated
+    download or a lying header is refused here with one line instead of compiling an engine for
+    weights that cannot be loaded."""
+    size = regular_file(path, "safetensors file").st_size
+    if size < 8:
+        raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        if size > 100_000_000:
-            raise UserError(f"{path}: implausible safetensors header ({size} bytes)")
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_SAFETENSORS_HEADER:
+            raise _bad(path, f"implausible header length ({n} bytes)")
+        if n > size - 8:
+            raise _bad(path, f"header claims {n} bytes but the file has {size - 8} after the length (truncated?)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise _bad(path, "the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "the header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise _bad(path, "__metadata__ must map names to strings")
+    data_len = size - 8 - n
+    spans = []
+    for full_name, t in header.items():
+        name = full_name[:80]  # for messages: names come from the file and may be anything
+        if not isinstance(t, dict):
+            raise _bad(path, f"tensor {name!r} is not an object")
+        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPE_BITS:
+            raise _bad(path, f"tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise _bad(path, f"tensor {name!r}: shape must be a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise _bad(path, f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end")
+        bits = SAFETENSORS_DTYPE_BITS[dtype]
+        for d in shape:
+            bits *= d
+        if bits % 8 or offsets[1] - offsets[0] != bits // 8:
+            raise _bad(path, f"tensor {name!r}: {dtype} {shape} needs {bits / 8:g} bytes, data_offsets span "
+                             f"{offsets[1] - offsets[0]}")
+        if offsets[1] > data_len:
+            raise _bad(path, f"tensor {name!r} ends at byte {offsets[1]} of a {data_len}-byte data section "
+                             "(truncated?)")
+        spans.append((offsets[0], offsets[1], name))
+    cursor = 0
+    for begin, end, name in sorted(spans):
+        if begin != cursor:
+            what = "overlaps the previous tensor" if begin < cursor else f"leaves a gap at byte {cursor}"
+            raise _bad(path, f"tensor {name!r} at data_offsets [{begin}, {end}] {what}")
+        cursor = end
+    if cursor != data_len:
+        raise _bad(path, f"the tensors cover {cursor} of {data_len} data bytes")
     return header
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    """`value` if it is a JSON object; a config.json section of another type is the user's file
+    being wrong, which must read as one line rather than an AttributeError deep in the parsing."""
+    if not isinstance(value, dict):
+        raise UserError(f"{where} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _int_field(args: dict[str, Any], key: str, default: int, where: str) -> int:
+    """An integer field of quantization args (num_bits, group_size), refused with one line when not a number."""
+    value = args.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise UserError(f"{where}: {key} must be an integer, got {value!r}")
+    return int(value)
 
 
 def _target_matches(target: str, name: str) -> bool:
@@ -117,12 +216,14 @@ def _scheme_from_group(group: dict[str, Any], fmt: str | None, where: str) -> Li
     w = group.get("weights") or {}
     a = group.get("input_activations")
     fmt = group.get("format") or fmt
-    bits = int(w.get("num_bits", 8))
+    bits = _int_field(w, "num_bits", 8, where)
     wtype = w.get("type", "int")
     strategy = w.get("strategy", "tensor")
     symmetric = bool(w.get("symmetric", True))
     actorder = w.get("actorder") not in (None, False, "static", "none")
-    group_size = int(w.get("group_size") or 0) if strategy == "group" else 0
+    group_size = _int_field(w, "group_size", 0, where) if strategy == "group" else 0
+    if group_size < 0:
+        raise UserError(f"{where}: group_size must be positive, got {group_size}")
     if wtype == "int" and a is None:
         if fmt not in (None, "pack-quantized"):
             raise UserError(f"{where}: weight-only int format {fmt!r} is not supported (expected pack-quantized)")
@@ -143,7 +244,7 @@ def _scheme_from_group(group: dict[str, Any], fmt: str | None, where: str) -> Li
         raise UserError(f"{where}: weight strategy {strategy!r} not supported for 8-bit activations (channel or tensor)")
     if not symmetric or not a.get("symmetric", True):
         raise UserError(f"{where}: asymmetric 8-bit weights/activations are not supported")
-    if wtype == "int" and atype == "int" and bits == 8 and int(a.get("num_bits", 8)) == 8:
+    if wtype == "int" and atype == "int" and bits == 8 and _int_field(a, "num_bits", 8, where) == 8:
         return LinearScheme("w8a8", 8, 0, True, False, strategy, astrategy, dynamic)
     if wtype == "float" and atype == "float" and bits == 8:
         return LinearScheme("fp8", 8, 0, True, False, strategy, astrategy, dynamic)
@@ -161,22 +262,42 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint:
     cfg_bytes = (folder / "config.json").read_bytes()
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     files: dict[str, str] = {}
-    for f in sorted(folder.glob("*.safetensors")):
+    for p in sorted(folder.iterdir()):
+        # compile copies or links every file of the folder into the bundle, which may be shipped:
+        # a symlink out (tokenizer.json -> ~/.ssh/...) must not carry a file from elsewhere into it
+        if p.is_file():
+            try:
+                contained_file(folder, p.name, hub_cache=True)
+            except UserError as exc:
+                raise UserError(f"{folder}: {exc}") from None
+    for f in safetensors_files(folder):  # index entries kept inside the folder, regular files
         for name, meta in read_safetensors_header(f).items():
             tensors[name] = (meta["dtype"], tuple(meta["shape"]))
-            files[name] = f.name
+            files[name] = f.relative_to(folder).as_posix()
     model_dtype = config.torch_dtype
     if dtype is None:
         dtype = model_dtype if model_dtype in ("float16", "bfloat16") else "bfloat16"
     if dtype not in ("float16", "bfloat16"):
         raise UserError(f"kernel dtype must be float16 or bfloat16, got {dtype!r}")
 
-    q = config.raw.get("quantization_config") or config.raw.get("compression_config") or {}
+    q = _mapping(config.raw.get("quantization_config") or config.raw.get("compression_config") or {},
+                 f"{folder.name}: quantization_config")
     if q and q.get("quant_method") not in ("compressed-tensors", None):
         raise UserError(f"{folder}: quant_method {q.get('quant_method')!r} is not supported (compressed-tensors)")
     fmt = q.get("format")
-    groups = q.get("config_groups") or {}
-    ignore = list(q.get("ignore") or [])
+    groups = _mapping(q.get("config_groups") or {}, f"{folder.name}: quantization_config.config_groups")
+    for gname, group in groups.items():
+        where = f"{folder.name}: config group {gname}"
+        _mapping(group, where)
+        _mapping(group.get("weights") or {}, f"{where}: weights")
+        if group.get("input_activations") is not None:
+            _mapping(group["input_activations"], f"{where}: input_activations")
+        targets = group.get("targets") or []
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise UserError(f"{where}: targets must be a list of names")
+    ignore = q.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+        raise UserError(f"{folder.name}: quantization_config.ignore must be a list of names")
     ckpt = Checkpoint(folder, config, dtype, {}, KVScheme("auto"), tensors, files,
                       hashlib.sha256(cfg_bytes).hexdigest(), fmt, dict(q))
     for name in ckpt.linear_names():
@@ -196,7 +317,8 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint:
         ckpt.schemes[name] = scheme
     kv = q.get("kv_cache_scheme")
     if kv:
-        kv_type, kv_bits = kv.get("type", "float"), int(kv.get("num_bits", 8))
+        _mapping(kv, f"{folder.name}: kv_cache_scheme")
+        kv_type, kv_bits = kv.get("type", "float"), _int_field(kv, "num_bits", 8, f"{folder.name}: kv_cache_scheme")
         if kv_bits != 8:
             raise UserError(f"{folder.name}: {kv_bits}-bit KV cache is not supported (int8 or fp8)")
         ckpt.kv = KVScheme("fp8" if kv_type == "float" else "int8", kv.get("strategy", "tensor"))

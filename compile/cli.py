@@ -13,8 +13,9 @@ import click
               help="Target GPU architecture: ampere (sm_80), ada (sm_89) or hopper (sm_90a). Repeatable.")
 @click.option("-o", "--output", type=click.Path(path_type=str), default=None,
               help="Engine folder to write (default: CHECKPOINT-engine next to the checkpoint).")
-@click.option("--weights", type=click.Choice(["link", "copy", "repack"]), default="link", show_default=True,
-              help="Symlink the checkpoint's files, copy them, or write them with the GEMM fusions applied.")
+@click.option("--weights", type=click.Choice(["link", "copy", "repack"]), default="repack", show_default=True,
+              help="Write the weights with the GEMM fusions applied (what the runtime reads; the bundle is "
+                   "self-contained), copy the checkpoint's files, or symlink them (not deployable).")
 @click.option("--jobs", "workers", type=int, default=2, show_default=True, help="Compile worker processes.")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Paged KV cache block size (tokens).")
 @click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16"]), default="auto", show_default=True,

@@ -17,6 +17,8 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,25 +59,122 @@ def probe_device(device: torch.device) -> DeviceInfo:
     return DeviceInfo(major * 10 + minor, version, torch.cuda.get_device_name(device))
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    engine = Path(path)
-    manifest_path = engine / "engine.json"
-    if not manifest_path.exists():
-        raise UserError(f"{engine}: no engine.json (not an engine bundle; build one with `lmfoundry compile`)")
-    manifest = json.loads(manifest_path.read_text())
+ENGINE_JSON_MAX_BYTES = 64 << 20  # a real engine.json is a few hundred KiB
+_KIND_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "true or false"}
+
+
+def _malformed(manifest_path: Path, why: str) -> UserError:
+    return UserError(f"{manifest_path}: malformed engine.json: {why}")
+
+
+def _field(obj: dict[str, Any], key: str, kind: type, where: str, manifest_path: Path) -> Any:
+    """obj[key], refused unless present and of `kind` (JSON true is not an integer here)."""
+    if key not in obj:
+        raise _malformed(manifest_path, f"{where} has no {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise _malformed(manifest_path, f"{where}.{key} must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
+    return value
+
+
+def check_manifest(manifest: Any, manifest_path: Path) -> dict[str, Any]:
+    """`manifest` if it has every key, with the types, that the loader and the runtime read from
+    engine.json. A hand-edited, truncated or foreign engine.json would otherwise surface as a
+    KeyError or TypeError deep inside loading; this makes it one line naming the bad field. Paths
+    are only checked lexically here (plain names under weights/); `verify` resolves kernel files."""
+    if not isinstance(manifest, dict):
+        raise _malformed(manifest_path, f"the top level must be an object, got {type(manifest).__name__}")
     if manifest.get("format") != "lmfoundry-engine/1":
         raise UserError(f"{manifest_path}: unknown engine format {manifest.get('format')!r}")
+    f = functools.partial(_field, manifest_path=manifest_path)
+    model = f(manifest, "model", dict, "engine.json")
+    if f(model, "dtype", str, "model") not in ("float16", "bfloat16"):
+        raise _malformed(manifest_path, f"model.dtype {model['dtype']!r} is not float16 or bfloat16")
+    kv = f(manifest, "kv_cache", dict, "engine.json")
+    f(kv, "dtype", str, "kv_cache")
+    if f(kv, "block_size", int, "kv_cache") <= 0:
+        raise _malformed(manifest_path, "kv_cache.block_size must be positive")
+    archs = f(manifest, "archs", dict, "engine.json")
+    if not archs:
+        raise _malformed(manifest_path, "archs is empty")
+    for name in archs:
+        arch = f(archs, name, dict, "archs")
+        f(arch, "capability", int, f"archs.{name}")
+        f(arch, "sm", str, f"archs.{name}")
+    cuda = f(manifest, "toolchain", dict, "engine.json").get("cuda")
+    if cuda is not None and not (isinstance(cuda, str) and re.fullmatch(r"\d+\.\d+(\.\d+)*", cuda)):
+        raise _malformed(manifest_path, f"toolchain.cuda must be a version like \"12.8\", got {cuda!r}")
+    for i, fusion in enumerate(f(manifest, "fusions", list, "engine.json")):
+        if not isinstance(fusion, dict):
+            raise _malformed(manifest_path, f"fusions[{i}] must be an object")
+        for key, kind in (("name", str), ("kind", str), ("members", list), ("applied", bool)):
+            f(fusion, key, kind, f"fusions[{i}]")
+    weights = f(manifest, "weights", dict, "engine.json")
+    for name in f(weights, "files", dict, "weights"):
+        if name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:
+            raise UserError(f"{manifest_path}: weights file {name!r} is not a plain file name inside weights/; "
+                            "refusing the bundle")
+        f(weights["files"], name, dict, "weights.files")
+    for i, entry in enumerate(f(manifest, "kernels", list, "engine.json")):
+        where = f"kernels[{i}]"
+        if not isinstance(entry, dict):
+            raise _malformed(manifest_path, f"{where} must be an object")
+        for key, kind in (("key", str), ("kernel", str), ("sm", str), ("capability", int), ("types", dict),
+                          ("semantics", dict), ("covers", list), ("files", dict), ("sha256", dict)):
+            f(entry, key, kind, where)
+        for ext in ("cubin", "json"):
+            if ext not in entry["files"]:
+                raise _malformed(manifest_path, f"{where}.files has no {ext!r}")
+        for ext in entry["files"]:
+            f(entry["files"], ext, str, f"{where}.files")
+            f(entry["sha256"], ext, str, f"{where}.sha256")
     return manifest
 
 
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The bundle's engine.json, parsed and checked by `check_manifest`: every way it can be wrong
+    (missing, not a regular file, not JSON, not an object, missing keys, wrong types) is one
+    `UserError` line, never a traceback."""
+    from lmfoundry.manifest import contained_file
+
+    engine = Path(path)
+    manifest_path = engine / "engine.json"
+    if not os.path.lexists(manifest_path):
+        raise UserError(f"{engine}: no engine.json (not an engine bundle; build one with `lmfoundry compile`)")
+    try:
+        st = os.stat(contained_file(engine, manifest_path.name))  # inside the bundle, a regular file
+    except UserError as exc:
+        raise UserError(f"{engine}: {exc}") from None
+    if st.st_size > ENGINE_JSON_MAX_BYTES:
+        raise _malformed(manifest_path, f"{st.st_size} bytes, larger than any engine.json lmfoundry writes")
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _malformed(manifest_path, f"not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise UserError(f"{manifest_path}: cannot read it ({exc.strerror})") from None
+    return check_manifest(manifest, manifest_path)
+
+
+def _kernel_file(engine: Path, rel: str) -> Path:
+    """engine/rel for a kernel file named by engine.json: inside the bundle after resolving
+    symlinks, present, and a regular file — else the bundle is refused (EngineIntegrityError)."""
+    from lmfoundry.manifest import contained_file
+
+    try:
+        return contained_file(engine, rel)
+    except UserError as exc:
+        raise EngineIntegrityError(f"{engine}: kernel file {exc}; refusing to load the bundle") from None
+
+
 def verify(path: str | Path, manifest: dict[str, Any]) -> None:
-    """Raise EngineIntegrityError unless every kernel file hashes to its recorded sha256."""
+    """Raise EngineIntegrityError unless every kernel file is a regular file inside the bundle
+    (no `..`, absolute path or symlink out: engine.json may come with an untrusted download) and
+    hashes to its recorded sha256."""
     engine = Path(path)
     for entry in manifest["kernels"]:
         for ext, rel in entry["files"].items():
-            f = engine / rel
-            if not f.exists():
-                raise EngineIntegrityError(f"{f}: missing from the engine bundle")
+            f = _kernel_file(engine, rel)
             digest = hashlib.sha256(f.read_bytes()).hexdigest()
             if digest != entry["sha256"][ext]:
                 raise EngineIntegrityError(
@@ -280,7 +379,7 @@ class KernelSet:
     OPS = tuple(_ops())
 
     def __init__(self, mode: str, executor: Any, manifest: dict[str, Any], path: Path, reason: str = "") -> None:
-        self.mode = mode  # "cubin" | "jit" | "reference"
+        self.mode = mode  # "cubin" | "jit" | "interpret" | "reference"
         self.executor = executor
         self.manifest = manifest
         self.path = path
@@ -305,16 +404,53 @@ class KernelSet:
         return sorted(set(super().__dir__()) | set(self.OPS))
 
 
-def load_engine(path: str | Path, device: str | torch.device = "cuda", *, device_info: DeviceInfo | None = None) -> KernelSet:
+def verify_weights(path: str | Path, manifest: dict[str, Any]) -> None:
+    """Raise EngineIntegrityError unless the bundle's weights folder holds exactly the files
+    engine.json lists, each hashing to its recorded sha256 (config.json included). A file that
+    is not listed is refused too: the loader would otherwise read a planted shard."""
+    engine = Path(path)
+    folder = engine / "weights"
+    listed = manifest.get("weights", {}).get("files", {})
+    if not folder.is_dir():
+        raise EngineIntegrityError(f"{engine}: no weights/ folder in the engine bundle")
+    present = {p.name for p in folder.iterdir()}
+    extra = sorted(present - set(listed))
+    if extra:
+        raise EngineIntegrityError(f"{folder / extra[0]}: not listed in engine.json; refusing to load the bundle")
+    for name, entry in sorted(listed.items()):
+        f = folder / name
+        if not f.is_file():
+            raise EngineIntegrityError(f"{f}: missing from the engine bundle")
+        if "sha256" not in entry:
+            raise EngineIntegrityError(f"{f}: engine.json records no sha256 for it (a bundle from an older "
+                                       "lmfoundry); rebuild it with `lmfoundry compile`")
+        from lmfoundry.compile.bundle import sha256_file
+
+        digest = sha256_file(f)
+        if digest != entry["sha256"]:
+            raise EngineIntegrityError(
+                f"weights/{name}: sha256 {digest[:16]}… does not match engine.json ({entry['sha256'][:16]}…); "
+                "the bundle was modified or corrupted — refusing to load it")
+
+
+def load_engine(path: str | Path, device: str | torch.device = "cuda", *, device_info: DeviceInfo | None = None,
+                interpret: bool | None = None) -> KernelSet:
     """Verify and load the bundle at `path` for `device` (see the module docstring for the paths).
 
     `device_info` overrides what is probed from the GPU (tests use it to pretend another arch).
+    On CPU, `interpret` runs the Triton kernels through Triton's interpreter instead of their
+    PyTorch references (default: when TRITON_INTERPRET=1 is set).
     """
     engine = Path(path)
     manifest = read_manifest(engine)
     verify(engine, manifest)
     device = torch.device(device)
     if device.type == "cpu":
+        from lmfoundry.kernels.dispatch import is_interpreter
+
+        if interpret if interpret is not None else is_interpreter():
+            return KernelSet("interpret", CountingExecutor(JitExecutor(), "interpret"), manifest, engine,
+                             "CPU: Triton interpreter")
         return KernelSet("reference", CountingExecutor(ReferenceExecutor(), "reference"), manifest, engine,
                          "CPU: PyTorch reference kernels")
     if device.type != "cuda":

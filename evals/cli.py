@@ -18,24 +18,37 @@ def eval_group() -> None:
 @click.argument("models", nargs=-1, required=True)
 @click.option("--text", default=None, help="Text file, JSONL, datasets folder or built-in name "
               "(c4, wiki, ...). Default: the tail of wiki.utf8, held out from calibration.")
-@click.option("--ctx", default=512, show_default=True, help="Window length in tokens.")
+@click.option("--ctx", default=512, show_default=True,
+              help="Window length in tokens (2 to the model's max_position_embeddings).")
 @click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows.")
-@click.option("--batch-size", default=4, show_default=True)
+@click.option("--batch-size", default=4, show_default=True, help="Windows per forward pass (at least 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per model (for scripts and CI).")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu or cuda[:N]: where an engine bundle's kernels run (checkpoints run on CPU).")
 def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: int | None, batch_size: int,
-            as_json: bool) -> None:
+            as_json: bool, device: str) -> None:
     """Perplexity of each of MODELS (folder, GGUF, built-in name or quantized checkpoint) on the
     same non-overlapping windows of --ctx tokens, token-weighted. With several models, the first
     is the baseline of the printed ratios."""
     from lmfoundry.calibration.data import eval_token_stream
+    from lmfoundry.evals.gate import check_context, check_model
     from lmfoundry.evals.perplexity import perplexity
-    from lmfoundry.runtime.loader import load_model
+    from lmfoundry.runtime.loader import check_device, load_model
 
+    device = check_device(device)
+    # Option bounds and every model's config, before loading any weights: a bad option or a bad
+    # second model must not cost a whole evaluation of the first.
+    if ctx < 2:
+        raise UserError(f"--ctx must be at least 2 (each window predicts its next tokens), got {ctx}")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
     if max_windows is not None and max_windows <= 0:
         raise UserError("--max-windows must be positive")
+    for spec in models:
+        check_context(ctx, check_model(spec, allow_bundle=True), "--ctx")
     base = None
     for spec in models:
-        lm, tokenizer = load_model(spec)
+        lm, tokenizer = load_model(spec, device=device)
         stream, source, digest = eval_token_stream(text, tokenizer)
         res = perplexity(lm, stream, ctx=ctx, max_windows=max_windows, batch_size=batch_size, progress=not as_json)
         del lm

@@ -18,6 +18,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -71,39 +72,114 @@ class GateSpec:
     tiers: dict[str, dict[str, Any]] = field(repr=False)
 
     def tier(self, name: str) -> tuple[list[TaskSpec], PerplexitySpec | None]:
+        """The tasks and perplexity settings of tier `name` (every field type- and range-checked:
+        a gate file is hand-written, and a wrong type must be one line naming the field)."""
         if name not in self.tiers:
-            raise UserError(f"gate {self.name!r} has no tier {name!r}; tiers: {', '.join(self.tiers)}")
-        raw = self.tiers[name] or {}
+            raise UserError(f"gate {self.name!r} has no tier {name!r}; tiers: {', '.join(map(str, self.tiers))}")
+        where = f"{self.source}: tiers.{name}"
+        raw = _mapping(self.tiers[name], where, ("description", "tasks", "perplexity"))
         tasks = []
-        for task, body in (raw.get("tasks") or {}).items():
-            body = body or {}
+        for task, body in _mapping(raw.get("tasks"), f"{where}.tasks").items():
+            tw = f"{where}.tasks.{task}"
+            if not isinstance(task, str):
+                raise UserError(f"{tw}: a task name must be a string")
+            body = _mapping(body, tw, ("limit", "gate"))
             gate = body.get("gate", [])
             if isinstance(gate, str):
                 gate = [gate]
             if isinstance(gate, list):
-                gate = {m: None for m in gate}
+                gate = {m: None for m in gate if _text(m, f"{tw}.gate")}
             if not isinstance(gate, dict):
-                raise UserError(f"{self.source}: tiers.{name}.tasks.{task}.gate must be a list or a mapping")
+                raise UserError(f"{tw}.gate must be a list of metrics or a mapping metric -> threshold")
             limit = body.get("limit")
-            if limit is not None and (not isinstance(limit, int) or limit <= 0):
-                raise UserError(f"{self.source}: tiers.{name}.tasks.{task}.limit must be a positive integer")
-            tasks.append(TaskSpec(task, limit, {str(k): (None if v is None else float(v)) for k, v in gate.items()}))
+            if limit is not None:
+                limit = _int(limit, f"{tw}.limit", 1)
+            thresholds = {_text(k, f"{tw}.gate"): None if v is None else _positive(v, f"{tw}.gate.{k}")
+                          for k, v in gate.items()}
+            tasks.append(TaskSpec(task, limit, thresholds))
         ppl = raw.get("perplexity")
         pspec = None
         if ppl:
-            pspec = PerplexitySpec(ppl.get("text"), int(ppl.get("ctx", 512)), int(ppl.get("windows", 20)),
-                                   float(ppl.get("max_ratio", self.max_ppl_ratio)))
-            if pspec.ctx < 2 or pspec.windows < 1:
-                raise UserError(f"{self.source}: tiers.{name}.perplexity needs ctx >= 2 and windows >= 1")
+            pw = f"{where}.perplexity"
+            ppl = _mapping(ppl, pw, ("text", "ctx", "windows", "max_ratio"))
+            text = ppl.get("text")
+            if text is not None:
+                text = _text(text, f"{pw}.text")
+            max_ratio = ppl.get("max_ratio")
+            pspec = PerplexitySpec(text, _int(ppl.get("ctx", 512), f"{pw}.ctx", 2),
+                                   _int(ppl.get("windows", 20), f"{pw}.windows", 1),
+                                   self.max_ppl_ratio if max_ratio is None else _positive(max_ratio, f"{pw}.max_ratio"))
         if not tasks and pspec is None:
             raise UserError(f"{self.source}: tier {name!r} has neither tasks nor perplexity")
         return tasks, pspec
+
+
+# A gate file is hand-written YAML: every field is checked for type and range here, so that a
+# string where a number belongs (or a list where a mapping belongs) is one `error:` line naming
+# the field instead of a ValueError/AttributeError traceback, and so that a value that would only
+# fail deep inside lm-eval or numpy (seed >= 2**32, a million resamples) is refused up front.
+MAX_SEED = 2**32 - 1  # lm-eval seeds numpy's legacy generator, which takes 32-bit seeds
+RESAMPLES_RANGE = (100, 100_000)  # fewer: a meaningless interval; more: GBs of bootstrap indices
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: its repr, cut short (a YAML value can be a whole document)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _mapping(value: Any, where: str, known: tuple[str, ...] | None = None) -> dict[Any, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"{where} must be a mapping, got {type(value).__name__} {_show(value)}")
+    if known is not None:
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return value
+
+
+def _int(value: Any, where: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{where} must be an integer, got {_show(value)}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise UserError(f"{where} must be {bounds}, got {value}")
+    return value
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"{where} must be a number, got {_show(value)}")
+    return float(value)
+
+
+def _positive(value: Any, where: str) -> float:
+    number = _number(value, where)
+    if number <= 0:
+        raise UserError(f"{where} must be positive, got {_show(value)}")
+    return number
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise UserError(f"{where} must be true or false, got {_show(value)}")
+    return value
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{where} must be a non-empty string, got {_show(value)}")
+    return value
 
 
 def resolve_gate_path(spec: str | None) -> Path:
     spec = spec or DEFAULT_GATE
     p = Path(spec).expanduser()
     if p.exists():
+        if not p.is_file():
+            raise UserError(f"{spec}: not a gate file")
         return p
     builtin = GATES_DIR / f"{spec}.yaml"
     if builtin.exists():
@@ -112,9 +188,15 @@ def resolve_gate_path(spec: str | None) -> Path:
     raise UserError(f"{spec}: no such gate file (built-in gates: {known})")
 
 
+MAX_GATE_BYTES = 1 << 20  # a gate file is a page of YAML
+
+
 def load_gate(spec: str | None = None) -> GateSpec:
-    """A gate YAML (or a recipe YAML whose `gate` section overrides the default gate)."""
+    """A gate YAML (or a recipe YAML whose `gate` section overrides the default gate), with every
+    field and every tier checked before anything is evaluated."""
     path = resolve_gate_path(spec)
+    if path.stat().st_size > MAX_GATE_BYTES:
+        raise UserError(f"{path}: {path.stat().st_size} bytes is too large for a gate file")
     raw_bytes = path.read_bytes()
     try:
         data = yaml.safe_load(raw_bytes) or {}
@@ -124,30 +206,37 @@ def load_gate(spec: str | None = None) -> GateSpec:
         raise UserError(f"{path}: a gate file is a mapping")
     if "gate" in data and "tiers" not in data:  # a recipe: its gate section overlays the default
         base = yaml.safe_load((GATES_DIR / f"{DEFAULT_GATE}.yaml").read_text())
-        data = _overlay(base, data["gate"] or {})
+        data = _overlay(base, _mapping(data["gate"], f"{path}: gate"))
     known = {"name", "description", "seed", "confidence", "resamples", "inconclusive_exit_code", "prompt",
              "defaults", "tiers"}
     unknown = set(data) - known
     if unknown:
-        raise UserError(f"{path}: unknown gate key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-    prompt = data.get("prompt") or {}
-    defaults = data.get("defaults") or {}
-    confidence = float(data.get("confidence", 0.95))
+        raise UserError(f"{path}: unknown gate key(s) {', '.join(sorted(map(str, unknown)))}; "
+                        f"known: {', '.join(sorted(known))}")
+    prompt = _mapping(data.get("prompt"), f"{path}: prompt", ("add_bos", "chat_template", "num_fewshot"))
+    defaults = _mapping(data.get("defaults"), f"{path}: defaults", ("min_recovery", "max_ppl_ratio"))
+    confidence = _number(data.get("confidence", 0.95), f"{path}: confidence")
     if not 0.5 <= confidence < 1:
         raise UserError(f"{path}: confidence must be in [0.5, 1)")
-    code = int(data.get("inconclusive_exit_code", 2))
+    code = _int(data.get("inconclusive_exit_code", 2), f"{path}: inconclusive_exit_code")
     if code not in (0, 1, 2):
         raise UserError(f"{path}: inconclusive_exit_code must be 0, 1 or 2")
     if not isinstance(data.get("tiers"), dict) or not data["tiers"]:
         raise UserError(f"{path}: a gate needs `tiers` (e.g. quick, full)")
-    return GateSpec(
+    gate = GateSpec(
         name=str(data.get("name", path.stem)), source=str(path), sha256=hashlib.sha256(raw_bytes).hexdigest(),
-        seed=int(data.get("seed", 0)), confidence=confidence, resamples=int(data.get("resamples", 2000)),
+        seed=_int(data.get("seed", 0), f"{path}: seed", 0, MAX_SEED), confidence=confidence,
+        resamples=_int(data.get("resamples", 2000), f"{path}: resamples", *RESAMPLES_RANGE),
         inconclusive_exit_code=code, add_bos=parse_add_bos(prompt.get("add_bos", "tokenizer")),
-        chat_template=bool(prompt.get("chat_template", False)), num_fewshot=int(prompt.get("num_fewshot", 0)),
-        min_recovery=float(defaults.get("min_recovery", 0.95)),
-        max_ppl_ratio=float(defaults.get("max_ppl_ratio", 1.05)), tiers=data["tiers"],
+        chat_template=_bool(prompt.get("chat_template", False), f"{path}: prompt.chat_template"),
+        num_fewshot=_int(prompt.get("num_fewshot", 0), f"{path}: prompt.num_fewshot", 0),
+        min_recovery=_positive(defaults.get("min_recovery", 0.95), f"{path}: defaults.min_recovery"),
+        max_ppl_ratio=_positive(defaults.get("max_ppl_ratio", 1.05), f"{path}: defaults.max_ppl_ratio"),
+        tiers=data["tiers"],
     )
+    for tier in gate.tiers:  # a typo in a tier not run today is still an error today
+        gate.tier(tier)
+    return gate
 
 
 def _overlay(base: dict, top: dict) -> dict:
@@ -238,6 +327,68 @@ def run_lm_eval(lm: Any, tasks: list[TaskSpec], gate: GateSpec, include_paths: l
 # ---- models ---------------------------------------------------------------------------------
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja")
+# Encoded by both tokenizers of a gate: equal vocabularies can still split text differently
+# (merges, normalizer, pre-tokenizer), and then no paired per-document comparison is meaningful.
+TOKENIZER_PROBE = ("The quick brown fox jumps over the lazy dog. 1234567890, naïve café — ¿qué? 日本語\n"
+                   "\tdef f(x):\n\t\treturn x ** 2  # comment  ")
+
+
+@dataclass
+class CheckedModel:
+    """What the up-front check learned about a model spec: where it lives, its config, its tokenizer."""
+
+    spec: str
+    folder: Path
+    config: Any  # lmfoundry.runtime.config.ModelConfig
+    tokenizer: Any
+
+
+def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
+    """Resolve `spec` and load its config and tokenizer (not its weights), so that a missing model,
+    a folder without a usable config or tokenizer, or one of two mismatched models is reported in
+    seconds, before minutes of evaluating the other. With `allow_bundle`, an engine bundle (which
+    `load_model` runs) is read from its weights/ folder."""
+    from lmfoundry.models import resolve_model
+    from lmfoundry.runtime.config import ModelConfig
+
+    path = Path(spec).expanduser()
+    if allow_bundle and (path / "engine.json").is_file():
+        folder = path / "weights"
+    else:
+        folder = resolve_model(spec)
+    config = ModelConfig.from_file(folder)
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for a bad tokenizer
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise UserError(f"{spec}: cannot load its tokenizer ({type(exc).__name__}: {first})") from None
+    return CheckedModel(spec, folder, config, tokenizer)
+
+
+def tokenizer_difference(a: Any, b: Any) -> str | None:
+    """None when tokenizers `a` and `b` map text to the same ids (same vocabulary, same special
+    token ids, same encoding of a probe text), else what differs."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        diff = sorted(set(va.items()) ^ set(vb.items()))
+        return f"vocabularies differ: {len(va)} vs {len(vb)} tokens, e.g. {diff[0][0]!r}"
+    for attr in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        if getattr(a, attr, None) != getattr(b, attr, None):
+            return f"{attr} {getattr(a, attr, None)} vs {getattr(b, attr, None)}"
+    if a(TOKENIZER_PROBE).input_ids != b(TOKENIZER_PROBE).input_ids:
+        return "the same text is split into different tokens"
+    return None
+
+
+def check_context(ctx: int, model: CheckedModel, option: str) -> None:
+    """Refuse windows longer than the model's position limit: the model never saw such positions
+    (the numbers would mean nothing), and on CPU a long window costs minutes before failing."""
+    limit = model.config.max_position_embeddings
+    if ctx > limit:
+        raise UserError(f"{option} {ctx} exceeds {model.spec}'s max_position_embeddings ({limit}); "
+                        f"use {limit} or less")
 
 
 def fingerprint(folder: Path) -> dict[str, Any]:
@@ -245,7 +396,7 @@ def fingerprint(folder: Path) -> dict[str, Any]:
     from lmfoundry.manifest import sha256_file
     from lmfoundry.models import safetensors_files
 
-    files = {p.name: sha256_file(p) for p in safetensors_files(folder)}
+    files = {p.relative_to(folder).as_posix(): sha256_file(p) for p in safetensors_files(folder)}
     for name in FINGERPRINT_FILES:
         if (folder / name).exists():
             files[name] = sha256_file(folder / name)
@@ -268,19 +419,22 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 def evaluate_model(spec: str, tasks: list[TaskSpec], ppl: PerplexitySpec | None, gate: GateSpec,
                    include_paths: list[Path], task_hashes: dict[str, str], use_cache: bool = True,
-                   progress: bool = False) -> dict[str, Any]:
-    """Per-document results of one model on the tier (from the cache when the inputs match)."""
+                   progress: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """Per-document results of one model on the tier (from the cache when the inputs match). An
+    engine bundle runs its compiled kernels on `device` (what `serve` would run)."""
     import torch
 
     from lmfoundry.models import resolve_model
+    from lmfoundry.runtime.loader import is_engine_bundle
 
-    folder = resolve_model(spec)
-    fp = fingerprint(folder)
+    bundle = is_engine_bundle(spec)
+    folder = Path(spec) if bundle else resolve_model(spec)
+    fp = fingerprint(folder / "weights" if bundle else folder)
     key = {"schema": SCHEMA_VERSION, "model": fp["sha256"], "versions": _versions(),
            "tasks": [[t.name, t.limit, task_hashes.get(t.name)] for t in tasks],
            "ppl": None if ppl is None else [ppl.text, ppl.ctx, ppl.windows],
            "prompt": [gate.add_bos, gate.chat_template, gate.num_fewshot], "seed": gate.seed,
-           "threads": torch.get_num_threads()}
+           "threads": torch.get_num_threads(), **({"device": device} if bundle else {})}
     cache = _cache_path(key)
     if use_cache and cache.exists():
         try:
@@ -297,7 +451,7 @@ def evaluate_model(spec: str, tasks: list[TaskSpec], ppl: PerplexitySpec | None,
     from lmfoundry.runtime.loader import load_model
 
     t0 = time.time()
-    model, tokenizer = load_model(folder)
+    model, tokenizer = load_model(folder, device=device)
     lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos)
     data: dict[str, Any] = {"spec": spec, "path": str(folder), "fingerprint": fp, "dtype": str(model.dtype),
                             "prompt": {**lm.prompt_settings(), "chat_template": gate.chat_template,
@@ -395,7 +549,7 @@ class GateResult:
 def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: str = "quick",
              output: str | Path = "eval-gate", extra_tasks: tuple[str, ...] = (),
              include_paths: tuple[str, ...] = (), use_cache: bool = True, inconclusive_exit: int | None = None,
-             write_promotion: bool = True, progress: bool = False) -> GateResult:
+             write_promotion: bool = True, progress: bool = False, device: str = "cpu") -> GateResult:
     """Evaluate, compare, write eval-gate.json + eval-gate.md + eval-gate.png, record the verdict."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -411,12 +565,24 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
         if not p.is_dir():
             raise UserError(f"--include-path {p}: not a folder")
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_output_folder(out)
+    # Both models up front: evaluating the baseline takes minutes, and a missing candidate, one
+    # without a usable config or tokenizer, or one that tokenizes differently would make all of
+    # it wasted work.
+    cand_model, base_model = check_model(candidate, allow_bundle=True), check_model(baseline, allow_bundle=True)
+    why = tokenizer_difference(cand_model.tokenizer, base_model.tokenizer)
+    if why is not None:
+        raise UserError(f"candidate {candidate} and baseline {baseline} have different tokenizers ({why}); "
+                        "the gate compares them document by document on the same tokens")
+    if ppl is not None:
+        for m in (cand_model, base_model):
+            check_context(ppl.ctx, m, f"{gate.source}: tiers.{tier}.perplexity.ctx")
+    del cand_model, base_model
     with tempfile.TemporaryDirectory(prefix="lmfoundry-gate-") as tmp:
         ours, task_hashes = materialize_tasks(Path(tmp))
         paths = [ours, *user_paths]
-        base = evaluate_model(baseline, tasks, ppl, gate, paths, task_hashes, use_cache, progress)
-        cand = evaluate_model(candidate, tasks, ppl, gate, paths, task_hashes, use_cache, progress)
+        base = evaluate_model(baseline, tasks, ppl, gate, paths, task_hashes, use_cache, progress, device)
+        cand = evaluate_model(candidate, tasks, ppl, gate, paths, task_hashes, use_cache, progress, device)
     metrics = compare(cand, base, tasks, ppl, gate)
     gated = [m for m in metrics if m["gated"]]
     verdict = stats.combine([m["verdict"] for m in gated])
@@ -445,6 +611,7 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
                                                      ("source", "source_sha256", "token_sha256", "ctx", "windows")},
         "versions": {**_versions(), "lm-eval": importlib.metadata.version("lm_eval")},
     }
+    out.mkdir(parents=True, exist_ok=True)
     json_path, md_path, png_path = out / "eval-gate.json", out / "eval-gate.md", out / "eval-gate.png"
     json_path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
     write_plot(report, png_path)
@@ -453,6 +620,20 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     if write_promotion:
         promoted = record_promotion(candidate, report, json_path, md_path)
     return GateResult(verdict, code, report, json_path, md_path, png_path, promoted)
+
+
+def _check_output_folder(out: Path) -> None:
+    """Refuse an -o that cannot take the report before evaluating anything, without creating it
+    yet (a refused or failed gate leaves no empty report folder behind)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"-o {out}: exists and is not a folder")
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"-o {out}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"-o {out}: {existing} is not writable")
 
 
 def _model_summary(ev: dict[str, Any]) -> dict[str, Any]:
@@ -466,9 +647,10 @@ def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md
     from lmfoundry.manifest import MANIFEST, sha256_file, update_manifest
 
     folder = Path(report["candidate"]["path"])
-    if not (folder / MANIFEST).exists():
+    engine = folder / "engine.json"
+    if not (folder / MANIFEST).exists() and not engine.is_file():
         return False
-    update_manifest(folder, "promotion", {
+    record = {
         "verdict": report["verdict"],
         "exit_code": report["exit_code"],
         "gate": report["gate"]["name"], "gate_sha256": report["gate"]["sha256"], "tier": report["gate"]["tier"],
@@ -478,5 +660,13 @@ def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md
         "report": str(json_path.resolve()), "report_sha256": sha256_file(json_path),
         "markdown_sha256": sha256_file(md_path),
         "created_unix": int(time.time()),
-    })
+    }
+    if engine.is_file():  # an engine bundle: the verdict goes into engine.json (weights stay as hashed)
+        data = json.loads(engine.read_text())
+        data["promotion"] = record
+        tmp = engine.with_name(f".engine.json.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, engine)
+        return True
+    update_manifest(folder, "promotion", record)
     return True

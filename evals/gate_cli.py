@@ -24,9 +24,11 @@ import click
 @click.option("--no-cache", is_flag=True, help="Re-evaluate both models even if cached results match.")
 @click.option("--no-promotion", is_flag=True, help="Do not write the verdict into the candidate's lmfoundry.json.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu or cuda[:N]: where an engine bundle (candidate or baseline) runs its compiled kernels.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
-              no_cache: bool, no_promotion: bool, quiet: bool) -> None:
+              no_cache: bool, no_promotion: bool, quiet: bool, device: str) -> None:
     """Evaluate CANDIDATE and --baseline on the same documents through the serving runtime's
     model execution (lm-eval tasks + perplexity), decide each gated metric with a paired bootstrap
     interval, and write eval-gate.json, a markdown report and a plot. The verdict and the report's
@@ -38,10 +40,11 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
 
         os.environ["TQDM_DISABLE"] = "1"
     from lmfoundry.evals.gate import run_gate
+    from lmfoundry.runtime.loader import check_device
 
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
                    use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
-                   write_promotion=not no_promotion, progress=not quiet)
+                   write_promotion=not no_promotion, progress=not quiet, device=check_device(device))
     for m in res.report["metrics"]:
         if m["gated"]:
             click.echo(f"{m['verdict']:>12}  {m['name']}: {m['statistic']} {m['point']:.4f} "

@@ -47,6 +47,8 @@ def perplexity(
     model: CausalLM, stream: torch.Tensor, ctx: int = 512, max_windows: int | None = None,
     batch_size: int = 4, progress: bool = True,
 ) -> PerplexityResult:
+    if batch_size < 1:  # torch's split(0) would raise deep inside; say which option is wrong
+        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
     wins = windows_of(stream, ctx, max_windows)
     sums: list[float] = []
     for batch in tqdm(wins.split(batch_size), desc="perplexity", unit="batch", disable=not progress):

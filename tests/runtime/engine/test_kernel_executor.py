@@ -225,3 +225,28 @@ def test_serve_engine_dir_answers_the_openai_client(bundles: Bundles, tmp_path: 
     proc = _serve([str(copy), "--port", "0"])
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "config.json: sha256" in out and "Traceback" not in out, out
+
+
+def test_eval_gate_runs_the_bundle_and_records_the_verdict(bundles: Bundles, tmp_path: Path) -> None:
+    import shutil
+
+    import yaml
+
+    from lmfoundry.evals.gate import run_gate
+
+    engine = tmp_path / "engine"
+    shutil.copytree(bundles.engine("w8a8"), engine)
+    text = write_text(tmp_path / "ppl.txt", n_words=600, seed=3)
+    gate = {"name": "bundle", "seed": 0, "confidence": 0.95, "resamples": 200,
+            "prompt": {"add_bos": "tokenizer", "chat_template": False, "num_fewshot": 0},
+            "defaults": {"min_recovery": 0.5, "max_ppl_ratio": 1.05},
+            "tiers": {"quick": {"tasks": {"lmf_arc_easy": {"limit": 4, "gate": ["acc"]}},
+                                "perplexity": {"text": str(text), "ctx": 32, "windows": 4}}}}
+    (tmp_path / "gate.yaml").write_text(yaml.safe_dump(gate))
+    res = run_gate(str(engine), str(bundles.checkpoint("w8a8")), str(tmp_path / "gate.yaml"), "quick",
+                   tmp_path / "out", use_cache=False, device="cpu")
+    ppl = [m for m in res.report["metrics"] if m["name"].startswith("perplexity/")][0]
+    assert abs(ppl["point"] - 1.0) < 0.02  # same weights, kernels vs reference: ratio ~1
+    manifest = json.loads((engine / "engine.json").read_text())
+    assert manifest["promotion"]["verdict"] == res.verdict
+    load_bundle(engine, "cpu", interpret=False)  # the verdict does not break the bundle's hashes
