@@ -242,11 +242,7 @@ class RuntimeLM(TemplateLM):
             return self._score_on_engine(jobs)
         parts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         for job in jobs:
-            if not job.context or not job.continuation:
-                raise ValueError("loglikelihood needs a non-empty context and continuation")
-            n = len(job.continuation)
-            if n > self.max_length:
-                raise UserError(f"a continuation of {n} tokens exceeds max_length {self.max_length}")
+            n = self._checked_length(job)
             seq = (job.context + job.continuation)[-(self.max_length + 1):][:-1]
             parts.append((tuple(seq[: len(seq) - n + 1]), tuple(seq[len(seq) - n + 1 :])))
         groups: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
@@ -305,14 +301,18 @@ class RuntimeLM(TemplateLM):
         left-truncation to max_length."""
         pairs = []
         for job in jobs:
-            if not job.context or not job.continuation:
-                raise ValueError("loglikelihood needs a non-empty context and continuation")
-            n = len(job.continuation)
-            if n > self.max_length:
-                raise UserError(f"a continuation of {n} tokens exceeds max_length {self.max_length}")
-            keep = max(1, self.max_length + 1 - n)
+            keep = max(1, self.max_length + 1 - self._checked_length(job))
             pairs.append((job.context[-keep:], job.continuation))
         return self.engine().loglikelihood(pairs)
+
+    def _checked_length(self, job: ScoreRequest) -> int:
+        """The continuation's length; a job that cannot be scored raises."""
+        if not job.context or not job.continuation:
+            raise ValueError("loglikelihood needs a non-empty context and continuation")
+        n = len(job.continuation)
+        if n > self.max_length:
+            raise UserError(f"a continuation of {n} tokens exceeds max_length {self.max_length}")
+        return n
 
     def _padded(self, seqs: list[tuple[int, ...]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ids [B, T] and their positions (row r starts at starts[r])."""
