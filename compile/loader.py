@@ -28,7 +28,7 @@ import torch
 
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.dispatch import Executor, JitExecutor, ReferenceExecutor
-from lmfoundry.kernels.spec import KernelCall, TileConfig, Variant, eval_grid_rule
+from lmfoundry.kernels.spec import KernelCall, TileConfig, Variant, compile_grid_rule
 
 log = logging.getLogger("lmfoundry.engine")
 
@@ -228,6 +228,14 @@ class ShippedKernel:
         self.function: int | None = None
         self.covers = entry["covers"]
         self.unusable = ""  # set when the driver refused the cubin (e.g. too much shared memory)
+        # Launch arguments prepared once: grid rules compiled, parameter kinds resolved, constexprs
+        # and scratch sizes read; a launch only fills in values.
+        self.grid_rules = [compile_grid_rule(rule) for rule in self.meta["grid"]]
+        self.params = [(p["name"], p["ctype"]) for p in self.meta["params"]]
+        self.constexprs = dict(self.config.constexprs)
+        self.block = 32 * self.meta["num_warps"]
+        self.scratch = [(self.meta[f"{kind}_scratch_size"], self.meta[f"{kind}_scratch_align"])
+                        for kind in ("global", "profile")[: self.meta["scratch_params"]]]
 
     def check_device(self, call: KernelCall) -> None:
         """Every tensor must live on this set's GPU: a host pointer would fault the kernel."""
@@ -275,32 +283,29 @@ class ShippedKernel:
     def launch(self, call: KernelCall) -> None:
         from lmfoundry.compile.cuda_driver import driver
 
-        drv = driver()
         names: dict[str, Any] = {k: v for k, v in call.args.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         names.update(call.shape)
         names.update(call.semantics)
-        names.update(dict(self.config.constexprs))
-        grid = [eval_grid_rule(rule, names) for rule in self.meta["grid"]]
+        names.update(self.constexprs)
+        grid = [rule(names) for rule in self.grid_rules]
         if grid[0] * grid[1] * grid[2] == 0:
             return
         args: list[tuple[str, Any]] = []
-        for p in self.meta["params"]:
-            v = call.args[p["name"]]
-            args.append(("ptr", v.data_ptr()) if p["ctype"] == "ptr" else (p["ctype"], float(v) if p["ctype"] == "f32" else int(v)))
+        for name, ctype in self.params:
+            v = call.args[name]
+            args.append(("ptr", v.data_ptr()) if ctype == "ptr" else (ctype, float(v) if ctype == "f32" else int(v)))
         device = torch.device("cuda", self.device_index)
         scratch = []
-        for kind in ("global", "profile")[: self.meta["scratch_params"]]:
-            size = self.meta[f"{kind}_scratch_size"]
+        for size, align in self.scratch:
             if size > 0:
-                buf = torch.empty(grid[0] * grid[1] * grid[2] * self.meta["num_ctas"] * size + self.meta[f"{kind}_scratch_align"],
+                buf = torch.empty(grid[0] * grid[1] * grid[2] * self.meta["num_ctas"] * size + align,
                                   dtype=torch.uint8, device=device)
                 scratch.append(buf)
-                align = self.meta[f"{kind}_scratch_align"]
                 args.append(("ptr", (buf.data_ptr() + align - 1) // align * align))
             else:
                 args.append(("ptr", 0))
         stream = current_stream(device)
-        drv.launch(self.function, grid, 32 * self.meta["num_warps"], self.meta["shared"], stream, args)
+        driver().launch(self.function, grid, self.block, self.meta["shared"], stream, args)
 
 
 class CubinExecutor:
@@ -413,6 +418,11 @@ def verify_weights(path: str | Path, manifest: dict[str, Any]) -> None:
     listed = manifest.get("weights", {}).get("files", {})
     if not folder.is_dir():
         raise EngineIntegrityError(f"{engine}: no weights/ folder in the engine bundle")
+    linked = sorted(n for n, e in listed.items() if "link" in e)
+    if linked:
+        raise UserError(f"{engine}: built with --weights link (weights/{linked[0]} points into "
+                        f"{Path(listed[linked[0]]['link']).parent}); the runtime serves self-contained bundles: "
+                        "rebuild with `lmfoundry compile ... --weights repack` (the default) or `--weights copy`")
     present = {p.name for p in folder.iterdir()}
     extra = sorted(present - set(listed))
     if extra:

@@ -26,7 +26,10 @@ from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileCo
 
 QUANT_NONE, QUANT_INT8, QUANT_FP8 = 0, 1, 2
 QMAX = {QUANT_INT8: 127.0, QUANT_FP8: 448.0}
-MIN_AMAX = 1e-10  # an all-zero row gets a tiny positive scale (quantizes to zeros, no 0/0)
+QMIN = {QUANT_INT8: -128.0, QUANT_FP8: -448.0}  # int8 codes span [-128, 127] (a static scale can reach -128)
+# Floor of a row's absmax before the dynamic scale absmax / qmax: int8 only avoids 0/0 (an all-zero
+# row quantizes to zeros whatever its scale); fp8 uses vLLM's minimum scale 1 / (448 * 512).
+MIN_AMAX = {QUANT_INT8: 1e-10, QUANT_FP8: 1.0 / 512.0}
 
 SUPPORT = Support(
     {
@@ -65,15 +68,19 @@ def rmsnorm_quant_kernel(
     else:
         if QUANT == 1:
             qmax = 127.0
+            qmin = -128.0
+            floor = 1e-10
         else:
             qmax = 448.0
+            qmin = -448.0
+            floor = 0.001953125  # 1 / 512
         if STATIC_SCALE:
             scale = tl.load(scale_ptr)
         else:
             amax = tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0)
-            scale = tl.maximum(amax, 1e-10) / qmax
+            scale = tl.maximum(amax, floor) / qmax
             tl.store(scale_ptr + row, scale)
-        v = tl.minimum(tl.maximum(h / scale, -qmax), qmax)
+        v = tl.minimum(tl.maximum(h / scale, qmin), qmax)
         if QUANT == 1:
             # (v + 1.5 * 2**23) - 1.5 * 2**23 rounds |v| < 2**22 to nearest even in fp32: the
             # same as torch.round, without libdevice (which the interpreter lacks).
@@ -94,16 +101,20 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 
 
 def quantize_reference(
-    h: torch.Tensor, quant: int, static_scale: torch.Tensor | None = None
+    h: torch.Tensor, quant: int, static_scale: torch.Tensor | None = None, qmax: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric quantization of h [M, H] -> (codes, fp32 scales [M] or the static one)."""
+    """Per-token symmetric quantization of h [M, H] -> (codes, fp32 scales [M] or the static one).
+
+    This is the one definition of activation quantization: the kernel computes it, and the
+    reference executor's W8A8 / FP8 linears call it. `qmax` overrides the divisor of dynamic
+    scales (127.5 reproduces compressed-tensors' fake quantization, which transformers runs)."""
     hf = h.float()
-    qmax = QMAX[quant]
+    divisor = QMAX[quant] if qmax is None else qmax
     if static_scale is not None:
         scale = static_scale.float().reshape(1).expand(hf.shape[0])
     else:
-        scale = hf.abs().amax(-1).clamp(min=MIN_AMAX) / qmax
-    v = (hf / scale[:, None]).clamp(-qmax, qmax)
+        scale = hf.abs().amax(-1).clamp(min=MIN_AMAX[quant]) / divisor
+    v = (hf / scale[:, None]).clamp(QMIN[quant], QMAX[quant])
     if quant == QUANT_INT8:
         codes = torch.round(v).to(torch.int8)  # torch.round: half to even, as the kernel
     else:

@@ -102,8 +102,30 @@ def reference(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Exact dot products (float64 holds every int8/e4m3 partial sum here), fp32 scale epilogue."""
-    acc = (a.double() @ b.double().t()).float()
+    """The scaled GEMM's reference: int8 and e4m3 operands with fp32 scales a_scale [M|1], b_scale
+    [N|1]. The reference executor's W8A8 / FP8 linears run this function; the kernels are checked
+    against it with accumulation-order bounds.
+
+    int8: exact int32 dot products (`torch._int_mm`; cuBLASLt wants M > 16, so short inputs are
+    padded with zero rows), then the fp32 epilogue acc * a_scale[m] * b_scale[n] (+ bias).
+    e4m3 on CPU: `torch._scaled_mm`, the computation transformers' and vLLM-CPU's FP8 linears
+    share (dequantized operands, fp32 accumulation); elsewhere exact float64 sums and the same
+    epilogue as int8."""
+    if a.dtype == torch.int8 and b.dtype == torch.int8:
+        m = a.shape[0]
+        padded = torch.cat([a, a.new_zeros(17 - m, a.shape[1])]) if a.is_cuda and m <= 16 else a
+        acc = torch._int_mm(padded, b.t())[:m].float()
+    elif a.dtype == b.dtype == torch.float8_e4m3fn and not a.is_cuda:
+        m, n = a.shape[0], b.shape[0]
+        sa, sb = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
+        if sa.numel() == 1 and sb.numel() == 1:
+            sa, sb = sa.reshape(()), sb.reshape(())
+        else:
+            sa, sb = sa.expand(m, 1).contiguous(), sb.expand(1, n).contiguous()
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        return (out + bias.float() if bias is not None else out).to(out_dtype)
+    else:
+        acc = (a.double() @ b.double().t()).float()
     out = acc * a_scale.float().reshape(-1, 1) * b_scale.float().reshape(1, -1)
     if bias is not None:
         out = out + bias.float()

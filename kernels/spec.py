@@ -16,6 +16,7 @@ differs. Everything a launcher needs is therefore plain data (str/int/float), se
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -171,27 +172,43 @@ _BINOPS: dict[type, Callable[[int, int], int]] = {
 
 def eval_grid_rule(rule: str, names: Mapping[str, Any]) -> int:
     """Evaluate `rule` with integer names; only + - * //, cdiv, max, min and literals are allowed."""
+    return compile_grid_rule(rule)(names)
 
-    def ev(node: ast.AST) -> int:
+
+@functools.lru_cache(maxsize=None)
+def compile_grid_rule(rule: str) -> Callable[[Mapping[str, Any]], int]:
+    """`rule` parsed and checked once, as a function of the names (launchers call it per launch,
+    so nothing is parsed on the hot path)."""
+
+    def build(node: ast.AST) -> Callable[[Mapping[str, Any]], int]:
         if isinstance(node, ast.Expression):
-            return ev(node.body)
+            return build(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
+            value = node.value
+            return lambda names: value
         if isinstance(node, ast.Name):
-            if node.id not in names:
-                raise KeyError(f"grid rule {rule!r} needs {node.id!r}")
-            return int(names[node.id])
+            key = node.id
+
+            def name(names: Mapping[str, Any]) -> int:
+                if key not in names:
+                    raise KeyError(f"grid rule {rule!r} needs {key!r}")
+                return int(names[key])
+
+            return name
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+            op, left, right = _BINOPS[type(node.op)], build(node.left), build(node.right)
+            return lambda names: op(left(names), right(names))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
-            args = [ev(a) for a in node.args]
+            args = [build(a) for a in node.args]
             if node.func.id == "cdiv" and len(args) == 2:
-                return -(-args[0] // args[1])
+                a, b = args
+                return lambda names: -(-a(names) // b(names))
             if node.func.id in ("max", "min") and args:
-                return (max if node.func.id == "max" else min)(args)
+                fn = max if node.func.id == "max" else min
+                return lambda names: fn([f(names) for f in args])
         raise ValueError(f"unsupported grid rule {rule!r}")
 
-    return ev(ast.parse(rule, mode="eval"))
+    return build(ast.parse(rule, mode="eval"))
 
 
 def next_pow2(n: int) -> int:

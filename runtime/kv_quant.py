@@ -49,17 +49,24 @@ def broadcast_scale(scale: torch.Tensor, num_kv_heads: int | None = None) -> tor
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
-    """Store `x` [..., Hkv, D]: int8 codes or float8_e4m3fn values."""
-    s = broadcast_scale(scale, x.shape[-2])
-    y = x.float() / s
-    if kind == "float":
-        return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return torch.round(y).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+    """Store `x` [..., Hkv, D]: int8 codes or float8_e4m3fn values (the store-KV kernel's
+    reference arithmetic, `lmfoundry.kernels.kv_cache.quantize_kv`)."""
+    from lmfoundry.kernels.kv_cache import quantize_kv as store
+
+    return store(x, per_head(scale, x.shape[-2]), kv_storage_dtype(kind))
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Read stored KV back: `q * scale` in float32, cast to the attention dtype."""
-    return (q.float() * broadcast_scale(scale, q.shape[-2])).to(dtype)
+    """Read stored KV back: `q * scale` in float32 (the paged-attention kernels' reference),
+    cast to the attention dtype."""
+    from lmfoundry.kernels.kv_cache import dequantize_kv as load
+
+    return load(q, per_head(scale, q.shape[-2])).to(dtype)
+
+
+def per_head(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """A per-tensor or per-head scale as the kernels take it: fp32 [Hkv]."""
+    return broadcast_scale(scale, num_kv_heads).reshape(-1).expand(num_kv_heads)
 
 
 def kv_scales_from_absmax(absmax: torch.Tensor, kind: str, dtype: torch.dtype, per_head: bool) -> torch.Tensor:

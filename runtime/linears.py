@@ -1,23 +1,19 @@
 """Runtime linear modules, one per stored format, chosen at load time (the runtime module swap).
 
 On CPU, weight-only integer schemes are dequantized once at load (the fastest CPU execution and
-bit-identical to what transformers decompresses). Schemes with quantized activations (W8A8, FP8)
-register their own modules in `ACTIVATION_LINEARS`, which execute the integer / fp8 arithmetic a
-GPU kernel does.
+bit-identical to what transformers decompresses). Schemes with quantized activations (W8A8-INT8,
+FP8) run `ActivationQuantizedLinear`, which executes the integer / fp8 arithmetic of the kernels'
+reference (`lmfoundry.runtime.quantized_linear`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
+from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.scheme import Scheme
-
-# format -> factory(qweight, bias, scheme, dtype) -> nn.Module; filled by the W8A8/FP8 modules.
-ACTIVATION_LINEARS: dict[str, Callable[[QuantizedWeight, torch.Tensor | None, Scheme, torch.dtype], nn.Module]] = {}
 
 
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -32,23 +28,10 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 def build_linear(qw: QuantizedWeight, bias: torch.Tensor | None, scheme: Scheme, dtype: torch.dtype) -> nn.Module:
     """The module that executes a stored quantized linear."""
     if scheme.input_activations is not None:
-        factory = ACTIVATION_LINEARS.get(scheme.format)
-        if factory is None:
-            _register_builtin()
-            factory = ACTIVATION_LINEARS.get(scheme.format)
-        if factory is not None:
-            return factory(qw, bias, scheme, dtype)
-        # no activation-quantized execution available: weight dequantization only
+        from lmfoundry.runtime.quantized_linear import KIND, build_activation_linear
+
+        if scheme.format not in KIND:
+            raise UserError(f"format {scheme.format!r} with quantized activations has no execution "
+                            f"(known: {', '.join(KIND)})")
+        return build_activation_linear(qw, bias, scheme, dtype)
     return dense_linear(qw.dequantize(dtype), bias.to(dtype) if bias is not None else None)
-
-
-def _register_builtin() -> None:
-    """Import the modules that register activation-quantized linears (if present)."""
-    import importlib
-
-    for name in ("lmfoundry.runtime.int8_linear", "lmfoundry.runtime.fp8_linear"):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise

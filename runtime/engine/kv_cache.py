@@ -115,17 +115,32 @@ def resolve_kv_formats(model: nn.Module, kv_cache_dtype: str = "auto") -> list[K
 
 
 class PagedKVCache:
-    """Per layer, K and V as [num_blocks, block_size, kv_heads, head_dim]: a token's slot is
-    block * block_size + offset. Reads gather whole blocks (index_select over contiguous rows,
-    several times faster on CPU than gathering single slots)."""
+    """Per layer, the kernels' cache (`lmfoundry.kernels.kv_cache.PagedKVCache`: K and V as
+    [num_blocks, block_size, kv_heads, head_dim], a token's slot is block * block_size + offset),
+    so the reference executor and the kernel executor share one layout. Reads gather whole blocks
+    (index_select over contiguous rows, several times faster on CPU than gathering single slots)."""
 
     def __init__(self, formats: list[KVFormat], num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int) -> None:
+        from lmfoundry.kernels.kv_cache import PagedKVCache as LayerCache
+        from lmfoundry.runtime.kv_quant import per_head
+
         self.formats = formats
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=f.storage_dtype) for f in formats]
-        self.v = [torch.zeros(shape, dtype=f.storage_dtype) for f in formats]
+        self.layers = [
+            LayerCache.allocate(num_blocks, block_size, num_kv_heads, head_dim, f.storage_dtype, "cpu",
+                                None if f.k_scale is None else per_head(f.k_scale, num_kv_heads),
+                                None if f.v_scale is None else per_head(f.v_scale, num_kv_heads))
+            for f in formats
+        ]
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return [layer.key_cache for layer in self.layers]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [layer.value_cache for layer in self.layers]
 
     @staticmethod
     def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +150,8 @@ class PagedKVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, kv_heads, head_dim] for the T slots in `slots`."""
         f = self.formats[layer]
-        for cache, x, scale in ((self.k[layer], k, f.k_scale), (self.v[layer], v, f.v_scale)):
+        lc = self.layers[layer]
+        for cache, x, scale in ((lc.key_cache, k, f.k_scale), (lc.value_cache, v, f.v_scale)):
             flat = self._bits(cache).view(-1, *cache.shape[2:])
             flat.index_copy_(0, slots, self._bits(f.encode(x, scale)))
 
@@ -144,7 +160,8 @@ class PagedKVCache:
         head_dim] in compute dtype: each row of blocks becomes one token sequence."""
         f = self.formats[layer]
         out = []
-        for cache, scale in ((self.k[layer], f.k_scale), (self.v[layer], f.v_scale)):
+        lc = self.layers[layer]
+        for cache, scale in ((lc.key_cache, f.k_scale), (lc.value_cache, f.v_scale)):
             codes = self._bits(cache).index_select(0, blocks.reshape(-1)).view(cache.dtype)
             codes = codes.view(*blocks.shape[:-1], blocks.shape[-1] * self.block_size, *cache.shape[2:])
             out.append(f.decode(codes, scale))

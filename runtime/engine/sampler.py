@@ -75,7 +75,11 @@ class Sampler:
             if i in out.errors:
                 continue
             try:
-                out.tokens[i] = greedy[i] if seq.params.greedy else sample_row(logits[i], seq.params, seq.generator)
+                # Greedy rows never leave the device (one argmax for the batch); a random row is
+                # drawn on the CPU with its request's generator, so a seed gives the same tokens
+                # whatever device computed the logits.
+                out.tokens[i] = greedy[i] if seq.params.greedy else sample_row(logits[i].cpu(), seq.params,
+                                                                               seq.generator)
             except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
                 out.errors[i] = exc
         self._logprobs(raw, seqs, out)
@@ -94,7 +98,8 @@ class Sampler:
             return
         logp = torch.log_softmax(raw[wanted], dim=-1)
         k = max(seqs[i].params.logprobs or 0 for i in wanted)
-        chosen = logp.gather(1, torch.tensor([out.tokens[i] for i in wanted])[:, None])[:, 0].tolist()
+        picked = torch.tensor([out.tokens[i] for i in wanted], device=logp.device)
+        chosen = logp.gather(1, picked[:, None])[:, 0].tolist()
         top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
         for j, i in enumerate(wanted):
             n = seqs[i].params.logprobs or 0

@@ -13,7 +13,9 @@ from lmfoundry.errors import UserError
 from lmfoundry.quantizers.fp8 import FP8Quantizer
 from lmfoundry.quantizers.scheme import make_scheme
 from lmfoundry.recipe import load_recipe
-from lmfoundry.runtime.fp8_linear import FP8_DTYPE, Fp8Linear
+from lmfoundry.runtime.quantized_linear import ActivationQuantizedLinear as Fp8Linear
+
+FP8_DTYPE = torch.float8_e4m3fn
 from lmfoundry.runtime.loader import load_model
 
 

@@ -14,13 +14,18 @@ from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
 from lmfoundry.quantizers.scheme import make_scheme
-from lmfoundry.runtime.fp8_linear import (
-    FP8_DTYPE,
-    MIN_DYNAMIC_SCALE,
-    Fp8Linear,
-    build_fp8_linear,
-    quantize_activation_fp8,
-)
+from lmfoundry.kernels.norm_quant import QUANT_FP8, quantize_reference
+from lmfoundry.runtime.quantized_linear import ActivationQuantizedLinear as Fp8Linear
+from lmfoundry.runtime.quantized_linear import build_activation_linear as build_fp8_linear
+
+FP8_DTYPE = torch.float8_e4m3fn
+MIN_DYNAMIC_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's floor of a dynamic fp8 scale
+
+
+def quantize_activation_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization, with scales shaped [M|1, 1] for the float64 checks."""
+    q, scale = quantize_reference(x, QUANT_FP8, input_scale)
+    return q, scale.reshape(-1, 1)
 from lmfoundry.runtime.linears import build_linear
 
 U = 2.0**-24

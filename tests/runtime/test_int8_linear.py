@@ -15,10 +15,18 @@ from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
 from lmfoundry.quantizers.scheme import make_scheme, with_static_activations
-from lmfoundry.runtime.int8_linear import Int8Linear, build_int8_linear, quantize_activation_int8
+from lmfoundry.kernels.norm_quant import QUANT_INT8, quantize_reference
+from lmfoundry.runtime.quantized_linear import ActivationQuantizedLinear as Int8Linear
+from lmfoundry.runtime.quantized_linear import build_activation_linear as build_int8_linear
 from lmfoundry.runtime.linears import build_linear
 
 U = 2.0**-24
+
+
+def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization, with scales shaped [M|1, 1] for the float64 checks."""
+    q, scale = quantize_reference(x, QUANT_INT8, input_scale)
+    return q, scale.reshape(-1, 1)
 
 
 def _weight(out: int, k: int, seed: int = 0) -> tuple[torch.Tensor, QuantizedWeight]:

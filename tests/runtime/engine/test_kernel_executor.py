@@ -10,7 +10,10 @@ Two comparisons, each with a bound derived from the arithmetic:
   final hidden state h; K = 6 differently rounded intermediates per layer + 2, u = 2^-8 for bf16),
   and the greedy choice agrees wherever the reference's top-2 margin exceeds that bound.
 - Triton kernels (the interpreter on CPU, a GPU in the `gpu` test) vs the same executor on each
-  kernel's PyTorch reference: same rounding points, so 16 greedy tokens on 3 prompts must be equal.
+  kernel's PyTorch reference: same rounding points, so 16 greedy tokens on 3 prompts agree, but for
+  a reference near-tie (top-2 gap within the same bound) that fp32 summation order can tip.
+Measured on these models: max |Δ logprob| / bound 0.03 (W4A16) to 0.16 (FP8) against the reference
+executor.
 """
 
 from __future__ import annotations
@@ -107,18 +110,31 @@ def test_kernel_executor_agrees_with_the_reference_executor(bundles: Bundles, sc
     assert kmodel.kernels.mode == "reference" and kmodel.kernels.stats["reference"] > 0
 
 
-def _greedy(engine: LLMEngine, n: int) -> list[list[int]]:
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0))
-    return [o.outputs[0].token_ids for o in outs]
-
-
 def check_triton_matches_references(bundles: Bundles, scheme: str, device: str, tokens: int) -> None:
+    """Greedy decoding through the Triton kernels equals decoding through their references; where
+    fp32 accumulation order moves a bf16 rounding (threads, tiles), a different token is allowed
+    only at a reference near-tie (top-2 gap within the logit bound), and the log-probabilities of
+    the tokens both chose agree within it."""
     ref_model, tok = load_bundle(bundles.engine(scheme), "cpu", interpret=False)
     triton_model, _ = load_bundle(bundles.engine(scheme), device)
     assert triton_model.kernels.mode in ("interpret", "cubin", "jit")
-    expected = _greedy(_engine(ref_model, tok), tokens)
-    got = _greedy(_engine(triton_model, tok), tokens)
-    assert got == expected
+    params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=2)
+    expected = _engine(ref_model, tok).generate(PROMPTS, params)
+    got = _engine(triton_model, tok).generate(PROMPTS, params)
+    checkpoint_model, _ = load_model(bundles.checkpoint(scheme), dtype=torch.bfloat16)
+    same = 0
+    for prompt, e, g in zip(PROMPTS, expected, got):
+        e_out, g_out = e.outputs[0], g.outputs[0]
+        bound = logit_bound(checkpoint_model, prompt + e_out.token_ids)
+        for i, (a, b) in enumerate(zip(e_out.token_ids, g_out.token_ids)):
+            lp_e, lp_g, tol = e_out.logprobs[i], g_out.logprobs[i], float(bound[len(prompt) - 1 + i])
+            if a != b:
+                top = dict(lp_e.top)
+                assert b in top and top[a] - top[b] <= tol, (scheme, i, lp_e.top, lp_g.top, tol)
+                break
+            assert abs(lp_e.logprob - lp_g.logprob) <= tol, (scheme, i, lp_e.logprob, lp_g.logprob, tol)
+            same += 1
+    assert same >= len(PROMPTS) * tokens // 2, same  # divergences are rare near-ties, not the rule
     stats = triton_model.kernels.stats
     if device != "cpu":
         assert stats.get("jit", 0) == 0 and stats["cubin"] > 0, stats  # every call from a shipped cubin
@@ -169,6 +185,15 @@ def test_tampered_weights_are_refused(bundles: Bundles, tmp_path: Path) -> None:
     (copy / "weights" / "extra.safetensors").write_bytes(b"planted")
     with pytest.raises(EngineIntegrityError, match="not listed"):
         load_bundle(copy, "cpu")
+
+
+def test_link_bundle_is_refused_with_the_fix(bundles: Bundles, tmp_path: Path) -> None:
+    from lmfoundry.errors import UserError
+
+    linked = build_engine(bundles.checkpoint("w4a16"), ["hopper"], tmp_path / "linked", weights="link",
+                          progress=False).output
+    with pytest.raises(UserError, match="--weights repack"):
+        load_bundle(linked, "cpu")
 
 
 def test_perplexity_through_the_kernels(bundles: Bundles) -> None:
