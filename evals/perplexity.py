@@ -54,7 +54,7 @@ def perplexity(
     for batch in tqdm(wins.split(batch_size), desc="perplexity", unit="batch", disable=not progress):
         logits = model(batch)
         nll = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1).to(logits.device), reduction="none"
         ).view(batch.shape[0], -1)
         sums.extend(nll.double().sum(1).tolist())
     tokens = wins.shape[0] * (ctx - 1)

@@ -159,6 +159,22 @@ def test_cuda_kernels_match_their_references(bundles: Bundles, scheme: str) -> N
     check_triton_matches_references(bundles, scheme, "cuda", tokens=16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_equals_eager_decode(bundles: Bundles) -> None:
+    """Replaying the captured decode graphs runs the same kernels in the same order: same tokens."""
+    model, tok = load_bundle(bundles.engine("w4a16-kv-fp8"), "cuda")
+    params = SamplingParams(max_tokens=16, temperature=0)
+    outs = []
+    for graphs in (True, False):
+        engine = LLMEngine(model, tok, EngineConfig(num_kv_blocks=64, cuda_graphs=graphs))
+        outs.append([o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)])
+        if graphs:
+            runner_graphs = engine.runner.executor.graphs
+            assert runner_graphs is not None and runner_graphs.graphs and not runner_graphs.failed
+    assert outs[0] == outs[1]
+
+
 def test_w4a16_weights_stay_packed(bundles: Bundles) -> None:
     kmodel, _ = load_bundle(bundles.engine("w4a16"), "cpu", interpret=False)
     ref_model, _ = load_model(bundles.checkpoint("w4a16"), dtype=torch.bfloat16)
