@@ -363,7 +363,7 @@ def main() -> None:
     args.out.write_text(json.dumps(meta | {"failed": failed, "peers": results}, indent=2))
     write_markdown(args.out.with_suffix(".md"), meta, results, failed)
     print_ratios(results)
-    from lmfoundry.runtime.bench_cli import plot
+    from lmfoundry.runtime.bench_plot import plot
 
     plot(list(results.values()), args.out.with_suffix(".png"), labels=list(results))
     print(f"wrote {args.out}, {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")

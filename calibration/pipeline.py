@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
+from lmfoundry.calibration.journal import LayerJournal
 from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, encode_linear
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
@@ -178,11 +179,14 @@ def run_pipeline(
     batch_size: int = 8,
     extra_layer_passes: list[Any] | None = None,
     progress: bool = True,
+    journal: LayerJournal | None = None,
 ) -> PipelineReport:
     """Quantize every decoder layer of `reader`'s model into `writer`; returns per-layer metrics.
 
     `extra_layer_passes` are callables `(layer, calib, layer_idx, result)` run after the quantizer
-    on layers (e.g. KV-cache scale calibration) that may add to `result.extra_tensors`.
+    on layers (e.g. KV-cache scale calibration) that may add to `result.extra_tensors`. With a
+    `journal`, each finished layer is recorded (its shard, the activations entering the next
+    layer) and a journal that already holds k layers makes the run continue at layer k.
     """
     t0 = time.time()
     report = PipelineReport()
@@ -192,24 +196,27 @@ def run_pipeline(
     if needs_data and calib_ids is None:
         raise UserError(f"method {quantizer.name} needs calibration data")
 
-    # --- embeddings: inputs of layer 0
-    embed = reader.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
-    writer.write_shard(_shard(0, config), {"model.embed_tokens.weight": embed.to(out_dtype)})
+    start = journal.done if journal is not None else 0
     calib: LayerCalibration | None = None
+    if start:  # resumed: shards of layers < start and the activations entering `start` are on disk
+        inputs = journal.restore(writer, report)
+    else:  # --- embeddings: inputs of layer 0
+        embed = reader.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+        writer.write_shard(_shard(0, config), {"model.embed_tokens.weight": embed.to(out_dtype)})
+        if needs_data:
+            emb = embed.to(work_dtype)
+            inputs = [torch.nn.functional.embedding(b, emb) for b in calib_ids.split(batch_size)]
+            del emb
+        del embed
     if needs_data:
-        rotary = RotaryEmbedding(config)
-        ids = calib_ids
-        positions = torch.arange(ids.shape[1]).unsqueeze(0)
-        cos, sin = rotary(positions, work_dtype)
-        emb = embed.to(work_dtype)
-        inputs = [torch.nn.functional.embedding(b, emb) for b in ids.split(batch_size)]
+        positions = torch.arange(calib_ids.shape[1]).unsqueeze(0)
+        cos, sin = RotaryEmbedding(config)(positions, work_dtype)
         calib = LayerCalibration(inputs, cos, sin)
-        del emb
-    del embed
     release_memory()
 
     quantizer.calib = calib  # one object for the whole run: its inputs advance layer by layer
-    bar = tqdm(range(config.num_layers), desc=f"{quantizer.name} layers", unit="layer", disable=not progress)
+    bar = tqdm(range(start, config.num_layers), desc=f"{quantizer.name} layers", unit="layer", initial=start,
+               total=config.num_layers, disable=not progress)
     sequential = calib is not None and quantizer.sequential and propagate == "quantized" and not extra_layer_passes
     for idx in bar:
         layer = load_layer(reader, config, idx, work_dtype)
@@ -226,6 +233,8 @@ def run_pipeline(
         report.layers[f"model.layers.{idx}"] = layer_metrics
         writer.write_shard(_shard(idx + 1, config), _layer_tensors(layer, idx, result, schemes, out_dtype))
         del layer, result
+        if journal is not None:
+            journal.record(idx + 1, writer, report, calib.inputs if calib is not None else None)
         bar.set_postfix(rss=f"{peak_rss_bytes() / 2**20:.0f}MiB")
 
     # --- final norm and LM head

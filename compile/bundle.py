@@ -22,21 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from lmfoundry.compile import sass, tiles
+from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
 from lmfoundry.compile.checkpoint import Checkpoint, load_checkpoint
 from lmfoundry.compile.plan import Plan, make_plan
 from lmfoundry.errors import UserError
+from lmfoundry.gpus import ARCH_OF_CAPABILITY, COMPILE_ARCH_NAMES, SM_NAME
 
 ENGINE_FORMAT = "lmfoundry-engine/1"
-ARCH_ALIASES = {"ampere": 80, "sm_80": 80, "sm80": 80, "a100": 80, "ada": 89, "sm_89": 89, "sm89": 89,
-                "l4": 89, "l40s": 89, "hopper": 90, "sm_90": 90, "sm_90a": 90, "sm90": 90, "h100": 90, "h200": 90}
 WEIGHT_MODES = ("link", "copy", "repack")
 
 
 def parse_arch(name: str) -> int:
     try:
-        return ARCH_ALIASES[name.strip().lower()]
+        return COMPILE_ARCH_NAMES[name.strip().lower()]
     except KeyError:
         raise UserError(f"unknown arch {name!r}; choose from ampere (sm_80), ada (sm_89), hopper (sm_90a)") from None
 
@@ -215,7 +214,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
         jobs.append({"id": i, "key": spec.key(), "capability": spec.capability, "sm": spec.sm, "kernel": spec.kernel,
                      "types": spec.types, "semantics": spec.semantics, "config": spec.config.as_dict(),
                      "aligned": spec.aligned, "out_dir": str(out / "kernels" / spec.sm)})
-    log(f"{len(jobs)} kernel specializations for {', '.join(tiles.SM_NAME[c] for c in caps)}")
+    log(f"{len(jobs)} kernel specializations for {', '.join(SM_NAME[c] for c in caps)}")
     bar = None
     if progress:
         from tqdm import tqdm
@@ -245,7 +244,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
         kernels.append({
             "key": spec.key(),
             "kernel": spec.kernel,
-            "arch": tiles.ARCH_OF_CAPABILITY[spec.capability],
+            "arch": ARCH_OF_CAPABILITY[spec.capability],
             "sm": spec.sm,
             "capability": spec.capability,
             "types": spec.types,
@@ -275,7 +274,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
                              "bias": g.bias} for g in plan.gemms},
         "kv_cache": {"dtype": ck.kv.dtype, "kernel_type": plan.kv_dtype, "block_size": plan.block_size,
                      "strategy": ck.kv.strategy},
-        "archs": {tiles.ARCH_OF_CAPABILITY[c]: {"capability": c, "sm": tiles.SM_NAME[c]} for c in caps},
+        "archs": {ARCH_OF_CAPABILITY[c]: {"capability": c, "sm": SM_NAME[c]} for c in caps},
         "toolchain": {"triton": versions.get("triton"), "ptxas": versions.get("ptxas"), "cuda": versions.get("cuda"),
                       "line_info": False},
         "fusions": [f.as_dict() for f in plan.fusions],

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_NAME  # noqa: F401  (compile/plan.py reads them as tiles.*)
 from lmfoundry.kernels import registry, w4a16
 from lmfoundry.kernels.spec import KernelCall, TileConfig, next_pow2
 
-ARCHS: dict[str, int] = {"ampere": 80, "ada": 89, "hopper": 90}
-SM_NAME: dict[int, str] = {80: "sm_80", 86: "sm_86", 89: "sm_89", 90: "sm_90a"}
-ARCH_OF_CAPABILITY: dict[int, str] = {80: "ampere", 86: "ampere", 87: "ampere", 89: "ada", 90: "hopper"}
 UNBOUNDED = 1 << 30
 
 

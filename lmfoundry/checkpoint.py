@@ -80,17 +80,21 @@ def decode_linear(tensors: dict[str, torch.Tensor], scheme: Scheme) -> Quantized
 class CheckpointWriter:
     """Builds an output folder atomically. Use as a context manager; call `finish()` last."""
 
-    def __init__(self, out_dir: str | os.PathLike, overwrite: bool = False) -> None:
+    def __init__(self, out_dir: str | os.PathLike, overwrite: bool = False, work: Path | None = None) -> None:
+        """`work`: the folder to build in (kept as it is on entry: a resumed run's shards are
+        there); default: a fresh `.NAME.partial-PID` beside `out_dir`."""
         self.out_dir = Path(out_dir).resolve()
         if self.out_dir.exists() and any(self.out_dir.iterdir()) and not overwrite:
             raise UserError(f"{self.out_dir} exists and is not empty (pass --overwrite to replace it)")
-        self.tmp = self.out_dir.with_name(f".{self.out_dir.name}.partial-{os.getpid()}")
+        self.keep_work = work is not None
+        self.tmp = Path(work) if work is not None else self.out_dir.with_name(f".{self.out_dir.name}.partial-{os.getpid()}")
         self.weight_map: dict[str, str] = {}
         self.total_bytes = 0
 
     def __enter__(self) -> "CheckpointWriter":
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
+        if not self.keep_work:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True, exist_ok=self.keep_work)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -1,8 +1,9 @@
 """The `lmfoundry` command line.
 
 Subcommands are imported lazily (`LazyGroup`) so that `lmfoundry --help` and light commands such
-as `plan` or `inspect` start without importing torch. Each stage owns its command in its own
-module; this file only lists them.
+as `plan` or `inspect` start without importing torch. Each verb has one module under
+`lmfoundry/commands/` that parses its options and calls into the stage that does the work; this
+file only lists them.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from lmfoundry.errors import UserError
 # name -> "module:attribute". Keep in the order shown by --help.
 COMMANDS: dict[str, str] = {
     "quantize": "lmfoundry.commands.quantize:quantize",
-    "doctor": "lmfoundry.quantizers.doctor_cli:doctor",
+    "doctor": "lmfoundry.commands.doctor:doctor",
     "inspect": "lmfoundry.commands.inspect:inspect_cmd",
-    "eval": "lmfoundry.evals.cli:eval_group",
-    "eval-gate": "lmfoundry.evals.gate_cli:eval_gate",
-    "compile": "lmfoundry.compile.cli:compile_cmd",
-    "serve": "lmfoundry.runtime.server.cli:serve",
-    "bench": "lmfoundry.runtime.bench_cli:bench",
-    "plan": "lmfoundry.plan:plan",
+    "eval": "lmfoundry.commands.eval:eval_group",
+    "eval-gate": "lmfoundry.commands.eval_gate:eval_gate",
+    "compile": "lmfoundry.commands.compile:compile_cmd",
+    "serve": "lmfoundry.commands.serve:serve",
+    "bench": "lmfoundry.commands.bench:bench",
+    "plan": "lmfoundry.commands.plan:plan",
 }
 
 

@@ -21,8 +21,7 @@ from typing import Any
 import click
 
 from lmfoundry.errors import UserError
-
-KV_CHOICES = ("int8", "fp8")
+from lmfoundry.quantization_plan import KV_CHOICES, build_plan
 
 
 class WholeNumber(click.ParamType):
@@ -111,13 +110,18 @@ def recipe_from_cli(recipe: str | None, method: str | None = None, scheme: str |
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
 @click.option("--skip-doctor", is_flag=True, help="Do not run the pre-flight checks.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def quantize(model: str, output: str, overwrite: bool, skip_doctor: bool, quiet: bool, **flags: Any) -> None:
+@click.option("--resume", is_flag=True,
+              help="Continue a run of the same inputs that was killed (SIGKILL, out of memory, preemption) "
+                   "from the last layer it finished, writing the same bytes; its journal lives in the hidden "
+                   "`.OUTPUT.partial-PID` folder next to the output.")
+def quantize(model: str, output: str, overwrite: bool, skip_doctor: bool, quiet: bool, resume: bool,
+             **flags: Any) -> None:
     """Quantize MODEL (a HF folder, a .gguf file, or `smollm2-135m`) into a checkpoint that vLLM,
     SGLang and transformers load (compressed-tensors), plus lmfoundry.json (recipe, versions,
     hashes, per-layer errors). Prints the peak RSS at the end."""
     rec = recipe_from_cli(**flags)
     summary = run_quantize(model, Path(output), rec, overwrite=overwrite, allow_pickle=flags["allow_pickle"],
-                           doctor=not skip_doctor, progress=not quiet)
+                           doctor=not skip_doctor, progress=not quiet, resume=resume)
     click.echo(summary)
 
 
@@ -134,23 +138,8 @@ def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def build_plan(q: dict[str, Any]):
-    """The QuantizationPlan a recipe's `quantize` section describes."""
-    from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, SchemeGroup, make_scheme
-
-    scheme = make_scheme(q["scheme"], group_size=q["group_size"], symmetric=q["symmetric"],
-                         per_channel=bool(q["per_channel"]), observer=q["observer"], actorder=q["actorder"])
-    kv = None
-    if q.get("kv_cache"):
-        if q["kv_cache"] not in KV_CHOICES:
-            raise UserError(f"kv_cache {q['kv_cache']!r}: expected one of {', '.join(KV_CHOICES)}")
-        strategy = {"head": "attn_head"}.get(q.get("kv_strategy") or "tensor", q.get("kv_strategy") or "tensor")
-        kv = QuantArgs(8, "float" if q["kv_cache"] == "fp8" else "int", True, strategy, None)
-    return QuantizationPlan([SchemeGroup(scheme, tuple(q["targets"]))], list(q["ignore"]), kv)
-
-
 def run_quantize(model: str, output: Path, rec: dict[str, Any], overwrite: bool = False,
-                 allow_pickle: bool = False, doctor: bool = True, progress: bool = True) -> str:
+                 allow_pickle: bool = False, doctor: bool = True, progress: bool = True, resume: bool = False) -> str:
     """The whole quantize job; returns the summary text. Raises UserError before any output on
     bad input, and leaves the disk as it found it on any failure: the checkpoint is built in a
     hidden staging folder next to the output, swapped in at the end, and the staging folder and
@@ -163,7 +152,7 @@ def run_quantize(model: str, output: Path, rec: dict[str, Any], overwrite: bool 
     staging: Path | None = None
     try:
         staging = _staging_folder(out)
-        summary = _quantize_into(model, out, staging, rec, overwrite, allow_pickle, doctor, progress)
+        summary = _quantize_into(model, out, staging, rec, overwrite, allow_pickle, doctor, progress, resume)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -244,9 +233,33 @@ def _staging_folder(out: Path) -> Path:
     from lmfoundry.manifest import new_unique_folder
 
     try:
-        return new_unique_folder(out.parent, f".{out.name}.new-")
+        return new_unique_folder(out.parent, f".{out.name}.new-{os.getpid()}-")
     except OSError as exc:
         raise UserError(f"{out}: cannot write to {out.parent} ({exc.strerror or exc})") from None
+
+
+def _work_folder(out: Path, key: str, resume: bool) -> tuple[Path, Any]:
+    """This process's work folder `.OUTPUT.partial-PID` and its layer journal. With `resume`, the
+    most advanced journal of the same run left by a dead process is adopted (renamed to ours);
+    other work folders of this output whose process is dead are removed (they can never finish)."""
+    from lmfoundry.calibration.journal import LayerJournal, process_alive
+
+    prefix = f".{out.name}.partial-"
+    work = out.parent / f"{prefix}{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)  # a folder of an earlier process that had our pid
+    journal = None
+    if resume:
+        found = LayerJournal.find(out.parent, prefix, key)
+        if found is not None:
+            os.replace(found.folder, work)
+            journal = LayerJournal.open(work, key)
+    for stale in [*out.parent.glob(f"{prefix}*"), *out.parent.glob(f".{out.name}.new-*")]:
+        if stale != work and stale.is_dir() and not stale.is_symlink() and not process_alive(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    if journal is None:
+        work.mkdir()
+        journal = LayerJournal(work, key)
+    return work, journal
 
 
 def _swap_into_place(staging: Path, out: Path, overwrite: bool) -> None:
@@ -271,11 +284,12 @@ def _swap_into_place(staging: Path, out: Path, overwrite: bool) -> None:
 
 
 def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], overwrite: bool,
-                   allow_pickle: bool, doctor: bool, progress: bool) -> str:
+                   allow_pickle: bool, doctor: bool, progress: bool, resume: bool = False) -> str:
     """`run_quantize` after the output checks: build the checkpoint in `staging`, then swap it in."""
     import torch
 
     from lmfoundry.calibration.data import load_calibration
+    from lmfoundry.calibration.journal import run_key
     from lmfoundry.calibration.pipeline import check_plan, current_rss_bytes, run_pipeline
     from lmfoundry.checkpoint import TOKENIZER_FILES, CheckpointReader, CheckpointWriter, quantized_config
     from lmfoundry.manifest import sha256_file, tool_versions
@@ -311,12 +325,19 @@ def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], ov
         extra.append(kv_calibration_pass(plan.kv_cache, out_dtype))
     needs_data = quantizer.needs_calibration or bool(extra)
 
+    source_files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in safetensors_files(folder)}
+    key = run_key({"recipe": {k: v for k, v in rec.items() if k != "source_file"}, "source": source_files,
+                   "config_sha256": sha256_file(folder / "config.json"), "calibration": calib.describe(),
+                   "dtype": str(out_dtype), "versions": tool_versions()})
+    work, journal = _work_folder(out, key, resume)
     try:
-        with CheckpointWriter(staging) as writer:
+        with CheckpointWriter(staging, work=work) as writer:
+            resumed_at = journal.done
             report = run_pipeline(reader, config, plan, quantizer, writer,
                                   calib.token_ids if needs_data else None, out_dtype,
                                   propagate=c["propagate"], batch_size=int(c.get("batch_size", 8)),
-                                  extra_layer_passes=extra, progress=progress)
+                                  extra_layer_passes=extra, progress=progress, journal=journal)
+            journal.close()
             writer.copy_files(folder, TOKENIZER_FILES)
             source_hashes = {f.name: sha256_file(f) for f in safetensors_files(folder)}
             manifest = {
@@ -334,6 +355,7 @@ def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], ov
                 "peak_rss_bytes": report.peak_rss_bytes,
                 "baseline_rss_bytes": baseline_rss,
                 "wall_s": round(time.time() - t0, 2),
+                "resumed_from_layer": resumed_at,
             }
             writer.finish(quantized_config(reader.config, plan, out_dtype), manifest)
         _swap_into_place(staging, out, overwrite)
@@ -366,11 +388,7 @@ def _loader_notes(plan) -> list[str]:
 
 
 def _preflight(model: str, rec: dict[str, Any]) -> None:
-    """Run the doctor's blocking checks when the doctor is available."""
-    try:
-        from lmfoundry.quantizers.doctor import preflight
-    except ModuleNotFoundError as exc:
-        if exc.name != "lmfoundry.quantizers.doctor":
-            raise
-        return
+    """Run the doctor's blocking checks."""
+    from lmfoundry.doctor import preflight
+
     preflight(model, rec)

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from lmfoundry.errors import UserError
@@ -98,7 +97,7 @@ def test_violated_threshold_fails_with_exit_1_and_names_the_metric(tiny_model_di
     gate = _tiny_gate(tmp_path, max_ppl_ratio=0.9)
     from click.testing import CliRunner
 
-    from lmfoundry.evals.gate_cli import eval_gate
+    from lmfoundry.commands.eval_gate import eval_gate
 
     out = CliRunner().invoke(eval_gate, [str(cand), "--baseline", str(tiny_model_dir), "--gate", str(gate),
                                          "-o", str(tmp_path / "out"), "--quiet"])

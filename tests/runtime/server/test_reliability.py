@@ -301,7 +301,7 @@ def test_serve_kv_cache_gb_zero_is_one_line_in_a_subprocess(tmp_path) -> None:
 
 
 def test_capped_context_is_reported(capsys) -> None:
-    from lmfoundry.runtime.server.cli import _note_capped_context
+    from lmfoundry.commands.serve import _note_capped_context
 
     engine = LLMEngine(toy_model(seed=2), byte_tokenizer(), EngineConfig(num_kv_blocks=4, block_size=8))
     _note_capped_context(engine, None, 0.001)

@@ -1,7 +1,9 @@
-"""The arithmetic behind `lmfoundry plan`: parameters, weight bytes, KV bytes, memory fit and cost.
+"""The arithmetic behind `lmfoundry plan` (the memory plan): parameters, weight bytes, KV bytes,
+memory fit and cost.
 
-Kept apart from the CLI so that every number can be checked by hand in tests, and so that nothing
-here imports torch: planning has to work on a laptop before anyone rents a GPU.
+Kept apart from the inputs and the report (`lmfoundry.capacity_inputs`, `lmfoundry.capacity_report`)
+so that every number can be checked by hand in tests, and so that nothing here imports torch:
+planning has to work on a laptop before anyone rents a GPU.
 
 Conventions (all documented in `lmfoundry plan --help` too):
 - Byte counts are exact integers for the layouts described; memory is reported in GiB (2**30).
@@ -153,6 +155,17 @@ def valid_tp_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
         t
         for t in range(1, limit + 1)
         if cfg.num_heads % t == 0 and cfg.intermediate_size % t == 0 and (kv % t == 0 or t % kv == 0)
+    ]
+
+
+def linear_in_features(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
+    """Input width of each kind of linear on one GPU (what a quantization group must divide)."""
+    shard = sharding(cfg, tp)
+    h = cfg.hidden_size
+    return [
+        ("qkv/gate/up", h),
+        ("o_proj", shard.heads_per_gpu * cfg.head_dim),
+        ("down_proj", cfg.intermediate_size // tp),
     ]
 
 

@@ -14,10 +14,8 @@ import sys
 
 import pytest
 
-from lmfoundry.cli import main
-from lmfoundry.errors import UserError
-from lmfoundry.plan import PlanInputs, build_plan, checkpoint_quant, load_bench, load_gpus, render
-from lmfoundry.plan_math import (
+from lmfoundry.capacity_inputs import PlanInputs, checkpoint_quant, load_bench
+from lmfoundry.capacity_math import (
     CostPlan,
     QuantSpec,
     default_quant_specs,
@@ -26,6 +24,10 @@ from lmfoundry.plan_math import (
     sharding,
     weight_bytes,
 )
+from lmfoundry.capacity_report import build_report, render
+from lmfoundry.cli import main
+from lmfoundry.errors import UserError
+from lmfoundry.gpus import load_gpus
 from lmfoundry.runtime.config import ModelConfig
 
 LLAMA3_8B = {
@@ -203,7 +205,7 @@ def test_quant_spec_layouts_by_hand():
 
 
 def test_memory_fit_on_h100_by_hand(llama8b):
-    report = build_plan(PlanInputs(model=str(llama8b), gpu="h100-80gb", context=8192))
+    report = build_report(PlanInputs(model=str(llama8b), gpu="h100-80gb", context=8192))
     sel = report["selected"]
     weights = 8_030_261_248 * 2
     # peak activations: 8192 tokens x (2 hidden + gate/up + product) x 2 B, plus fp32 logits of 256 rows
@@ -222,10 +224,10 @@ def test_memory_fit_on_h100_by_hand(llama8b):
 
 
 def test_70b_does_not_fit_one_h100_and_suggests_tp(llama70b):
-    report = build_plan(PlanInputs(model=str(llama70b), gpu="h100"))
+    report = build_report(PlanInputs(model=str(llama70b), gpu="h100"))
     assert report["selected"]["max_sequences"] == 0
     assert any("--tp 2" in n for n in report["notes"])
-    report = build_plan(PlanInputs(model=str(llama70b), gpu="h100", tp=4, kv="fp8"))
+    report = build_report(PlanInputs(model=str(llama70b), gpu="h100", tp=4, kv="fp8"))
     sel = report["selected"]
     assert sel["weight_bytes"] == 35_278_831_616
     assert sel["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 1
@@ -313,14 +315,14 @@ def test_checkpoint_quantization_sets_default_weights(tmp_path):
     ckpt, _ = checkpoint_quant(cfg)
     assert ckpt.precision == "int4" and ckpt.spec.group_size == 64 and ckpt.spec.zero_points
     assert not ckpt.quantize_lm_head
-    report = build_plan(PlanInputs(model=str(folder)))
+    report = build_report(PlanInputs(model=str(folder)))
     assert report["settings"]["weights"] == "int4"
     layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336
     scales = layer // 64
     expected = 32 * (layer // 2 + scales * 2 + scales // 2) + 2 * 525_336_576 * 2 + 266_240 * 2
     assert report["selected"]["weight_bytes"] == expected
     # an explicit --weights still wins
-    assert build_plan(PlanInputs(model=str(folder), weights="bf16"))["settings"]["weights"] == "bf16"
+    assert build_report(PlanInputs(model=str(folder), weights="bf16"))["settings"]["weights"] == "bf16"
 
 
 def test_gptq_and_fp8_checkpoint_configs():
@@ -366,16 +368,16 @@ def test_smollm2_name_reads_cache_config_and_counts_tied_embeddings_once(tmp_pat
 
 def test_config_json_path_and_lenient_architectures(tmp_path):
     path = write_model(tmp_path / "m", LLAMA3_8B) / "config.json"
-    assert build_plan(PlanInputs(model=str(path)))["params"]["total"] == 8_030_261_248
+    assert build_report(PlanInputs(model=str(path)))["params"]["total"] == 8_030_261_248
     gemma = {**LLAMA3_8B, "model_type": "gemma", "head_dim": 256, "num_key_value_heads": 16}
     del gemma["tie_word_embeddings"]
-    report = build_plan(PlanInputs(model=str(write_model(tmp_path / "g", gemma))))
+    report = build_report(PlanInputs(model=str(write_model(tmp_path / "g", gemma))))
     assert report["model"]["tied_embeddings"]  # Gemma's default
     assert any("Llama layout" in n for n in report["notes"])
     with pytest.raises(UserError, match="mixture-of-experts"):
-        build_plan(PlanInputs(model=str(write_model(tmp_path / "moe", {**LLAMA3_8B, "num_local_experts": 8}))))
+        build_report(PlanInputs(model=str(write_model(tmp_path / "moe", {**LLAMA3_8B, "num_local_experts": 8}))))
     with pytest.raises(UserError, match="unsupported model_type 'gpt2'"):
-        build_plan(PlanInputs(model=str(write_model(tmp_path / "gpt2", {**LLAMA3_8B, "model_type": "gpt2"}))))
+        build_report(PlanInputs(model=str(write_model(tmp_path / "gpt2", {**LLAMA3_8B, "model_type": "gpt2"}))))
 
 
 def test_gpu_table_has_sources_and_sane_values():
@@ -450,12 +452,12 @@ def test_cli_bad_model_references(tmp_path, capsys):
 
 
 def test_plan_does_not_import_torch():
-    code = "import sys, lmfoundry.plan; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, lmfoundry.commands.plan; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
 def test_render_mentions_every_precision(llama70b):
-    text = render(build_plan(PlanInputs(model=str(llama70b), gpu="h200", tp=2)))
+    text = render(build_report(PlanInputs(model=str(llama70b), gpu="h200", tp=2)))
     for precision in ("bf16", "fp8", "int8", "int4"):
         assert f"{precision} GiB" in text
     assert "141.11" in text  # bf16 weights of the whole model in GB

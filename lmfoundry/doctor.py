@@ -16,6 +16,11 @@ Checks, each a row of the report (status ok / info / warn / FAIL; any FAIL block
 
 `preflight(model, recipe)` runs the same checks at the start of `quantize` and raises `UserError`
 on a blocking one.
+
+The doctor judges a whole job (quantizer, calibration, compressed-tensors schema, GPU arch from
+`lmfoundry.gpus`, memory from `lmfoundry.capacity_math`), so it sits above the stages: it imports
+the quantizers and calibration, and nothing below it imports the doctor; `lmfoundry doctor`
+(lmfoundry/commands/doctor.py) and the quantize command call it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lmfoundry.errors import UserError
+from lmfoundry.gpus import ARCH_NAMES, FP8_MIN_CAPABILITY
 from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, Scheme
 from lmfoundry.runtime.config import ModelConfig
 
@@ -33,14 +39,7 @@ FUSED_GROUPS = (
     ("gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
 )
 
-# name -> CUDA compute capability (major * 10 + minor)
-ARCHS: dict[str, int] = {
-    "volta": 70, "turing": 75, "ampere": 80, "ada": 89, "lovelace": 89, "hopper": 90, "blackwell": 100,
-    "v100": 70, "t4": 75, "a100": 80, "a10": 86, "a10g": 86, "a40": 86, "l4": 89, "l40": 89, "l40s": 89,
-    "rtx4090": 89, "h100": 90, "h200": 90, "gh200": 90, "b200": 100, "gb200": 100, "rtx5090": 120,
-}
-FP8_MIN_CC = 89
-INT_KERNEL_MIN_CC = 80
+INT_KERNEL_MIN_CC = 80  # our INT8 W8A8 and weight-only kernels (mma.sync on Ampere and later)
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 
@@ -92,13 +91,13 @@ class DoctorReport:
 def parse_arch(text: str) -> tuple[str, int]:
     """`hopper`, `h100`, `sm_90`, `sm90a`, `8.9`, `89` -> (name, compute capability)."""
     t = text.strip().lower()
-    if t in ARCHS:
-        return t, ARCHS[t]
+    if t in ARCH_NAMES:
+        return t, ARCH_NAMES[t]
     m = re.fullmatch(r"(?:sm_?)?(\d)\.?(\d{1,2})a?", t)
     if m:
         cc = int(m.group(1)) * 10 + int(m.group(2)) if len(m.group(2)) == 1 else int(m.group(1) + m.group(2))
         return f"sm_{cc}", cc
-    raise UserError(f"unknown --arch {text!r}; use a name ({', '.join(sorted(ARCHS))}) or sm_XY")
+    raise UserError(f"unknown --arch {text!r}; use a name ({', '.join(sorted(ARCH_NAMES))}) or sm_XY")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -149,7 +148,7 @@ def arch_requirements(plan: QuantizationPlan) -> list[tuple[int, str]]:
     for g in plan.groups:
         s = g.scheme
         if s.weights.type == "float" or (s.input_activations and s.input_activations.type == "float"):
-            reqs.append((FP8_MIN_CC, f"{s.name}: FP8 tensor cores (sm_89+: Ada, Hopper, Blackwell)"))
+            reqs.append((FP8_MIN_CAPABILITY, f"{s.name}: FP8 tensor cores (sm_89+: Ada, Hopper, Blackwell)"))
         elif s.input_activations is not None:
             reqs.append((INT_KERNEL_MIN_CC, f"{s.name}: INT8 tensor-core W8A8 kernels (sm_80+)"))
         else:
@@ -212,7 +211,7 @@ def check_kv_plan(report: DoctorReport, kv: QuantArgs | None, config: ModelConfi
 
 # ------------------------------------------------------------------------------------- memory
 def _quant_spec(scheme: Scheme | None):
-    from lmfoundry.plan_math import QuantSpec
+    from lmfoundry.capacity_math import QuantSpec
 
     if scheme is None:
         return QuantSpec("bf16", 16, "none")
@@ -226,7 +225,7 @@ def _quant_spec(scheme: Scheme | None):
 def serving_bytes(config: ModelConfig, plan: QuantizationPlan, ctx: int) -> dict[str, int]:
     """GPU bytes to serve one sequence of `ctx` tokens: stored weights (16-bit non-linear parts)
     plus the KV cache; the activation workspace is not counted."""
-    from lmfoundry.plan_math import kv_bytes_per_token, weight_bytes
+    from lmfoundry.capacity_math import kv_bytes_per_token, weight_bytes
 
     scheme = plan.groups[0].scheme if plan.groups else None
     lm_head_quantized = plan.scheme_for("lm_head") is not None and not config.tie_word_embeddings
@@ -284,7 +283,7 @@ def diagnose_plan(config: ModelConfig, recipe: dict[str, Any], arch: str | None 
                   gpu_mem: int | None = None, ctx: int | None = None, subject: str = "") -> DoctorReport:
     """Every check for quantizing a float model with `recipe` (the applied recipe dict)."""
     from lmfoundry.calibration.pipeline import check_plan
-    from lmfoundry.commands.quantize import build_plan
+    from lmfoundry.quantization_plan import build_plan
     from lmfoundry.quantizers.base import get_quantizer
     from lmfoundry.quantizers.scheme import to_compressed_tensors
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from .test_cli import _serve, _wait_for_url  # noqa: TID252
+from .test_serve import _serve, _wait_for_url  # noqa: TID252
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ from safetensors.torch import load_file, save_file
 
 from helpers import tiny_model_folder, write_text
 from lmfoundry.checkpoint import CheckpointReader
+from lmfoundry.commands.doctor import doctor
 from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.doctor import FAIL, diagnose, parse_arch, parse_bytes, preflight
 from lmfoundry.errors import UserError
-from lmfoundry.quantizers.doctor import FAIL, diagnose, parse_arch, parse_bytes, preflight
-from lmfoundry.quantizers.doctor_cli import doctor
 from lmfoundry.recipe import load_recipe
 
 

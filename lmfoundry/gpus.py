@@ -1,0 +1,96 @@
+"""What lmfoundry knows about GPUs, in one place: architectures by compute capability, and the
+per-product datasheet table (lmfoundry/gpus.yaml).
+
+- `ARCHITECTURES`: one row per CUDA compute capability (major * 10 + minor) with its family, the
+  name its kernels are compiled for, and the GPU names that mean it. `doctor --arch` accepts every
+  name here (`ARCH_NAMES`); `compile --arch` only the capabilities it builds kernels for, under the
+  names `COMPILE_ARCH_NAMES` lists; compile's tile tables and engine manifests name capabilities
+  with `SM_NAME` and `ARCH_OF_CAPABILITY`.
+- `load_gpus()` / `resolve_gpu()`: the products `lmfoundry plan` sizes deployments for (memory,
+  bandwidth, peak TFLOPS, each with its source). The rows are datasheet figures per product; the
+  architecture rows above are per capability, so the two tables are kept apart but live here.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from lmfoundry.errors import UserError
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One CUDA compute capability."""
+
+    capability: int  # major * 10 + minor
+    family: str  # ampere, ada, hopper, ...
+    sm: str  # the target kernels are compiled for (sm_90a: Hopper's wgmma/TMA need the arch-specific target)
+    names: tuple[str, ...] = ()  # GPU names (and family synonyms) that mean this capability
+    compile_target: bool = False  # `lmfoundry compile` builds kernels for it
+    compile_names: tuple[str, ...] = ()  # the `names` that `lmfoundry compile --arch` accepts too
+
+
+# A family's own name means its first (lowest) capability: ampere -> sm_80, blackwell -> sm_100.
+ARCHITECTURES: tuple[Arch, ...] = (
+    Arch(70, "volta", "sm_70", ("v100",)),
+    Arch(75, "turing", "sm_75", ("t4",)),
+    Arch(80, "ampere", "sm_80", ("a100",), compile_target=True, compile_names=("a100",)),
+    Arch(86, "ampere", "sm_86", ("a10", "a10g", "a40")),
+    Arch(87, "ampere", "sm_87"),
+    Arch(89, "ada", "sm_89", ("lovelace", "l4", "l40", "l40s", "rtx4090"), compile_target=True,
+         compile_names=("l4", "l40s")),
+    Arch(90, "hopper", "sm_90a", ("h100", "h200", "gh200"), compile_target=True, compile_names=("h100", "h200")),
+    Arch(100, "blackwell", "sm_100", ("b200", "gb200")),
+    Arch(120, "blackwell", "sm_120", ("rtx5090",)),
+)
+
+# Tensor-core features by capability.
+FP8_MIN_CAPABILITY = 89  # FP8 tensor cores: Ada, Hopper, Blackwell
+
+
+def _arch_names() -> dict[str, int]:
+    names: dict[str, int] = {}
+    for a in ARCHITECTURES:
+        names.setdefault(a.family, a.capability)
+        for n in a.names:
+            names[n] = a.capability
+    return names
+
+
+def _compile_arch_names() -> dict[str, int]:
+    names: dict[str, int] = {}
+    for a in ARCHITECTURES:
+        if a.compile_target:
+            cap = a.capability
+            for n in (a.family, f"sm_{cap}", f"sm{cap}", a.sm, *a.compile_names):
+                names[n] = cap
+    return names
+
+
+# name -> compute capability, for `doctor --arch` (family names, GPU names)
+ARCH_NAMES: dict[str, int] = _arch_names()
+# name -> compute capability, for `compile --arch` (family, sm_XY / smXY / the sm target, GPU names)
+COMPILE_ARCH_NAMES: dict[str, int] = _compile_arch_names()
+SM_NAME: dict[int, str] = {a.capability: a.sm for a in ARCHITECTURES}
+ARCH_OF_CAPABILITY: dict[int, str] = {a.capability: a.family for a in ARCHITECTURES}
+
+
+# ------------------------------------------------------------------------- products (gpus.yaml)
+def load_gpus() -> dict[str, dict[str, Any]]:
+    """The GPU table from lmfoundry/gpus.yaml (key -> row)."""
+    import yaml
+
+    text = resources.files("lmfoundry").joinpath("gpus.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def resolve_gpu(name: str, gpus: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    key = name.strip().lower()
+    for gpu_key, row in gpus.items():
+        if key == gpu_key or key in (row.get("aliases") or []):
+            return gpu_key, row
+    raise UserError(f"unknown GPU {name!r}; known: {', '.join(gpus)}")
