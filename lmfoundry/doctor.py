@@ -173,6 +173,65 @@ def check_arch(report: DoctorReport, plan: QuantizationPlan, arch: str | None) -
         report.add("target arch", OK, f"{name} (sm_{cc}) runs {why or 'float weights'}")
 
 
+# vLLM's Marlin weight-only kernels tile a rank's share of a linear in 64 output x 128 input blocks
+# (GPTQ_MARLIN_MIN_THREAD_N / _K); its CUTLASS W8A8 / FP8 GEMMs need 16-aligned dimensions.
+MARLIN_MIN_N, MARLIN_MIN_K, SCALED_MM_ALIGN = 64, 128, 16
+
+
+def tp_partitions(config: ModelConfig, tp: int) -> list[tuple[str, str, int, int, int]]:
+    """(vLLM's fused layer, first member, out per rank, in per rank, full in) of one decoder layer
+    at tensor-parallel degree `tp`: q/k/v and gate/up are column-parallel (outputs split; KV heads
+    replicated when tp exceeds them), o_proj and down_proj row-parallel (inputs split)."""
+    d, h = config.head_dim, config.hidden_size
+    kv_per_rank = max(1, config.num_kv_heads // tp)
+    return [
+        ("qkv_proj", "self_attn.q_proj", (config.num_heads // tp + 2 * kv_per_rank) * d, h, h),
+        ("o_proj", "self_attn.o_proj", h, config.num_heads * d // tp, config.num_heads * d),
+        ("gate_up_proj", "mlp.gate_proj", 2 * config.intermediate_size // tp, h, h),
+        ("down_proj", "mlp.down_proj", h, config.intermediate_size // tp, config.intermediate_size),
+    ]
+
+
+def check_tensor_parallel(report: DoctorReport, plan: QuantizationPlan, config: ModelConfig, tp: int | None) -> None:
+    """The splits vLLM makes at `--tensor-parallel-size tp`, and what its kernels need of each
+    rank's share: whole heads per rank, whole quantization groups per rank (a group split across
+    ranks has no scale), and the kernels' tile alignment."""
+    if tp is None:
+        return
+    name = f"tensor parallel {tp}"
+    heads = []
+    if config.num_heads % tp:
+        heads.append(f"{config.num_heads} attention heads are not divisible by {tp}")
+    if config.num_kv_heads % tp and tp % config.num_kv_heads:
+        heads.append(f"{config.num_kv_heads} KV heads neither divide by {tp} nor divide it (no replication)")
+    if config.intermediate_size % tp:
+        heads.append(f"intermediate size {config.intermediate_size} is not divisible by {tp}")
+    if heads:
+        report.add(name, FAIL, "; ".join(heads))
+        return
+    fails, warns = [], []
+    for layer, member, n, k, full_k in tp_partitions(config, tp):
+        s = plan.scheme_for(f"model.layers.0.{member}")
+        if s is None:
+            continue
+        w = s.weights
+        if s.input_activations is None and w.type == "int":
+            group = w.group_size if w.strategy == "group" and w.group_size else full_k
+            if group < full_k and k % group:
+                fails.append(f"{layer}: {k} inputs per rank split its groups of {group}")
+            if n % MARLIN_MIN_N or k % MARLIN_MIN_K:
+                warns.append(f"{layer}: {n} x {k} per rank is not a multiple of {MARLIN_MIN_N} x {MARLIN_MIN_K}")
+        elif n % SCALED_MM_ALIGN or k % SCALED_MM_ALIGN:
+            fails.append(f"{layer}: {n} x {k} per rank is not 16-aligned for the W8A8/FP8 GEMM")
+    if fails:
+        report.add(name, FAIL, "; ".join(fails) + f": serve with a tensor-parallel size that divides them")
+    elif warns:
+        report.add(name, WARN, "; ".join(warns) + " (vLLM's Marlin kernels: releases without padding refuse "
+                   "the layer, later ones pad it to the tile at some speed cost)")
+    else:
+        report.add(name, OK, f"heads, groups and kernel tiles split evenly over {tp} GPUs")
+
+
 def check_kv_plan(report: DoctorReport, kv: QuantArgs | None, config: ModelConfig,
                   checkpoint: Any = None, calib_samples: int | None = None) -> None:
     if kv is None:
@@ -280,7 +339,8 @@ def check_memory(report: DoctorReport, config: ModelConfig, plan: QuantizationPl
 
 # ------------------------------------------------------------------------------------- entry points
 def diagnose_plan(config: ModelConfig, recipe: dict[str, Any], arch: str | None = None,
-                  gpu_mem: int | None = None, ctx: int | None = None, subject: str = "") -> DoctorReport:
+                  gpu_mem: int | None = None, ctx: int | None = None, subject: str = "",
+                  tp: int | None = None) -> DoctorReport:
     """Every check for quantizing a float model with `recipe` (the applied recipe dict)."""
     from lmfoundry.calibration.pipeline import check_plan
     from lmfoundry.quantization_plan import build_plan
@@ -319,6 +379,7 @@ def diagnose_plan(config: ModelConfig, recipe: dict[str, Any], arch: str | None 
     except UserError as exc:
         report.add("group size", FAIL, str(exc))
     check_fused(report, plan, config)
+    check_tensor_parallel(report, plan, config, tp)
     static = [g.scheme.name for g in plan.groups if g.scheme.needs_activation_calibration]
     if static:
         report.add("activations", INFO, "static per-tensor input_scale calibrated per linear (shared by fused linears)")
@@ -331,13 +392,14 @@ def diagnose_plan(config: ModelConfig, recipe: dict[str, Any], arch: str | None 
 
 
 def diagnose_checkpoint(reader: Any, arch: str | None = None, gpu_mem: int | None = None,
-                        ctx: int | None = None) -> DoctorReport:
+                        ctx: int | None = None, tp: int | None = None) -> DoctorReport:
     """Checks for an existing compressed-tensors checkpoint (what a runtime will find)."""
     config = ModelConfig.from_dict(reader.config)
     plan: QuantizationPlan = reader.plan
     report = DoctorReport(f"checkpoint {reader.folder}")
     report.add("model", INFO, f"{config.model_type}: {config.num_layers} layers, format {plan.format()}")
     check_fused(report, plan, config)
+    check_tensor_parallel(report, plan, config, tp)
     check_arch(report, plan, arch)
     check_kv_plan(report, plan.kv_cache, config, checkpoint=reader)
     check_memory(report, config, plan, ctx or config.max_position_embeddings, gpu_mem, None)
@@ -345,17 +407,17 @@ def diagnose_checkpoint(reader: Any, arch: str | None = None, gpu_mem: int | Non
 
 
 def diagnose(model: str, recipe: dict[str, Any], arch: str | None = None, gpu_mem: int | None = None,
-             ctx: int | None = None, allow_pickle: bool = False) -> DoctorReport:
+             ctx: int | None = None, allow_pickle: bool = False, tp: int | None = None) -> DoctorReport:
     from lmfoundry.checkpoint import CheckpointReader
     from lmfoundry.models import resolve_model
 
     folder = resolve_model(model, allow_pickle=allow_pickle)
     reader = CheckpointReader(folder)
     if reader.plan is not None:
-        return diagnose_checkpoint(reader, arch, gpu_mem, ctx)
+        return diagnose_checkpoint(reader, arch, gpu_mem, ctx, tp)
     config = ModelConfig.from_dict(reader.config)
     return diagnose_plan(config, recipe, arch, gpu_mem, ctx, subject=f"{model} -> {recipe['quantize']['method']} "
-                         f"{recipe['quantize']['scheme']}")
+                         f"{recipe['quantize']['scheme']}", tp=tp)
 
 
 def preflight(model_spec: str, recipe: dict[str, Any]) -> DoctorReport:

@@ -23,8 +23,12 @@ from lmfoundry.errors import UserError
 @click.option("--arch", default=None, help="Target GPU: ampere, ada, hopper, blackwell, a GPU name (h100) or sm_XY.")
 @click.option("--gpu-mem", default=None, help="GPU memory to check serving against, e.g. 80GiB.")
 @click.option("--ctx", type=WholeNumber(1), default=None, help="Context length for the KV estimate. [model maximum]")
+@click.option("--tp", type=WholeNumber(1), default=None,
+              help="Tensor-parallel degree to serve with (vLLM --tensor-parallel-size): checks that heads, "
+                   "quantization groups and kernel tiles split evenly over that many GPUs.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def doctor(model: str, arch: str | None, gpu_mem: str | None, ctx: int | None, as_json: bool, **flags: Any) -> None:
+def doctor(model: str, arch: str | None, gpu_mem: str | None, ctx: int | None, tp: int | None, as_json: bool,
+           **flags: Any) -> None:
     """Check that quantizing MODEL this way will work and be servable on the target GPU, before
     spending any time on calibration (or check an existing checkpoint). Takes the same options as
     `quantize`."""
@@ -35,7 +39,7 @@ def doctor(model: str, arch: str | None, gpu_mem: str | None, ctx: int | None, a
     mem = parse_bytes(gpu_mem) if gpu_mem is not None else None
     rec = recipe_from_cli(**flags)
     allow_pickle = flags["allow_pickle"]
-    report = diagnose(model, rec, arch=arch, gpu_mem=mem, ctx=ctx, allow_pickle=allow_pickle)
+    report = diagnose(model, rec, arch=arch, gpu_mem=mem, ctx=ctx, allow_pickle=allow_pickle, tp=tp)
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.table())
     if report.blocking:
         raise UserError(f"{len(report.blocking)} blocking problem(s): "

@@ -124,3 +124,35 @@ def test_parsers():
         parse_arch("pascalish")
     with pytest.raises(UserError):
         parse_bytes("lots")
+
+
+def _status(report, name):
+    return next((c.status, c.detail) for c in report.checks if c.name == name)
+
+
+def test_tensor_parallel_splits_of_a_smollm2_shaped_model(tmp_path):
+    """SmolLM2-135M's shape (hidden 576, 9 / 3 heads of 64, intermediate 1536), W4A16 g64."""
+    from lmfoundry.doctor import OK, WARN
+
+    aligned = str(tiny_model_folder(tmp_path / "aligned", "llama", hidden_size=512, intermediate_size=1024,
+                                    num_attention_heads=8, num_key_value_heads=2, head_dim=64))
+    assert _status(diagnose(aligned, rec(method="rtn", scheme="w4a16", group_size=64), tp=2), "tensor parallel 2")[0] == OK
+
+    folder = str(tiny_model_folder(tmp_path / "smol", "llama", hidden_size=576, intermediate_size=1536,
+                                   num_attention_heads=9, num_key_value_heads=3, head_dim=64))
+    r = rec(method="rtn", scheme="w4a16", group_size=64)
+    # even unsplit, 576 inputs are not a multiple of Marlin's 128-wide tile
+    status, detail = _status(diagnose(folder, r, tp=1), "tensor parallel 1")
+    assert status == WARN and "qkv_proj: 960 x 576" in detail
+    status, detail = _status(diagnose(folder, r, tp=2), "tensor parallel 2")
+    assert status == FAIL and "9 attention heads" in detail
+    # tp 3: 3 heads and one KV head per rank; o_proj gets 192 inputs per rank: whole groups of 64,
+    # but not a multiple of Marlin's 128-wide tile
+    status, detail = _status(diagnose(folder, r, tp=3), "tensor parallel 3")
+    assert status == WARN and "o_proj: 576 x 192" in detail
+    # groups of 128 would be split on o_proj's 192 inputs per rank: blocking (scales cannot split)
+    r128 = rec(method="rtn", scheme="w4a16", group_size=128)
+    status, detail = _status(diagnose(folder, r128, tp=3), "tensor parallel 3")
+    assert status == FAIL and "o_proj: 192 inputs per rank split its groups of 128" in detail
+    result = CliRunner().invoke(doctor, [folder, "--scheme", "w4a16", "--group-size", "64", "--tp", "2"])
+    assert result.exit_code != 0 and "tensor parallel 2" in result.output
