@@ -140,3 +140,34 @@ def wait_for_url(proc: Any, timeout: float = 120) -> str:
             return m.group(1)
     proc.kill()
     raise AssertionError("no URL printed:\n" + "".join(seen))
+
+
+def w4a16_checkpoint() -> Path:
+    """RTN W4A16 (group 64: 576 is not a multiple of 128) of the default model, built once."""
+    import os
+    import subprocess
+    import sys
+
+    from lmfoundry.resources import cache_dir
+
+    out = cache_dir() / "test-artifacts" / "smollm2-135m-w4a16-g64-rtn"
+    if not (out / "config.json").exists():
+        cmd = [sys.executable, "-m", "lmfoundry.cli", "quantize", "smollm2-135m", "--method", "rtn", "--scheme",
+               "w4a16", "--group-size", "64", "-o", str(out), "--overwrite", "--quiet"]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+    return out
+
+
+def poison_sampler(monkeypatch: Any, seed: int = 666) -> None:
+    """Make the sampler raise for the rows of requests with `seed` (and only those): a fault
+    inside one request, past validation, for the failure-isolation tests."""
+    from lmfoundry.runtime.engine import sampler as sampler_module
+
+    real = sampler_module.sample_row
+
+    def poisoned(logits: Any, params: Any, generator: Any) -> Any:
+        if params.seed == seed:
+            raise RuntimeError("poisoned sampler row")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(sampler_module, "sample_row", poisoned)

@@ -3,28 +3,14 @@ model and on its W4A16 checkpoint (slow tier)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import openai
 import pytest
+
+from helpers import w4a16_checkpoint
 
 from .test_serve import _serve, _wait_for_url  # noqa: TID252
 
 pytestmark = pytest.mark.slow
-
-
-def w4a16_checkpoint() -> Path:
-    from lmfoundry.resources import cache_dir
-
-    out = cache_dir() / "test-artifacts" / "smollm2-135m-w4a16-g64-rtn"
-    if not (out / "config.json").exists():
-        cmd = [sys.executable, "-m", "lmfoundry.cli", "quantize", "smollm2-135m", "--method", "rtn", "--scheme",
-               "w4a16", "--group-size", "64", "-o", str(out), "--overwrite", "--quiet"]
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
-    return out
 
 
 @pytest.mark.parametrize("which", ["float", "w4a16"])

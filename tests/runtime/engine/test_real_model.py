@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import reference_greedy
+from helpers import reference_greedy, w4a16_checkpoint
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -21,18 +17,6 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     "List three facts about the Moon:\n1.",
 ]
-
-
-def w4a16_checkpoint() -> Path:
-    """RTN W4A16 (group 64: 576 is not a multiple of 128) of the default model, built once."""
-    from lmfoundry.resources import cache_dir
-
-    out = cache_dir() / "test-artifacts" / "smollm2-135m-w4a16-g64-rtn"
-    if not (out / "config.json").exists():
-        cmd = [sys.executable, "-m", "lmfoundry.cli", "quantize", "smollm2-135m", "--method", "rtn", "--scheme",
-               "w4a16", "--group-size", "64", "-o", str(out), "--overwrite", "--quiet"]
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
-    return out
 
 
 @pytest.fixture(scope="module")

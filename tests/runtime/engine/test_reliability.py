@@ -25,7 +25,8 @@ import math
 import pytest
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine import sampler as sampler_module
+from helpers import poison_sampler
+
 from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 VOCAB = 259
@@ -136,16 +137,9 @@ def test_forward_failure_spares_waiting_requests(model) -> None:
 
 def test_offline_generate_raises_and_cleans_up(model, monkeypatch) -> None:
     engine = make_engine(model)
-    real = sampler_module.sample_row
-
-    def poisoned(logits, params, generator):
-        if params.seed == 666:
-            raise RuntimeError("poisoned row")
-        return real(logits, params, generator)
-
-    monkeypatch.setattr(sampler_module, "sample_row", poisoned)
+    poison_sampler(monkeypatch)
     good = SamplingParams(max_tokens=20, temperature=0.5, seed=1, ignore_eos=True)
-    with pytest.raises(RuntimeError, match="poisoned row"):
+    with pytest.raises(RuntimeError, match="poisoned sampler row"):
         engine.generate([[1, 2, 3], [4, 5, 6]], [good, SamplingParams(max_tokens=20, temperature=0.5, seed=666)])
     assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
     assert len(engine.generate([[1, 2, 3]], good)[0].outputs[0].token_ids) == 20

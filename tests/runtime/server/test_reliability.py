@@ -40,7 +40,8 @@ import pytest
 
 from lmfoundry.cli import main as cli_main
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine import sampler as sampler_module
+from helpers import poison_sampler
+
 from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 from lmfoundry.runtime.server.app import create_app
 from lmfoundry.runtime.server.background import serve_in_thread
@@ -119,14 +120,7 @@ def _poison(kind: str, monkeypatch) -> dict:
         monkeypatch.setattr(SamplingParams, "validate",
                             lambda self: None if math.isnan(self.temperature) else validate(self))
         return {"content": '{"prompt": "poison", "max_tokens": 100, "temperature": NaN}'}
-    sample_row = sampler_module.sample_row
-
-    def raising(logits, params, generator):
-        if params.seed == 666:
-            raise RuntimeError("poisoned sampler row")
-        return sample_row(logits, params, generator)
-
-    monkeypatch.setattr(sampler_module, "sample_row", raising)
+    poison_sampler(monkeypatch)
     body = {"prompt": "poison", "max_tokens": 100, "temperature": 0.7, "seed": 666, "stream": True}
     return {"content": json.dumps(body)}
 
