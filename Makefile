@@ -8,7 +8,7 @@ OMP ?= 2
 DEMO_OUT ?= demo-out/smollm2-w4a16-g64
 PPL_WINDOWS ?= 40
 
-.PHONY: venv demo test test-integration test-slow clean
+.PHONY: venv demo test test-integration test-slow lint clean
 
 venv: $(VENV)/.installed
 
@@ -29,6 +29,19 @@ demo: venv
 
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# Static checks; CI runs them before the tests. Settings are in pyproject.toml ([tool.ruff],
+# [tool.mypy]). mypy needs the installed layout (lmfoundry.quantizers = quantizers/, ...): a tree
+# of links under build/typecheck gives it that. Keep PACKAGE_DIRS in step with pyproject's
+# [tool.setuptools.package-dir].
+PACKAGE_DIRS := quantizers calibration compile kernels runtime evals recipes
+TYPECHECK := build/typecheck
+lint: venv
+	$(BIN)/ruff check .
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/lmfoundry
+	ln -s $(CURDIR)/lmfoundry/* $(TYPECHECK)/lmfoundry/
+	for d in $(PACKAGE_DIRS); do ln -s $(CURDIR)/$$d $(TYPECHECK)/lmfoundry/$$d; done
+	$(BIN)/mypy $(TYPECHECK)/lmfoundry
 
 # real-model tests that take minutes in total (CI runs this tier after `make test`)
 test-integration: venv

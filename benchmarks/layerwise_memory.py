@@ -109,8 +109,8 @@ def main() -> None:
     a = ap.parse_args()
     r = measure(a.layers, a.hidden, a.intermediate, method=a.method, workdir=a.workdir)
     mib = 2**20
-    print(f"| checkpoint | baseline RSS | peak RSS | peak - baseline | bound (baseline + ckpt/2) | ratio (peak-base)/ckpt | quantize s |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| checkpoint | baseline RSS | peak RSS | peak - baseline | bound (baseline + ckpt/2) | ratio (peak-base)/ckpt | quantize s |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| {r['checkpoint_bytes'] / mib:.0f} MiB | {r['baseline_rss_bytes'] / mib:.0f} MiB | {r['peak_rss_bytes'] / mib:.0f} MiB"
           f" | {(r['peak_rss_bytes'] - r['baseline_rss_bytes']) / mib:.0f} MiB | {r['bound_bytes'] / mib:.0f} MiB"
           f" | {(r['peak_rss_bytes'] - r['baseline_rss_bytes']) / r['checkpoint_bytes']:.3f} | {r['quantize_wall_s']} |")

@@ -209,7 +209,8 @@ def _datasets_docs(path: Path, tokenizer: Any, max_bytes: int) -> tuple[list[str
     if isinstance(ds, datasets.DatasetDict):
         split = "train" if "train" in ds else next(iter(ds))
         ds = ds[split]
-    docs, used = [], 0
+    docs: list[str] = []
+    used = 0
     for i, r in enumerate(ds):
         doc = _render(r, tokenizer, f"{path} row {i}")
         size = len(doc.encode("utf-8"))

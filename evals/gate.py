@@ -31,9 +31,11 @@ import yaml
 from lmfoundry.errors import UserError
 from lmfoundry.evals import stats
 from lmfoundry.evals.lm_adapter import parse_add_bos
+from lmfoundry.resources import shipped
 
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-GATES_DIR = Path(__file__).resolve().parent.parent / "recipes" / "gates"
+# Package data (shipped in the wheel; see lmfoundry.resources.shipped).
+TASKS_DIR = shipped("lmfoundry.evals", "tasks")
+GATES_DIR = shipped("lmfoundry.recipes", "gates")
 DEFAULT_GATE = "default"
 SCHEMA_VERSION = 1
 PPL_METRICS = ("word_perplexity", "byte_perplexity")

@@ -224,7 +224,7 @@ def check_tensor_parallel(report: DoctorReport, plan: QuantizationPlan, config: 
         elif n % SCALED_MM_ALIGN or k % SCALED_MM_ALIGN:
             fails.append(f"{layer}: {n} x {k} per rank is not 16-aligned for the W8A8/FP8 GEMM")
     if fails:
-        report.add(name, FAIL, "; ".join(fails) + f": serve with a tensor-parallel size that divides them")
+        report.add(name, FAIL, "; ".join(fails) + ": serve with a tensor-parallel size that divides them")
     elif warns:
         report.add(name, WARN, "; ".join(warns) + " (vLLM's Marlin kernels: releases without padding refuse "
                    "the layer, later ones pad it to the tile at some speed cost)")

@@ -6,7 +6,12 @@ records, so an artifact can be rebuilt from its own manifest.
 Every `quantize` and `calibration` value is type-checked (`check_recipe`) when the YAML is read and
 again after the overrides: YAML happily yields `"no"` for a flag (truthy!), `1.0e+23` for a seed
 or a string for a list, and such values used to fail deep inside the pipeline with a traceback or,
-worse, silently change the result. The other sections belong to their stages, which check them.
+worse, silently change the result. `gate` belongs to eval-gate, which checks it. A section that no
+stage reads (`model`, `compile`, `serve`: the model is the command's argument, compile and serve
+take flags) is refused rather than silently ignored.
+
+`--recipe NAME` finds a built-in recipe (`recipes/NAME.yaml`, shipped as package data of
+`lmfoundry.recipes`) through importlib.resources, so it works from an installed wheel.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import yaml
 
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import read_bounded
+from lmfoundry.resources import shipped
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "quantize": {
@@ -46,7 +52,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "batch_size": 8,
     },
 }
-SECTIONS = ("name", "description", "model", "quantize", "calibration", "gate", "compile", "serve")
+SECTIONS = ("name", "description", "quantize", "calibration", "gate")
+# Sections earlier recipes carried that no stage ever read: refused with a reason.
+UNREAD_SECTIONS = {
+    "model": "the model is the command's MODEL argument",
+    "compile": "`lmfoundry compile` takes flags",
+    "serve": "`lmfoundry serve` takes flags",
+}
+RECIPES_PACKAGE = "lmfoundry.recipes"
 # torch.Generator.manual_seed takes an unsigned 64-bit seed.
 MAX_SEED = 2**64 - 1
 # A recipe is a page of YAML; refusing anything much larger keeps `--recipe /dev/zero` (or a
@@ -131,7 +144,7 @@ def check_recipe(recipe: dict[str, Any], where: str = "recipe") -> dict[str, Any
         for key, check in checks.items():
             if key in values and (expected := check(values[key])) is not None:
                 raise UserError(f"{where}: {section}.{key} must be {expected}, not {_show(values[key])}")
-    for key in ("name", "description", "model"):
+    for key in ("name", "description"):
         if key in recipe and not isinstance(recipe[key], str):
             raise UserError(f"{where}: {key} must be a string, not {_show(recipe[key])}")
     return recipe
@@ -143,17 +156,31 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def builtin_recipes() -> list[str]:
+    """Names of the recipes shipped with lmfoundry (`--recipe NAME`)."""
+    return sorted(f.stem for f in shipped(RECIPES_PACKAGE).glob("*.yaml"))
+
+
+def resolve_recipe_path(path: str | Path) -> Path:
+    """`path` if it exists, else the built-in recipe of that name (`smollm2-w4a16-rtn`, with or
+    without `.yaml`); a name with a folder in it is only ever a path."""
+    name = str(path)
+    p = Path(name).expanduser()
+    if name and p.exists():  # not a regular file: read_bounded refuses it with one line
+        return p
+    if "/" not in name and "\\" not in name and name not in ("", ".", ".."):
+        builtin = shipped(RECIPES_PACKAGE, name if name.endswith(".yaml") else f"{name}.yaml")
+        if builtin.is_file():
+            return builtin
+    raise UserError(f"{path}: no such recipe file or built-in recipe (built-in: {', '.join(builtin_recipes())})")
+
+
 def load_recipe(path: str | Path | None) -> dict[str, Any]:
     """Defaults, overlaid with the YAML file at `path` (if any); unknown keys are errors."""
-    recipe = copy.deepcopy(DEFAULTS)
+    recipe: dict[str, Any] = copy.deepcopy(DEFAULTS)
     if path is None:
         return recipe
-    p = Path(path)
-    if not p.exists():
-        builtin = Path(__file__).resolve().parent.parent / "recipes" / f"{path}.yaml"
-        if not builtin.exists():
-            raise UserError(f"{path}: no such recipe file")
-        p = builtin
+    p = resolve_recipe_path(path)
     raw = read_bounded(p, MAX_RECIPE_BYTES, "recipe")
     try:
         data = yaml.safe_load(raw.decode("utf-8")) or {}
@@ -166,6 +193,9 @@ def load_recipe(path: str | Path | None) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{p}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
     for key, value in data.items():
+        if key in UNREAD_SECTIONS:
+            raise UserError(f"{p}: recipe section {key!r} is not read by any stage "
+                            f"({UNREAD_SECTIONS[key]}); remove it")
         if key not in SECTIONS:
             raise UserError(f"{p}: unknown recipe section {key!r}; known: {', '.join(SECTIONS)}")
         if key in DEFAULTS:

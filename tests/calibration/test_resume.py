@@ -79,12 +79,12 @@ def test_sigkill_then_resume_is_byte_identical(inputs, tmp_path: Path) -> None:
 def test_stale_work_folders_of_dead_processes_are_removed(inputs, tmp_path: Path) -> None:
     model, calib = inputs
     out = tmp_path / "out"
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f".{out.name}.partial-{dead.pid}"
+    # a process id above the kernel's maximum: no process has it (a recently exited pid could be reused)
+    dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    stale = tmp_path / f".{out.name}.partial-{dead_pid}"
     stale.mkdir()
     (stale / "model-00001-of-00010.safetensors").write_bytes(b"left by a killed run")
-    stale_staging = tmp_path / f".{out.name}.new-{dead.pid}-0a1b2c"
+    stale_staging = tmp_path / f".{out.name}.new-{dead_pid}-0a1b2c"
     stale_staging.mkdir()
     foreign = tmp_path / ".other.partial-1"  # another output's folder: not ours to touch
     foreign.mkdir()

@@ -14,9 +14,9 @@ from lmfoundry.quantizers.fp8 import FP8Quantizer
 from lmfoundry.quantizers.scheme import make_scheme
 from lmfoundry.recipe import load_recipe
 from lmfoundry.runtime.quantized_linear import ActivationQuantizedLinear as Fp8Linear
+from lmfoundry.runtime.loader import load_model
 
 FP8_DTYPE = torch.float8_e4m3fn
-from lmfoundry.runtime.loader import load_model
 
 
 @pytest.fixture

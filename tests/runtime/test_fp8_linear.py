@@ -15,6 +15,7 @@ from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
 from lmfoundry.quantizers.scheme import make_scheme
 from lmfoundry.kernels.norm_quant import QUANT_FP8, quantize_reference
+from lmfoundry.runtime.linears import build_linear
 from lmfoundry.runtime.quantized_linear import ActivationQuantizedLinear as Fp8Linear
 from lmfoundry.runtime.quantized_linear import build_activation_linear as build_fp8_linear
 
@@ -26,7 +27,7 @@ def quantize_activation_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -
     """The kernels' activation quantization, with scales shaped [M|1, 1] for the float64 checks."""
     q, scale = quantize_reference(x, QUANT_FP8, input_scale)
     return q, scale.reshape(-1, 1)
-from lmfoundry.runtime.linears import build_linear
+
 
 U = 2.0**-24
 

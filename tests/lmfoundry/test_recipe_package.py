@@ -1,0 +1,185 @@
+"""Recipes, gates and eval tasks are package data: found through importlib.resources, never by
+climbing `__file__` to a source checkout, so `--recipe NAME` works from an installed wheel.
+
+The slow test builds the wheel with `python -m build` from a copy of the source tree, installs it
+into a fresh venv that sees the project venv's dependencies but not its editable lmfoundry, and
+runs `lmfoundry quantize --recipe smollm2-w4a16-rtn` from a folder outside the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+from helpers import tiny_model_folder, write_text
+
+from lmfoundry.errors import UserError
+from lmfoundry.recipe import UNREAD_SECTIONS, builtin_recipes, load_recipe, resolve_recipe_path
+from lmfoundry.resources import shipped
+
+REPO = Path(__file__).resolve().parents[2]
+# Shipped data in the source tree -> its place inside the wheel.
+DATA = {"recipes": "lmfoundry/recipes", "evals/tasks": "lmfoundry/evals/tasks", "lmfoundry": "lmfoundry"}
+DATA_SUFFIXES = (".yaml", ".jsonl", ".json", ".md")
+
+
+def shipped_files() -> set[str]:
+    """Wheel paths of every data file the source tree ships (recipes, gates, tasks, gpus.yaml)."""
+    out = set()
+    for src, dst in DATA.items():
+        root = REPO / src
+        files = root.glob("*") if src == "lmfoundry" else root.rglob("*")
+        out |= {f"{dst}/{f.relative_to(root).as_posix()}" for f in files
+                if f.is_file() and f.suffix in DATA_SUFFIXES and "__pycache__" not in f.parts}
+    return out
+
+
+# ---- fast: name resolution -----------------------------------------------------------------
+def test_builtin_recipe_by_name_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rec = load_recipe("smollm2-w4a16-rtn")
+    assert Path(rec["source_file"]) == shipped("lmfoundry.recipes", "smollm2-w4a16-rtn.yaml")
+    assert rec["name"] == "smollm2-w4a16-rtn" and rec["quantize"]["group_size"] == 64
+    assert load_recipe("smollm2-w4a16-rtn.yaml")["source_file"] == rec["source_file"]
+
+
+def test_every_builtin_recipe_loads():
+    names = builtin_recipes()
+    assert {"smollm2-w4a16-rtn", "smollm2-w4a16-gptq", "smollm2-w8a16-rtn", "w4a16-g128-rtn"} <= set(names)
+    for name in names:
+        assert load_recipe(name)["name"] == name
+
+
+def test_a_local_file_wins_over_a_builtin_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("smollm2-w4a16-rtn").write_text("quantize: {group_size: 32}\n")
+    assert load_recipe("smollm2-w4a16-rtn")["quantize"]["group_size"] == 32
+
+
+@pytest.mark.parametrize("spec", ["no-such-recipe", "gates/default", "../recipes/smollm2-w4a16-rtn", ""])
+def test_unknown_recipe_names_the_builtins(spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as exc:
+        resolve_recipe_path(spec)
+    msg = str(exc.value)
+    assert "\n" not in msg and "no such recipe" in msg and "smollm2-w4a16-rtn" in msg
+
+
+@pytest.mark.parametrize("section", sorted(UNREAD_SECTIONS))
+def test_sections_no_stage_reads_are_refused(section, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"quantize: {{method: rtn}}\n{section}: {{x: 1}}\n")
+    with pytest.raises(UserError) as exc:
+        load_recipe(str(recipe))
+    msg = str(exc.value)
+    assert "\n" not in msg and repr(section) in msg and "not read by any stage" in msg
+
+
+def test_gates_and_tasks_are_package_data():
+    from lmfoundry.evals import gate
+
+    assert gate.GATES_DIR == shipped("lmfoundry.recipes", "gates")
+    assert gate.resolve_gate_path(None) == gate.GATES_DIR / "default.yaml"
+    assert sorted(p.parent.name for p in gate.TASKS_DIR.glob("*/*.yaml")) == \
+        ["arc_challenge", "arc_easy", "hellaswag", "piqa"]
+
+
+# ---- slow: a wheel in a clean venv -----------------------------------------------------------
+def _run(cmd: list[str], timeout: int, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _copy_sources(dst: Path) -> None:
+    """The files a fresh clone has, plus uncommitted ones (git), else the tree minus build output."""
+    try:
+        listing = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                                 capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(REPO, dst, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "__pycache__", "build", "dist", "*.egg-info", "demo-out"))
+        return
+    for rel in filter(None, listing):
+        src = REPO / rel
+        if src.is_file():  # a deleted, not yet committed file is still listed
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def _fresh_venv(root: Path, wheel: Path) -> Path:
+    """A new venv holding only the wheel; the project venv's installed dependencies (torch, ...)
+    are reachable through a .pth file pointing at a folder of links to them, lmfoundry's own
+    editable install (its .pth finder and dist-info) left out."""
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=120)
+    python = venv / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "--quiet",
+          "--disable-pip-version-check", wheel], timeout=120)
+    deps = root / "deps"
+    deps.mkdir()
+    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for entry in Path(site).iterdir():
+            name = entry.name.lower()
+            if name.startswith(("lmfoundry", "__editable__")) or name.endswith(".pth") or (deps / entry.name).exists():
+                continue
+            (deps / entry.name).symlink_to(entry)
+    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60).stdout.strip()
+    Path(purelib, "project-venv-deps.pth").write_text(f"{deps}\n")
+    return venv
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_wheel_quantizes_with_a_builtin_recipe_from_a_clean_venv(tmp_path):
+    src, dist, work = tmp_path / "src", tmp_path / "dist", tmp_path / "work"
+    _copy_sources(src)
+    # --no-isolation: the build backend (setuptools) comes from this venv instead of a download.
+    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, src], timeout=300)
+    (wheel,) = dist.glob("lmfoundry-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        missing = shipped_files() - set(zf.namelist())
+    assert not missing, f"shipped data missing from the wheel: {sorted(missing)}"
+
+    venv = _fresh_venv(tmp_path, wheel)
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1", LMFOUNDRY_CACHE=str(tmp_path / "cache"))
+    where = json.loads(_run([venv / "bin" / "python", "-c", (
+        "import json, importlib.metadata as md, lmfoundry, lmfoundry.recipes, lmfoundry.evals.gate as g, torch;"
+        "print(json.dumps({'pkg': lmfoundry.__file__, 'recipes': lmfoundry.recipes.__file__,"
+        " 'gate': str(g.resolve_gate_path(None)), 'dists': [str(d.locate_file('')) for d in md.distributions()"
+        " if d.metadata['Name'] == 'lmfoundry']}))")], timeout=120, cwd=work, env=env).stdout)
+    site = str(venv.resolve())
+
+    def in_venv(path: str) -> bool:
+        return os.path.realpath(path).startswith(site + os.sep)
+
+    assert all(map(in_venv, (where["pkg"], where["recipes"], where["gate"]))), where
+    assert len(where["dists"]) == 1 and in_venv(where["dists"][0]), where  # not the editable install
+
+    tiny_model_folder(work / "tiny")  # hidden 128, intermediate 256: group 64 divides both
+    write_text(work / "calib.txt")  # a local text: no calibration download
+    args = ["quantize", "tiny", "--recipe", "smollm2-w4a16-rtn", "--calib", "calib.txt",
+            "--num-samples", "4", "--seq-len", "64", "--quiet"]
+    _run([venv / "bin" / "lmfoundry", *args, "-o", "out-wheel"], timeout=300, cwd=work, env=env)
+    manifest = json.loads((work / "out-wheel" / "lmfoundry.json").read_text())
+    assert in_venv(manifest["recipe_file"]) and manifest["recipe_file"].endswith("smollm2-w4a16-rtn.yaml")
+    assert manifest["recipe"]["name"] == "smollm2-w4a16-rtn"
+    assert manifest["recipe"]["quantize"]["group_size"] == 64
+    groups = json.loads((work / "out-wheel" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert {g["weights"]["group_size"] for g in groups.values()} == {64}
+
+    # The same command through the source tree writes the same checkpoint bytes.
+    _run([Path(sys.executable).parent / "lmfoundry", *args, "-o", "out-src"], timeout=300, cwd=work, env=env)
+    weights = sorted(p.name for p in (work / "out-src").glob("*.safetensors"))
+    assert weights and weights == sorted(p.name for p in (work / "out-wheel").glob("*.safetensors"))
+    for name in [*weights, "config.json"]:
+        assert (work / "out-wheel" / name).read_bytes() == (work / "out-src" / name).read_bytes(), name
