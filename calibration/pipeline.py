@@ -29,8 +29,8 @@ from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
 from lmfoundry.quantizers.qmath import check_group_size
 from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme
-from lmfoundry.runtime.config import ModelConfig
-from lmfoundry.runtime.model import DecoderLayer, RotaryEmbedding
+from lmfoundry.model.config import ModelConfig
+from lmfoundry.model.reference import DecoderLayer, RotaryEmbedding
 
 Propagate = Literal["quantized", "float"]
 

@@ -15,24 +15,15 @@ import os
 import re
 import stat
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import contained_file
 from lmfoundry.models import safetensors_files
-from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.model.config import LAYER_LINEARS, ModelConfig
 
-LAYER_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 
 
 @dataclass(frozen=True)
@@ -74,7 +65,6 @@ class Checkpoint:
     tensor_files: dict[str, str]  # name -> file name
     config_sha256: str
     quant_format: str | None
-    raw_quant: dict[str, Any] = field(default_factory=dict)
 
     def linear_names(self) -> list[str]:
         names = [f"model.layers.{i}.{local}" for i in range(self.config.num_layers) for local in LAYER_LINEARS]
@@ -299,7 +289,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint:
     if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
         raise UserError(f"{folder.name}: quantization_config.ignore must be a list of names")
     ckpt = Checkpoint(folder, config, dtype, {}, KVScheme("auto"), tensors, files,
-                      hashlib.sha256(cfg_bytes).hexdigest(), fmt, dict(q))
+                      hashlib.sha256(cfg_bytes).hexdigest(), fmt)
     for name in ckpt.linear_names():
         scheme = LinearScheme("dense")
         if not any(_target_matches(t, name) for t in ignore):

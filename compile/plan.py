@@ -20,14 +20,13 @@ from typing import Any
 from lmfoundry.compile import tiles
 from lmfoundry.compile.checkpoint import Checkpoint, LinearScheme
 from lmfoundry.errors import UserError
+from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.kernels import registry
 from lmfoundry.kernels.spec import TileConfig, Variant, triton_type
 
 KV_TYPE = {"int8": "i8", "fp8": "fp8e4nv"}
 QUANT_OF_KIND = {"w8a8": 1, "fp8": 2}
 QUANT_TYPE = {1: "i8", 2: "fp8e4nv"}
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 @dataclass
@@ -156,7 +155,7 @@ def _gemms(ck: Checkpoint, fusions: dict[str, Fusion]) -> list[Gemm]:
     out: list[Gemm] = []
     layer0 = "model.layers.0."
     done: set[str] = set()
-    for fused, members in FUSED.items():
+    for fused, members in FUSED_LINEARS.items():
         if fusions[fused].applied:
             s = _layer_scheme(ck, members[0])
             n = sum(cfg.linear_shapes[m][0] for m in members)
@@ -191,7 +190,7 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
     """Everything to compile for `capabilities` (e.g. [90, 80]) and the fusions decided."""
     cfg = ck.config
     act = triton_type(ck.dtype)
-    fusions = {name: _concat_fusion(ck, name, members) for name, members in FUSED.items()}
+    fusions = {name: _concat_fusion(ck, name, members) for name, members in FUSED_LINEARS.items()}
     gemms = _gemms(ck, fusions)
     _check_arch(ck, gemms, capabilities)
     by_name = {g.name: g for g in gemms}
@@ -213,8 +212,8 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
         quants = {(QUANT_OF_KIND.get(s.kind, 0), bool(s.kind in QUANT_OF_KIND and not s.input_dynamic)) for s in schemes}
         return quants.pop() if len(quants) == 1 else None
 
-    qkv_names = ["self_attn.qkv_proj"] if "self_attn.qkv_proj" in by_name else list(FUSED["self_attn.qkv_proj"])
-    up_names = ["mlp.gate_up_proj"] if "mlp.gate_up_proj" in by_name else list(FUSED["mlp.gate_up_proj"])
+    qkv_names = ["self_attn.qkv_proj"] if "self_attn.qkv_proj" in by_name else list(FUSED_LINEARS["self_attn.qkv_proj"])
+    up_names = ["mlp.gate_up_proj"] if "mlp.gate_up_proj" in by_name else list(FUSED_LINEARS["mlp.gate_up_proj"])
     for norm, names in (("input_layernorm", qkv_names), ("post_attention_layernorm", up_names)):
         q = consumers_quant(names)
         fused_q = q is not None and q[0] != 0

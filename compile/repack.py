@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from lmfoundry.compile.checkpoint import Checkpoint
-from lmfoundry.compile.plan import FUSED, Plan
+from lmfoundry.compile.plan import Plan
+from lmfoundry.model.config import FUSED_LINEARS
 
 _CONCAT = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "bias")
 _SHARED = ("weight_g_idx", "input_scale")  # identical across members when fused (checked)
@@ -67,7 +68,7 @@ def repack(ck: Checkpoint, plan: Plan, dest: Path) -> dict[str, list[str]]:
     fused_record: dict[str, list[str]] = {}
     for i in range(ck.config.num_layers):
         for fused in applied:
-            members = [f"model.layers.{i}.{m}" for m in FUSED[fused]]
+            members = [f"model.layers.{i}.{m}" for m in FUSED_LINEARS[fused]]
             target = f"model.layers.{i}.{fused}"
             fused_record[target] = members
             rows = [ck.shape_of(m)[0] for m in members]

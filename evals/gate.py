@@ -341,7 +341,7 @@ class CheckedModel:
 
     spec: str
     folder: Path
-    config: Any  # lmfoundry.runtime.config.ModelConfig
+    config: Any  # lmfoundry.model.config.ModelConfig
     tokenizer: Any
 
 
@@ -351,7 +351,7 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     seconds, before minutes of evaluating the other. With `allow_bundle`, an engine bundle (which
     `load_model` runs) is read from its weights/ folder."""
     from lmfoundry.models import resolve_model
-    from lmfoundry.runtime.config import ModelConfig
+    from lmfoundry.model.config import ModelConfig
 
     path = Path(spec).expanduser()
     if allow_bundle and (path / "engine.json").is_file():

@@ -26,7 +26,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.model import CausalLM
+from lmfoundry.model.reference import CausalLM
 
 BOS_CHOICES = ("tokenizer", "true", "false")
 
@@ -85,7 +85,7 @@ class PrefixCache:
         self.lengths = torch.tensor(prefix_lengths, dtype=torch.long, device=device)[self.rows]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from lmfoundry.runtime.model import causal_attention
+        from lmfoundry.model.reference import causal_attention
 
         round_trip = self.model.model.layers[layer_idx].self_attn.kv_round_trip
         if round_trip is not None:

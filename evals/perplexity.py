@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.model import CausalLM
+from lmfoundry.model.reference import CausalLM
 
 
 @dataclass

@@ -6,7 +6,7 @@ maps a sequence's logical blocks to physical ones. Quantized caches carry one fp
 head for keys and one for values (a per-tensor scale is the same value repeated), static across
 the run (calibrated by the quantizer or 1.0), so a cached token never needs rewriting.
 
-Quantization on write (the arithmetic of `lmfoundry.runtime.kv_quant` and compressed-tensors):
+Quantization on write (the arithmetic of `lmfoundry.model.kv_quant` and compressed-tensors):
 int8 saturates to [-128, 127] and rounds half to even; fp8 saturates to ±448 and rounds to nearest
 even in the conversion. Slots < 0 are skipped (padding tokens).
 """

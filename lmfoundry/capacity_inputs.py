@@ -14,12 +14,12 @@ from typing import Any
 
 from lmfoundry.capacity_math import KV_DTYPE_BYTES, WEIGHT_PRECISIONS, QuantSpec
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from lmfoundry.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Names resolved from the lmfoundry model cache instead of a path.
 EMBEDDED_MODELS = ("smollm2-135m",)
 
-# Dense decoders outside runtime/config.py's list whose parameters follow the Llama layout (q/k/v/o
+# Dense decoders outside lmfoundry/model/config.py's list whose parameters follow the Llama layout (q/k/v/o
 # attention, gated MLP); value = their config class's tie_word_embeddings default, used when
 # config.json omits the key.
 LLAMA_LAYOUT_ARCHITECTURES = {

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.model.config import ModelConfig
 
 WEIGHT_PRECISIONS = ("bf16", "fp8", "int8", "int4")
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}

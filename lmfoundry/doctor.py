@@ -32,12 +32,9 @@ from typing import Any
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_NAMES, FP8_MIN_CAPABILITY
 from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, Scheme
-from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
 
-FUSED_GROUPS = (
-    ("qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
-)
+FUSED_GROUPS = tuple((fused.split(".")[-1], members) for fused, members in FUSED_LINEARS.items())
 
 INT_KERNEL_MIN_CC = 80  # our INT8 W8A8 and weight-only kernels (mma.sync on Ampere and later)
 

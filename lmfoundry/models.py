@@ -33,7 +33,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.manifest import contained_file, new_unique_folder, parse_json_object, read_bounded
 from lmfoundry.manifest import sha256_file as file_sha256
 from lmfoundry.resources import SMOLLM2_GGUF, cache_dir, packaged_file
-from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.model.config import ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m"
 BUILTIN_MODELS = {DEFAULT_MODEL: SMOLLM2_GGUF}

@@ -17,28 +17,9 @@ from typing import Callable
 
 import torch
 
+from lmfoundry.model.config import input_groups
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
-
-# Linears that read the same input tensor inside a Llama-family decoder layer.
-FUSED_INPUTS: tuple[tuple[str, ...], ...] = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("mlp.gate_proj", "mlp.up_proj"),
-)
-
-
-def shared_input_groups(names: list[str] | tuple[str, ...]) -> list[tuple[str, ...]]:
-    """Partition `names` into groups of linears reading the same input (order kept)."""
-    groups: list[tuple[str, ...]] = []
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            continue
-        group = next((tuple(n for n in fused if n in names) for fused in FUSED_INPUTS if name in fused), (name,))
-        groups.append(group)
-        seen.update(group)
-    return groups
-
 
 class InputRecorder:
     """Per-channel absmax of one linear input over all calibration batches, plus an optional
@@ -74,7 +55,7 @@ def input_recorders(names: list[str], rows_per_batch: int = 0) -> tuple[
     """One recorder per distinct input among `names`: (linear name -> recorder, hook name -> fn)."""
     recorders: dict[str, InputRecorder] = {}
     hooks: dict[str, Callable[[torch.Tensor], None]] = {}
-    for group in shared_input_groups(names):
+    for group in input_groups(names):
         rec = InputRecorder(rows_per_batch)
         hooks[group[0]] = rec
         for n in group:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
+from lmfoundry.model.config import GATE_UP, QKV
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
@@ -93,12 +94,12 @@ def layer_mappings(schemes: dict[str, Scheme]) -> list[Mapping]:
     """The smoothings that apply to the quantized linears present (in layer order)."""
     have = set(schemes)
     out = []
-    qkv = tuple(n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") if n in have)
+    qkv = tuple(n for n in QKV if n in have)
     if qkv:
         out.append(Mapping("input_layernorm", qkv, qkv[0]))
     if "self_attn.o_proj" in have:
         out.append(Mapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"))
-    gu = tuple(n for n in ("mlp.gate_proj", "mlp.up_proj") if n in have)
+    gu = tuple(n for n in GATE_UP if n in have)
     if gu:
         out.append(Mapping("post_attention_layernorm", gu, gu[0]))
     if "mlp.down_proj" in have:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
+from lmfoundry.model.config import GATE_UP, QKV
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
@@ -120,11 +121,11 @@ class LayerCalibration:
 
         hs, self.inputs = self.inputs, []  # the residual stream, updated in place
         normed = [layer.input_layernorm(x) for x in hs]
-        heads = step(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), normed,
+        heads = step(QKV, normed,
                      lambda i, x: attn.heads_output(x, self.cos, self.sin))
         step(("self_attn.o_proj",), heads, lambda i, a: hs[i].add_(attn.o_proj(a)))
         normed = [layer.post_attention_layernorm(h) for h in hs]
-        mids = step(("mlp.gate_proj", "mlp.up_proj"), normed, lambda i, x: mlp.hidden(x))
+        mids = step(GATE_UP, normed, lambda i, x: mlp.hidden(x))
         step(("mlp.down_proj",), mids, lambda i, m: hs[i].add_(mlp.down_proj(m)))
         return hs
 
@@ -204,18 +205,7 @@ def get_quantizer(method: str, options: dict[str, Any] | None = None) -> Quantiz
     if target is None:
         raise UserError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     module_name, cls_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            raise UserError(f"method {method!r} is not available in this build") from None
-        raise
-    return getattr(module, cls_name)(options)
-
-
-def linear_items(layer: nn.Module, names: dict[str, Scheme]) -> Iterator[tuple[str, nn.Linear, Scheme]]:
-    for name, scheme in names.items():
-        yield name, layer.get_submodule(name), scheme
+    return getattr(importlib.import_module(module_name), cls_name)(options)
 
 
 def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

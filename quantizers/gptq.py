@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.quantizers._input_groups import input_groups
+from lmfoundry.model.config import input_groups
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.rtn import rtn_quantize_weight

@@ -20,7 +20,7 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult
 from lmfoundry.quantizers.scheme import QuantArgs
-from lmfoundry.runtime.kv_quant import (
+from lmfoundry.model.kv_quant import (
     PER_HEAD,
     PER_TENSOR,
     dequantize_kv,

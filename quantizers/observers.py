@@ -64,37 +64,3 @@ def weight_observer(name: str) -> WeightObserver:
         return WEIGHT_OBSERVERS[name]
     except KeyError:
         raise UserError(f"unknown observer {name!r}; known: {', '.join(WEIGHT_OBSERVERS)}") from None
-
-
-class ActivationObserver:
-    """Running min/max of activations over calibration batches, reduced per tensor or per channel
-    (last dim). Static activation scales and KV-cache scales come from here."""
-
-    def __init__(self, per_channel: bool = False) -> None:
-        self.per_channel = per_channel
-        self.min: torch.Tensor | None = None
-        self.max: torch.Tensor | None = None
-        self.count = 0
-
-    @torch.no_grad()
-    def update(self, x: torch.Tensor) -> None:
-        x = x.detach().float()
-        if self.per_channel:
-            x = x.reshape(-1, x.shape[-1])
-            lo, hi = x.amin(0), x.amax(0)
-        else:
-            lo, hi = x.amin(), x.amax()
-        self.min = lo if self.min is None else torch.minimum(self.min, lo)
-        self.max = hi if self.max is None else torch.maximum(self.max, hi)
-        self.count += 1
-
-    def absmax(self) -> torch.Tensor:
-        if self.min is None:
-            raise RuntimeError("observer saw no data")
-        return torch.maximum(self.min.abs(), self.max.abs())
-
-    def qparams(self, args: QuantArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.min is None:
-            raise RuntimeError("observer saw no data")
-        scale, zp = qmath.qparams_from_range(self.min, self.max, args, scale_dtype)
-        return scale.reshape(-1), zp.reshape(-1) if zp is not None else None

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
+from lmfoundry.model.config import GATE_UP, LAYER_LINEARS, QKV
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.activations import InputRecorder, input_recorders, static_input_scales
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, get_quantizer
@@ -40,8 +41,6 @@ from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
 OWN_OPTIONS = ("alpha", "alpha_search", "alpha_grid", "smooth_vo", "smooth_down", "weight_method",
                "search_rows_per_batch")
-ALL_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 MIN_SCALE = 1e-5
 
 
@@ -88,9 +87,9 @@ def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool) -> list
         return fold
 
     maps = [
-        Mapping("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        Mapping("input_layernorm", list(QKV),
                 fold_norm(layer.input_layernorm)),
-        Mapping("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"],
+        Mapping("post_attention_layernorm", list(GATE_UP),
                 fold_norm(layer.post_attention_layernorm)),
     ]
     if smooth_vo:
@@ -164,7 +163,7 @@ class SmoothQuantQuantizer(Quantizer):
     def calibration_hooks(self, layer: nn.Module, schemes: dict[str, Scheme], layer_idx: int
                           ) -> dict[str, Callable[[torch.Tensor], None]]:
         rows = self.rows_per_batch if self.alpha_search else 0
-        self._recorders, hooks = input_recorders(list(ALL_LINEARS), rows)
+        self._recorders, hooks = input_recorders(list(LAYER_LINEARS), rows)
         return hooks
 
     @torch.no_grad()

@@ -2,7 +2,7 @@
 
 The model is built on the meta device and each module receives exactly its tensors from the
 safetensors memory maps; quantized linears are decoded and swapped for their runtime module
-(`lmfoundry.runtime.linears`). A checkpoint that declares a KV-cache scheme must carry its scales.
+(`lmfoundry.model.linears`). A checkpoint that declares a KV-cache scheme must carry its scales.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from torch import nn
 from lmfoundry.checkpoint import CheckpointReader, decode_linear
 from lmfoundry.errors import UserError
 from lmfoundry.models import resolve_model
-from lmfoundry.runtime.config import ModelConfig
-from lmfoundry.runtime.linears import build_linear, dense_linear
-from lmfoundry.runtime.model import CausalLM, RotaryEmbedding
+from lmfoundry.model.config import ModelConfig
+from lmfoundry.model.linears import build_linear, dense_linear
+from lmfoundry.model.reference import CausalLM, RotaryEmbedding
 
 
 def load_tokenizer(folder: str | Path) -> Any:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lmfoundry.runtime.config import ModelConfig
-from lmfoundry.runtime.model import CausalLM
+from lmfoundry.model.config import ModelConfig
+from lmfoundry.model.reference import CausalLM
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -114,8 +114,8 @@ def tiny_decoder_layer(arch: str = "llama", seed: int = 0, tokens: int = 10):
     for `tokens` positions — what a quantizer's hooks see inside the layer-wise pipeline."""
     import torch
 
-    from lmfoundry.runtime.config import ModelConfig
-    from lmfoundry.runtime.model import DecoderLayer, RotaryEmbedding
+    from lmfoundry.model.config import ModelConfig
+    from lmfoundry.model.reference import DecoderLayer, RotaryEmbedding
 
     torch.manual_seed(seed)
     config = ModelConfig.from_dict(TINY_CONFIGS[arch])

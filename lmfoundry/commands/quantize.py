@@ -295,7 +295,7 @@ def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], ov
     from lmfoundry.manifest import sha256_file, tool_versions
     from lmfoundry.models import resolve_model, safetensors_files
     from lmfoundry.quantizers.base import get_quantizer
-    from lmfoundry.runtime.config import ModelConfig
+    from lmfoundry.model.config import ModelConfig
     from lmfoundry.runtime.loader import load_tokenizer
 
     import transformers  # noqa: F401  (loaded before the baseline: it is start-up, not model work)

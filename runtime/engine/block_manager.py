@@ -159,13 +159,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (free blocks become plain free blocks)."""
-        for block_id in self.free:
-            block = self.blocks[block_id]
-            block.hash = block.token_ids = None
-        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
-
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0

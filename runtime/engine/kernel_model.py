@@ -28,11 +28,9 @@ from lmfoundry.kernels.kv_cache import PagedKVCache
 from lmfoundry.kernels.rotary import rope_tables
 from lmfoundry.kernels.scaled_mm import ScaledLinear
 from lmfoundry.kernels.w4a16 import PackedLinear
-from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 QUANT_DTYPE = {"int-quantized": torch.int8, "float-quantized": torch.float8_e4m3fn}
 
 
@@ -285,17 +283,17 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
 
     def linear(prefix: str, local: str) -> list[Gemm]:
         name = f"{prefix}.{local}"
-        if local in FUSED and local in applied:
-            members = [f"{prefix}.{m}" for m in FUSED[local]]
+        if local in FUSED_LINEARS and local in applied:
+            members = [f"{prefix}.{m}" for m in FUSED_LINEARS[local]]
             if reader.has(f"{name}.weight") or reader.has(f"{name}.weight_packed"):  # repacked at compile
                 tensors = reader.prefixed(name)
             else:
-                rows = [cfg.linear_shapes[m][0] for m in FUSED[local]]
+                rows = [cfg.linear_shapes[m][0] for m in FUSED_LINEARS[local]]
                 got = reader.get([n for n in reader.index if any(n.startswith(m + ".") for m in members)])
                 tensors, _ = fuse_members(members, rows, got.__getitem__, got.__contains__)
-            k = cfg.linear_shapes[FUSED[local][0]][1]
+            k = cfg.linear_shapes[FUSED_LINEARS[local][0]][1]
             return [_scheme_gemm(name, tensors, scheme_of(members[0]), k, dtype, device)]
-        locals_ = FUSED.get(local, (local,))
+        locals_ = FUSED_LINEARS.get(local, (local,))
         return [_scheme_gemm(f"{prefix}.{m}", reader.prefixed(f"{prefix}.{m}"), scheme_of(f"{prefix}.{m}"),
                              cfg.linear_shapes[m][1], dtype, device) for m in locals_]
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.kv_quant import FP8_DTYPE as FP8, broadcast_scale, dequantize_kv, quantize_kv
+from lmfoundry.model.kv_quant import FP8_DTYPE as FP8, broadcast_scale, dequantize_kv, quantize_kv
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZED = {"int8": ("int", torch.int8), "fp8": ("float", FP8)}
@@ -27,7 +27,7 @@ QUANTIZED = {"int8": ("int", torch.int8), "fp8": ("float", FP8)}
 @dataclass
 class KVFormat:
     """How one layer stores K and V: float storage (scales None), or int8 / fp8 codes ("int" /
-    "float" kind, `lmfoundry.runtime.kv_quant` arithmetic) with scales shaped to broadcast over
+    "float" kind, `lmfoundry.model.kv_quant` arithmetic) with scales shaped to broadcast over
     [..., kv_heads, head_dim] ([1, 1] per tensor, [kv_heads, 1] per head)."""
 
     storage_dtype: torch.dtype
@@ -123,7 +123,7 @@ class PagedKVCache:
     def __init__(self, formats: list[KVFormat], num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int) -> None:
         from lmfoundry.kernels.kv_cache import PagedKVCache as LayerCache
-        from lmfoundry.runtime.kv_quant import per_head
+        from lmfoundry.model.kv_quant import per_head
 
         self.formats = formats
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from lmfoundry.runtime.config import ModelConfig
-from lmfoundry.runtime.model import CausalLM
+from lmfoundry.model.config import ModelConfig
+from lmfoundry.model.reference import CausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (

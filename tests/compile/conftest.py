@@ -11,8 +11,9 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from safetensors.torch import save_file
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+from lmfoundry.model.config import LAYER_LINEARS
+
+LINEARS = LAYER_LINEARS
 
 
 def scheme_group(scheme: str, bits: int = 4, group: int | None = 32, symmetric: bool = True,

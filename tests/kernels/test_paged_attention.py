@@ -142,7 +142,7 @@ def test_causal_mask_matters(gen, device):
 
 @pytest.mark.parametrize("cache_dtype,lo,hi", [(torch.int8, -128, 127), (E4M3, -448, 448)])
 def test_store_kv_saturates_like_the_runtime(cache_dtype, lo, hi, device):
-    """Out-of-range values clamp to the storage range (as lmfoundry.runtime.kv_quant does)."""
+    """Out-of-range values clamp to the storage range (as lmfoundry.model.kv_quant does)."""
     cache = PagedKVCache.allocate(1, PAGE, 1, 64, cache_dtype, device, torch.tensor([0.5]), torch.tensor([0.5]))
     k = torch.zeros(1, 1, 64, dtype=torch.float16)
     k[0, 0, :3] = torch.tensor([-500.0, 500.0, 1.25])  # 1.25 / 0.5 = 2.5: an exact tie

@@ -28,7 +28,7 @@ from lmfoundry.capacity_report import build_report, render
 from lmfoundry.cli import main
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import load_gpus
-from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.model.config import ModelConfig
 
 LLAMA3_8B = {
     "model_type": "llama",

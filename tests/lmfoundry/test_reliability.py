@@ -332,7 +332,7 @@ def test_two_processes_convert_one_gguf(tmp_path):
     results = convert_concurrently(gguf_file, tmp_path, lock=True)
     folder = assert_one_conversion(results, tmp_path / "cache")
     assert sum("converting tiny.gguf" in r.stderr for r in results) == 1  # the work ran once
-    from lmfoundry.runtime.config import ModelConfig
+    from lmfoundry.model.config import ModelConfig
 
     assert ModelConfig.from_file(folder).num_layers == 1
 

@@ -13,7 +13,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.quantizers.fp8 import FP8Quantizer
 from lmfoundry.quantizers.scheme import make_scheme
 from lmfoundry.recipe import load_recipe
-from lmfoundry.runtime.quantized_linear import ActivationQuantizedLinear as Fp8Linear
+from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Fp8Linear
 from lmfoundry.runtime.loader import load_model
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -247,8 +247,8 @@ def test_repeated_token_calibration_does_not_crash(tmp_path):
 
 
 def test_hooks_share_one_hessian_per_input():
-    from lmfoundry.runtime.config import ModelConfig
-    from lmfoundry.runtime.model import DecoderLayer
+    from lmfoundry.model.config import ModelConfig
+    from lmfoundry.model.reference import DecoderLayer
     from helpers import TINY_CONFIGS
 
     layer = DecoderLayer(ModelConfig.from_dict(TINY_CONFIGS["llama"]), 0)

@@ -26,9 +26,9 @@ from lmfoundry.quantizers.base import LayerCalibration
 from lmfoundry.quantizers.kv_cache import calibrate_kv_scales, kv_round_trip_from_checkpoint
 from lmfoundry.quantizers.scheme import QuantArgs
 from lmfoundry.recipe import load_recipe
-from lmfoundry.runtime.kv_quant import kv_scales_from_absmax
+from lmfoundry.model.kv_quant import kv_scales_from_absmax
 from lmfoundry.runtime.loader import load_model
-from lmfoundry.runtime.model import causal_attention
+from lmfoundry.model.reference import causal_attention
 
 U = 2.0**-24
 

@@ -15,7 +15,7 @@ from lmfoundry.quantizers.base import LayerCalibration
 from lmfoundry.quantizers.scheme import make_scheme, with_static_activations
 from lmfoundry.quantizers.smoothquant import SmoothQuantQuantizer, smoothing_factors
 from lmfoundry.recipe import load_recipe
-from lmfoundry.runtime.quantized_linear import ActivationQuantizedLinear as Int8Linear
+from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Int8Linear
 from lmfoundry.runtime.loader import load_model
 
 

@@ -16,6 +16,38 @@ from lmfoundry.errors import UserError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
+# The linears of one decoder layer, in execution order, and the groups of them that read the same
+# input tensor, named by the fused module runtimes make of each group (vLLM's qkv_proj and
+# gate_up_proj). The one statement of this structure: calibration collects a group's input
+# statistics once, the quantizers fold scales into the norm that feeds a group, compile fuses a
+# group into one GEMM, and the doctor checks that a group shares one scheme.
+LAYER_LINEARS: tuple[str, ...] = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+FUSED_LINEARS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+QKV, GATE_UP = FUSED_LINEARS["self_attn.qkv_proj"], FUSED_LINEARS["mlp.gate_up_proj"]
+
+
+def input_groups(names: list[str] | tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Partition `names` (local linear names) into groups sharing one input, in layer order; a
+    linear that reads its own input is its own group. The first name of each group is the one
+    whose input calibration hooks."""
+    remaining = list(names)
+    groups: list[tuple[str, ...]] = []
+    for shared in FUSED_LINEARS.values():
+        members = tuple(n for n in shared if n in remaining)
+        if members:
+            groups.append(members)
+            for n in members:
+                remaining.remove(n)
+    groups += [(n,) for n in remaining]
+    order = {n: i for i, n in enumerate(names)}
+    return sorted(groups, key=lambda g: min(order[n] for n in g))
+
 
 @dataclass
 class ModelConfig:

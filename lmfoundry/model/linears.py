@@ -3,7 +3,7 @@
 On CPU, weight-only integer schemes are dequantized once at load (the fastest CPU execution and
 bit-identical to what transformers decompresses). Schemes with quantized activations (W8A8-INT8,
 FP8) run `ActivationQuantizedLinear`, which executes the integer / fp8 arithmetic of the kernels'
-reference (`lmfoundry.runtime.quantized_linear`).
+reference (`lmfoundry.model.quantized_linear`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 def build_linear(qw: QuantizedWeight, bias: torch.Tensor | None, scheme: Scheme, dtype: torch.dtype) -> nn.Module:
     """The module that executes a stored quantized linear."""
     if scheme.input_activations is not None:
-        from lmfoundry.runtime.quantized_linear import KIND, build_activation_linear
+        from lmfoundry.model.quantized_linear import KIND, build_activation_linear
 
         if scheme.format not in KIND:
             raise UserError(f"format {scheme.format!r} with quantized activations has no execution "

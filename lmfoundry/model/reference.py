@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmfoundry.runtime.config import ModelConfig
+from lmfoundry.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
