@@ -147,7 +147,7 @@ class CheckpointReader:
     before any tensor is mapped."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
-        from lmfoundry.compile.checkpoint import read_safetensors_header, regular_file
+        from lmfoundry.tensor_files import read_safetensors_header, regular_file
 
         self.folder = Path(folder)
         config_path = self.folder / "config.json"

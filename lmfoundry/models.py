@@ -23,13 +23,13 @@ import json
 import os
 import shutil
 import stat
-import struct
 import sys
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from lmfoundry.errors import UserError
+from lmfoundry.tensor_files import read_safetensors_header
 from lmfoundry.manifest import contained_file, new_unique_folder, parse_json_object, read_bounded
 from lmfoundry.manifest import sha256_file as file_sha256
 from lmfoundry.resources import SMOLLM2_GGUF, cache_dir, packaged_file
@@ -75,7 +75,7 @@ def resolve_model(spec: str | os.PathLike, allow_pickle: bool = False) -> Path:
             )
         return _converted_pickle(path, pickles)
     for shard in shards:
-        validate_safetensors(shard)
+        read_safetensors_header(shard)  # a truncated download is one line here, not a crash later
     return path
 
 
@@ -100,36 +100,6 @@ def safetensors_files(folder: Path) -> list[Path]:
             raise UserError(f"{index}: unreadable index (`weight_map` must map tensor names to file names)")
         return [_contained(folder, n) for n in sorted(set(weight_map.values()))]
     return [_contained(folder, f.name) for f in sorted(folder.glob("*.safetensors"))]
-
-
-def validate_safetensors(path: Path) -> dict[str, Any]:
-    """Check a safetensors file's header against its size (catches truncated downloads)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise UserError(f"{path}: truncated safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 << 20:
-            raise UserError(f"{path}: truncated or corrupt safetensors header")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise UserError(f"{path}: corrupt safetensors header") from None
-    if not isinstance(header, dict):
-        raise UserError(f"{path}: corrupt safetensors header (not a JSON object)")
-    ends = []
-    for k, t in header.items():
-        if k == "__metadata__":
-            continue
-        offsets = t.get("data_offsets") if isinstance(t, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise UserError(f"{path}: corrupt safetensors header (tensor {k[:80]!r} has no valid data_offsets)")
-        ends.append(offsets[1])
-    end = max(ends, default=0)
-    if 8 + n + end > size:
-        raise UserError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + n + end})")
-    return header
 
 
 @contextlib.contextmanager

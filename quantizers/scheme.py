@@ -228,29 +228,63 @@ def to_compressed_tensors(plan: QuantizationPlan) -> dict[str, Any]:
     return out
 
 
-def plan_from_compressed_tensors(qcfg: dict[str, Any]) -> QuantizationPlan:
-    """Read back a checkpoint's `quantization_config` (ours or another tool's)."""
-    if qcfg.get("quant_method") != "compressed-tensors":
-        raise UserError(f"unsupported quantization_config quant_method {qcfg.get('quant_method')!r}")
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UserError(f"{where} must be an object, got {type(value).__name__}")
+    return value
 
-    def args(d: dict[str, Any] | None) -> QuantArgs | None:
+
+def _whole(d: dict[str, Any], key: str, default: int | None, where: str) -> int | None:
+    """An integer field (num_bits, group_size), one line when it is not a whole number."""
+    value = d.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise UserError(f"{where}: {key} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _names(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise UserError(f"{where} must be a list of names")
+    return value
+
+
+def plan_from_compressed_tensors(qcfg: dict[str, Any], where: str = "quantization_config") -> QuantizationPlan:
+    """Read back a checkpoint's `quantization_config` (ours or another tool's): the one reader of
+    that schema. Every field is type-checked on the way in, so a malformed config is one line
+    naming the field (`where` prefixes it), wherever the config is read (runtime, compile, doctor)."""
+    _object(qcfg, where)
+    if qcfg.get("quant_method") not in ("compressed-tensors", None):
+        raise UserError(f"{where}: quant_method {qcfg.get('quant_method')!r} is not supported (compressed-tensors)")
+
+    def args(d: Any, at: str) -> QuantArgs | None:
         if not d:
             return None
+        d = _object(d, at)
         actorder = d.get("actorder")
         actorder = {"weight": "static", "group": "dynamic"}.get(actorder, actorder) if actorder else None
         strategy = d.get("strategy") or ("group" if d.get("group_size") else "tensor")
+        if not isinstance(strategy, str):
+            raise UserError(f"{at}: strategy must be a name, got {strategy!r}")
+        group_size = _whole(d, "group_size", None, at) if strategy == "group" else None
         return QuantArgs(
-            num_bits=int(d.get("num_bits", 8)), type=d.get("type", "int"),
-            symmetric=bool(d.get("symmetric", True)), strategy=strategy,
-            group_size=d.get("group_size") if strategy == "group" else None,
-            dynamic=bool(d.get("dynamic", False)), observer=d.get("observer") or "minmax",
+            num_bits=_whole(d, "num_bits", 8, at) or 8, type=d.get("type", "int"),
+            symmetric=bool(d.get("symmetric", True)), strategy=strategy,  # type: ignore[arg-type]
+            group_size=group_size, dynamic=bool(d.get("dynamic", False)), observer=d.get("observer") or "minmax",
             actorder=actorder,
         )
 
     groups = []
-    for gname, g in (qcfg.get("config_groups") or {}).items():
-        w = args(g.get("weights"))
+    for gname, g in _object(qcfg.get("config_groups") or {}, f"{where}.config_groups").items():
+        at = f"{where}: config group {gname}"
+        g = _object(g, at)
+        w = args(g.get("weights"), f"{at}: weights")
         if w is None:
-            raise UserError(f"quantization group {gname} has no weight quantization (unsupported)")
-        groups.append(SchemeGroup(Scheme(gname, w, args(g.get("input_activations"))), tuple(g.get("targets") or ())))
-    return QuantizationPlan(groups, list(qcfg.get("ignore") or []), args(qcfg.get("kv_cache_scheme")))
+            raise UserError(f"{at} has no weight quantization (unsupported)")
+        scheme = Scheme(gname, w, args(g.get("input_activations"), f"{at}: input_activations"))
+        groups.append(SchemeGroup(scheme, tuple(_names(g.get("targets"), f"{at}: targets"))))
+    ignore = _names(qcfg.get("ignore"), f"{where}.ignore")
+    return QuantizationPlan(groups, ignore, args(qcfg.get("kv_cache_scheme"), f"{where}: kv_cache_scheme"))

@@ -35,7 +35,8 @@ import torch
 from safetensors.torch import save_file
 
 from lmfoundry.compile import bundle, loader
-from lmfoundry.compile.checkpoint import load_checkpoint, read_safetensors_header
+from lmfoundry.compile.checkpoint import load_checkpoint
+from lmfoundry.tensor_files import read_safetensors_header
 from lmfoundry.errors import UserError
 
 
