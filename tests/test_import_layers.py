@@ -1,0 +1,115 @@
+"""The import graph follows the stage layering of docs/architecture.md: a module imports only from
+its own layer or an earlier one (module-level and function-level imports alike), and the
+module-level imports have no cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# package prefix -> source folder (pyproject's package-dir)
+FOLDERS = {"lmfoundry": "lmfoundry", "lmfoundry.quantizers": "quantizers", "lmfoundry.calibration": "calibration",
+           "lmfoundry.compile": "compile", "lmfoundry.kernels": "kernels", "lmfoundry.runtime": "runtime",
+           "lmfoundry.evals": "evals", "lmfoundry.recipes": "recipes"}
+# (layer, module prefixes), earliest first: the longest matching prefix decides
+LAYERS = [
+    (1, ("lmfoundry.errors", "lmfoundry.manifest", "lmfoundry.resources", "lmfoundry.gpus", "lmfoundry.recipe",
+         "lmfoundry.tensor_files", "lmfoundry.recipes")),
+    (2, ("lmfoundry.kernels",)),
+    (3, ("lmfoundry.model", "lmfoundry.quantizers.scheme", "lmfoundry.quantizers.qmath", "lmfoundry.quantizers.base")),
+    (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.models", "lmfoundry.checkpoint")),
+    (5, ("lmfoundry.quantizers",)),
+    (6, ("lmfoundry.calibration",)),
+    (7, ("lmfoundry.compile",)),
+    (8, ("lmfoundry.runtime",)),
+    (9, ("lmfoundry.evals",)),
+    (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.doctor", "lmfoundry.quantization_plan",
+          "lmfoundry.capacity_inputs", "lmfoundry.capacity_math", "lmfoundry.capacity_report", "lmfoundry")),
+]
+
+
+def layer_of(module: str) -> int:
+    best, layer = -1, 0
+    for n, prefixes in LAYERS:
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, layer = len(p), n
+    return layer
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for prefix, folder in FOLDERS.items():
+        base = ROOT / folder
+        for f in base.rglob("*.py"):
+            rel = f.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if any(p in FOLDERS.values() and prefix == "lmfoundry" for p in parts[:1]):
+                continue
+            name = ".".join([prefix, *parts])
+            out.setdefault(name, f)
+    return out
+
+
+def imports(path: Path, module: str) -> list[tuple[str, bool]]:
+    """(imported lmfoundry module, at module level) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        names = [n for n in names if n.startswith("lmfoundry")]
+        found += [(n, id(node) in top) for n in names]
+    return found
+
+
+def empty_package(path: Path) -> bool:
+    """A package `__init__` that imports nothing: importing through it costs no dependency."""
+    return path.name == "__init__.py" and not imports(path, "")
+
+
+def test_no_stage_imports_a_later_stage() -> None:
+    mods = modules()
+    wrong = []
+    for name, path in mods.items():
+        for target, _ in imports(path, name):
+            # `from X import name`: a name that is no module is a symbol of X; an empty package
+            # __init__ on the way to a module is no dependency
+            if target not in mods or empty_package(mods[target]):
+                continue
+            if layer_of(target) > layer_of(name):
+                wrong.append(f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_module_level_imports_have_no_cycle() -> None:
+    mods = modules()
+    graph = {name: sorted({t for t, top in imports(path, name) if top and t in mods and t != name})
+             for name, path in mods.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node)
+
+
+def test_every_module_is_placed() -> None:
+    assert all(layer_of(m) for m in modules())
