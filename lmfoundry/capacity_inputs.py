@@ -169,45 +169,45 @@ def checkpoint_quant(raw: dict[str, Any]) -> tuple[CheckpointQuant | None, list[
 
 
 def _compressed_tensors_quant(qc: dict[str, Any]) -> tuple[CheckpointQuant | None, list[str]]:
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
-    groups = [g for g in groups if isinstance(g.get("weights"), dict)]
-    if not groups:
+    """The first config group's weights, read by the one compressed-tensors reader
+    (`plan_from_compressed_tensors`); what it refuses becomes a note (plan then counts --weights)."""
+    from lmfoundry.errors import UserError
+    from lmfoundry.quantizers.scheme import plan_from_compressed_tensors
+
+    try:
+        plan = plan_from_compressed_tensors(qc)
+    except UserError as exc:
+        return None, [f"{exc}: weights counted as --weights says"]
+    if not plan.groups:
         return None, ["compressed-tensors config without weight quantization: counted as bf16"]
     notes = []
-    if len(groups) > 1:
-        notes.append(f"{len(groups)} quantization groups in the checkpoint; the first is used for all linears")
-    group = groups[0]
-    w = group["weights"]
-    bits, kind = int(w.get("num_bits", 8)), str(w.get("type", "int"))
+    if len(plan.groups) > 1:
+        notes.append(f"{len(plan.groups)} quantization groups in the checkpoint; the first is used for all linears")
+    w = plan.groups[0].scheme.weights
+    bits, kind = w.num_bits, w.type
     if kind == "float" and bits == 8:
         precision = "fp8"
     elif kind == "int" and bits in (4, 8):
         precision = f"int{bits}"
     else:
         return None, [f"checkpoint weights are {bits}-bit {kind}: not a plan precision, use --weights"]
-    strategy = str(w.get("strategy") or ("group" if w.get("group_size") else "tensor"))
-    block = w.get("block_structure")
-    if strategy == "tensor_group":  # NVFP4-style: treat as groups (the global scale is negligible)
-        strategy = "group"
+    strategy = "group" if w.strategy == "tensor_group" else str(w.strategy)  # NVFP4-style: the global scale is negligible
     if strategy not in ("tensor", "channel", "group", "block"):
         return None, [f"checkpoint weight strategy {strategy!r} not understood: use --weights"]
+    group = next(iter(qc["config_groups"].values()))
+    block = group["weights"].get("block_structure")  # not part of QuantArgs: block-scaled FP8 only
     spec = QuantSpec(
         precision,
         bits,
         strategy,
-        group_size=int(w["group_size"]) if strategy == "group" else None,
+        group_size=w.group_size if strategy == "group" else None,
         block=(int(block[0]), int(block[1])) if strategy == "block" and block else None,
-        zero_points=not w.get("symmetric", True),
-        g_idx=w.get("actorder") == "group",
+        zero_points=not w.symmetric,
+        g_idx=w.actorder == "dynamic",
     )
     if strategy == "block" and spec.block is None:
         return None, ["checkpoint uses block scales without block_structure: use --weights"]
-    targets = [str(t) for t in group.get("targets") or []]
-    ignore = [str(t) for t in qc.get("ignore") or []]
-    lm_head = (
-        ("Linear" in targets or any("lm_head" in t for t in targets))
-        and not any("lm_head" in t for t in ignore)
-    )
+    lm_head = plan.scheme_for("lm_head") is not None
     return CheckpointQuant(precision, spec, lm_head, "compressed-tensors"), notes
 
 
