@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from lmfoundry.runtime.engine.kv_cache import PagedKVCache
+from lmfoundry.runtime.engine.kv_cache import KVCacheLayers
 
 KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -43,7 +43,7 @@ class Chunk:
 class PagedAttention:
     def __init__(
         self,
-        cache: PagedKVCache,
+        cache: KVCacheLayers,
         round_trips: list[KVRoundTrip | None],
         slot_mapping: torch.Tensor,
         decode: DecodeGroup | None,

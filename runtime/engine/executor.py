@@ -20,7 +20,7 @@ from torch import nn
 from lmfoundry.runtime.engine.attention import Chunk, DecodeGroup, PagedAttention
 from lmfoundry.runtime.engine.config import EngineConfig
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
-from lmfoundry.runtime.engine.kv_cache import PagedKVCache, resolve_kv_formats
+from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
 
 CASCADE_MIN_TOKENS = 64  # shared-prefix length from which decode attention is split (cascade)
 
@@ -63,7 +63,7 @@ def _table(blocks: list[int], width: int) -> list[int]:
 
 
 class ReferenceModelExecutor:
-    """The reference `CausalLM` over the engine's `PagedKVCache` (float, INT8 or FP8 storage)."""
+    """The reference `CausalLM` over the engine's `KVCacheLayers` (float, INT8 or FP8 storage)."""
 
     name = "reference"
 
@@ -73,7 +73,7 @@ class ReferenceModelExecutor:
         self.config = model.config
         self.dtype = model.dtype
         self.formats = resolve_kv_formats(model, config.kv_cache_dtype)
-        self.cache: PagedKVCache | None = None
+        self.cache: KVCacheLayers | None = None
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
@@ -81,7 +81,7 @@ class ReferenceModelExecutor:
 
     def allocate(self, num_blocks: int) -> None:
         cfg = self.config
-        self.cache = PagedKVCache(self.formats, num_blocks, self.engine_config.block_size, cfg.num_kv_heads,
+        self.cache = KVCacheLayers(self.formats, num_blocks, self.engine_config.block_size, cfg.num_kv_heads,
                                   cfg.head_dim)
 
     @property

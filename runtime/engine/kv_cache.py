@@ -114,8 +114,9 @@ def resolve_kv_formats(model: nn.Module, kv_cache_dtype: str = "auto") -> list[K
     return formats
 
 
-class PagedKVCache:
-    """Per layer, the kernels' cache (`lmfoundry.kernels.kv_cache.PagedKVCache`: K and V as
+class KVCacheLayers:
+    """The reference executor's paged KV cache: per layer, the kernels' one paged layout
+    (`lmfoundry.kernels.kv_cache.PagedKVCache`: K and V as
     [num_blocks, block_size, kv_heads, head_dim], a token's slot is block * block_size + offset),
     so the reference executor and the kernel executor share one layout. Reads gather whole blocks
     (index_select over contiguous rows, several times faster on CPU than gathering single slots)."""

@@ -9,7 +9,7 @@ from helpers import reference_greedy
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.kv_cache import FP8, KVFormat, PagedKVCache
+from lmfoundry.runtime.engine.kv_cache import FP8, KVFormat, KVCacheLayers
 from lmfoundry.runtime.engine.toy import toy_model
 
 
@@ -33,7 +33,7 @@ def test_quantized_storage_roundtrip(kind: str, per_head: bool) -> None:
     fmt = KVFormat(torch.int8 if kind == "int8" else FP8, torch.float32, scale, scale * 2,
                    "int" if kind == "int8" else "float")
     block = 4
-    cache = PagedKVCache([fmt], slots // block, block, heads, dim)
+    cache = KVCacheLayers([fmt], slots // block, block, heads, dim)
     slots_used = torch.randperm(slots)[:10]
     cache.write(0, slots_used, x, x)
     k_all, v_all = cache.read(0, torch.arange(slots // block))  # every block, in order: slot order
