@@ -235,6 +235,10 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
     requests.append(("rmsnorm_quant", {"act": act, "out": act},
                      {"APPLY_NORM": True, "HAS_RESIDUAL": True, "QUANT": 0, "STATIC_SCALE": False},
                      {"H": cfg.hidden_size}, "model.norm"))
+    if cfg.qk_norm:  # Qwen3: RMSNorm of each q and k head before rotary, rows of head_dim
+        requests.append(("rmsnorm_quant", {"act": act, "out": act},
+                         {"APPLY_NORM": True, "HAS_RESIDUAL": False, "QUANT": 0, "STATIC_SCALE": False},
+                         {"H": cfg.head_dim}, "self_attn.qk_norm"))
     for name in ("self_attn.o_proj", "mlp.down_proj"):
         s = by_name[name].scheme
         if s.kind in QUANT_OF_KIND:

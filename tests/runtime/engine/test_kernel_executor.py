@@ -110,6 +110,31 @@ def test_kernel_executor_agrees_with_the_reference_executor(bundles: Bundles, sc
     assert kmodel.kernels.mode == "reference" and kmodel.kernels.stats["reference"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,overrides", [("qwen2", {"num_attention_heads": 2, "num_key_value_heads": 1}),
+                                            ("qwen3", {"head_dim": 64})])
+def test_qwen_families_through_the_kernels(bundles: Bundles, arch: str, overrides: dict) -> None:
+    """q/k/v bias (Qwen2, fused into the qkv GEMM) and per-head q/k RMSNorm (Qwen3, planned by
+    compile at head_dim) through the kernel executor, against the reference executor."""
+    model = tiny_model_folder(bundles.root / arch, arch, torch_dtype="bfloat16", **overrides)
+    ckpt, engine = bundles.root / f"{arch}-w4a16", bundles.root / f"{arch}-w4a16-engine"
+    main(["quantize", str(model), "-o", str(ckpt), "--quiet", "--num-samples", "2", "--seq-len", "32",
+          "--calib", str(bundles.calib), *SCHEMES["w4a16"]])
+    build_engine(ckpt, ["hopper"], engine, progress=False)
+    if arch == "qwen3":
+        manifest = json.loads((engine / "engine.json").read_text())
+        norms = [c for k in manifest["kernels"] if k["kernel"] == "rmsnorm_quant" for c in k["covers"]]
+        assert any(c["shape"] == {"H": 64} and "self_attn.qk_norm" in c["used_by"] for c in norms)
+    ref_model, tok = load_model(ckpt, dtype=torch.bfloat16)
+    kmodel, _ = load_bundle(engine, "cpu", interpret=False)
+    reference, kernels = _engine(ref_model, tok), _engine(kmodel, tok)
+    for prompt in PROMPTS:
+        ids = prompt + reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].token_ids
+        bound = logit_bound(ref_model, ids)
+        for pos, (r, k) in enumerate(zip(teacher_forced(reference, ids), teacher_forced(kernels, ids))):
+            assert abs(r.logprob - k.logprob) <= float(bound[pos]), (arch, pos, r.logprob, k.logprob)
+
+
 def check_triton_matches_references(bundles: Bundles, scheme: str, device: str, tokens: int) -> None:
     """Greedy decoding through the Triton kernels equals decoding through their references; where
     fp32 accumulation order moves a bf16 rounding (threads, tiles), a different token is allowed
