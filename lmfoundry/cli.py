@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:  # a mistyped option or value: one line, and where the help is
+        command = exc.ctx.command_path if exc.ctx is not None else "lmfoundry"
+        click.echo(f"error: {exc.format_message()} (see `{command} --help`)", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)

@@ -123,3 +123,15 @@ def test_allow_pickle_converts_once(tmp_path, capsys, monkeypatch, model):
     assert code == 0, err
     assert (out / "lmfoundry.json").exists()
     assert list((tmp_path / "cache" / "models").glob("pickle-*/model.safetensors"))
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["quantize", "x", "-o", "y", "--bogus"], "No such option '--bogus'"),
+    (["serve"], "Missing argument 'MODEL'"),
+    (["eval", "ppl", "m", "--ctx", "abc"], "'abc' is not a valid integer"),
+    (["nosuch"], "No such command 'nosuch'"),
+])
+def test_usage_errors_are_one_line(args, expected, capsys):
+    code, err = run_cli(args, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and expected in lines[0] and "--help" in lines[0], err
