@@ -413,6 +413,8 @@ def verify_weights(path: str | Path, manifest: dict[str, Any]) -> None:
     """Raise EngineIntegrityError unless the bundle's weights folder holds exactly the files
     engine.json lists, each hashing to its recorded sha256 (config.json included). A file that
     is not listed is refused too: the loader would otherwise read a planted shard."""
+    from lmfoundry.compile.bundle import sha256_file
+
     engine = Path(path)
     folder = engine / "weights"
     listed = manifest.get("weights", {}).get("files", {})
@@ -434,8 +436,6 @@ def verify_weights(path: str | Path, manifest: dict[str, Any]) -> None:
         if "sha256" not in entry:
             raise EngineIntegrityError(f"{f}: engine.json records no sha256 for it (a bundle from an older "
                                        "lmfoundry); rebuild it with `lmfoundry compile`")
-        from lmfoundry.compile.bundle import sha256_file
-
         digest = sha256_file(f)
         if digest != entry["sha256"]:
             raise EngineIntegrityError(

@@ -75,8 +75,7 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
     engine = Path(path)
     verify_weights(engine, read_manifest(engine))
     kernels = load_engine(engine, device, interpret=interpret)
-    with torch.device("cpu"):
-        model = load_kernel_model(engine, kernels, device)
+    model = load_kernel_model(engine, kernels, device)
     weights = engine / "weights"
     has_tokenizer = any((weights / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     return model, load_tokenizer(weights) if has_tokenizer else None

@@ -325,7 +325,8 @@ def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], ov
         extra.append(kv_calibration_pass(plan.kv_cache, out_dtype))
     needs_data = quantizer.needs_calibration or bool(extra)
 
-    source_files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in safetensors_files(folder)}
+    shards = safetensors_files(folder)
+    source_files = {f.name: [(st := f.stat()).st_size, st.st_mtime_ns] for f in shards}
     key = run_key({"recipe": {k: v for k, v in rec.items() if k != "source_file"}, "source": source_files,
                    "config_sha256": sha256_file(folder / "config.json"), "calibration": calib.describe(),
                    "dtype": str(out_dtype), "versions": tool_versions()})
@@ -339,7 +340,7 @@ def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], ov
                                   extra_layer_passes=extra, progress=progress, journal=journal)
             journal.close()
             writer.copy_files(folder, TOKENIZER_FILES)
-            source_hashes = {f.name: sha256_file(f) for f in safetensors_files(folder)}
+            source_hashes = {f.name: sha256_file(f) for f in shards}
             manifest = {
                 "kind": "quantized-checkpoint",
                 "created_unix": int(time.time()),

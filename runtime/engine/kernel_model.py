@@ -140,33 +140,34 @@ class KernelModel:
         return out
 
     # ---- forward -----------------------------------------------------------------------------
-    def _gemm(self, g: Gemm, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """y = x W^T for one stored GEMM; `xq` is x already quantized by a fused norm."""
+    def _gemm(self, g: Gemm, x: torch.Tensor | None, xq: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> torch.Tensor:
+        """y = x W^T for one stored GEMM; `xq` is the input already quantized by a fused norm (then
+        `x` is None: the consumers of a fused norm read only its quantized output)."""
         ks = self.kernels
         if g.packed is not None:
             return ks.w4a16_linear(x, g.packed)
         if g.scaled is not None:
             op = ks.w8a8_gemm if g.quant_dtype == torch.int8 else ks.fp8_gemm
             if xq is None:
+                assert x is not None
                 xq = ks.rmsnorm_quant(x, None, quant_dtype=g.quant_dtype, static_scale=g.scaled.input_scale)[:2]
             return op(xq[0], xq[1], g.scaled, self.dtype)
         y = x @ g.dense.t()  # type: ignore[union-attr]
         return y + g.bias if g.bias is not None else y
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, consumers: list[Gemm],
-              fuse_quant: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
-        """(normed x in the model dtype or None, its quantization if fused, new residual)."""
+              fuse_quant: bool) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
+        """(normed x in the model dtype, or None when the norm quantizes for its consumers; that
+        quantization; the new residual)."""
         eps = self.config.rms_norm_eps
         if fuse_quant:
             g = consumers[0]
             q, scale, res = self.kernels.rmsnorm_quant(x, weight, eps, quant_dtype=g.quant_dtype, residual=residual,
                                                        static_scale=g.scaled.input_scale)
-            return x, (q, scale), (res if residual is not None else x)
+            return None, (q, scale), (res if residual is not None else x)
         out, _, res = self.kernels.rmsnorm_quant(x, weight, eps, residual=residual)
         return out, None, (res if residual is not None else x)
-
-    def _projections(self, gemms: list[Gemm], h: torch.Tensor, hq: Any) -> list[torch.Tensor]:
-        return [self._gemm(g, h, hq) for g in gemms]
 
     def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
                       caches: list[PagedKVCache]) -> torch.Tensor:
@@ -178,7 +179,7 @@ class KernelModel:
         t = x.shape[0]
         for i, layer in enumerate(self.layers):
             h, hq, residual = self._norm(x, layer.input_norm, residual, layer.qkv, self.norm_quant["input_layernorm"])
-            parts = self._projections(layer.qkv, h, hq)
+            parts = [self._gemm(g, h, hq) for g in layer.qkv]
             if len(parts) == 1:
                 qkv = parts[0]
                 q = qkv[:, : hq_heads * d].view(t, hq_heads, d)
@@ -201,7 +202,7 @@ class KernelModel:
             x = self._gemm(layer.o_proj, out.view(t, hq_heads * d))
             h, hq, residual = self._norm(x, layer.post_norm, residual, layer.gate_up,
                                          self.norm_quant["post_attention_layernorm"])
-            parts = self._projections(layer.gate_up, h, hq)
+            parts = [self._gemm(g, h, hq) for g in layer.gate_up]
             gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
             x = self._gemm(layer.down, ks.silu_mul(gate_up))
         out, _, _ = ks.rmsnorm_quant(x, self.final_norm, cfg.rms_norm_eps, residual=residual)
