@@ -23,15 +23,20 @@ import torch
 from safetensors.torch import save_file
 
 
-def write_random_llama(folder: Path, layers: int, hidden: int, intermediate: int, vocab: int) -> int:
-    """Write the checkpoint one layer per shard; returns the total tensor bytes."""
+def write_random_llama(folder: Path, layers: int, hidden: int, intermediate: int, vocab: int,
+                       kv_heads: int | None = None, dtype: torch.dtype = torch.float32,
+                       rope_theta: float = 10000.0) -> int:
+    """Write the checkpoint one layer per shard (so the writer itself stays at one layer); returns
+    the total tensor bytes. `kv_heads` < hidden/128 gives grouped-query attention (Llama-3)."""
     heads = hidden // 128
+    kv_heads = kv_heads or heads
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
         "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": 128,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 128,
         "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+        "rope_theta": rope_theta, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
@@ -45,23 +50,26 @@ def write_random_llama(folder: Path, layers: int, hidden: int, intermediate: int
             total += v.numel() * v.element_size()
 
     def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+        return (torch.randn(*shape, generator=gen, dtype=dtype) / shape[-1] ** 0.5).to(dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
 
     shard("embed.safetensors", {"model.embed_tokens.weight": rnd(vocab, hidden)})
     for i in range(layers):
         p = f"model.layers.{i}"
         shard(f"layer-{i:03d}.safetensors", {
-            f"{p}.input_layernorm.weight": torch.ones(hidden),
-            f"{p}.post_attention_layernorm.weight": torch.ones(hidden),
+            f"{p}.input_layernorm.weight": ones(hidden),
+            f"{p}.post_attention_layernorm.weight": ones(hidden),
             f"{p}.self_attn.q_proj.weight": rnd(hidden, hidden),
-            f"{p}.self_attn.k_proj.weight": rnd(hidden, hidden),
-            f"{p}.self_attn.v_proj.weight": rnd(hidden, hidden),
+            f"{p}.self_attn.k_proj.weight": rnd(kv_heads * 128, hidden),
+            f"{p}.self_attn.v_proj.weight": rnd(kv_heads * 128, hidden),
             f"{p}.self_attn.o_proj.weight": rnd(hidden, hidden),
             f"{p}.mlp.gate_proj.weight": rnd(intermediate, hidden),
             f"{p}.mlp.up_proj.weight": rnd(intermediate, hidden),
             f"{p}.mlp.down_proj.weight": rnd(hidden, intermediate),
         })
-    shard("head.safetensors", {"model.norm.weight": torch.ones(hidden), "lm_head.weight": rnd(vocab, hidden)})
+    shard("head.safetensors", {"model.norm.weight": ones(hidden), "lm_head.weight": rnd(vocab, hidden)})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                       "weight_map": weight_map}))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))

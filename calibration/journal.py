@@ -2,7 +2,7 @@
 killer, a preempted node) continues from layer k with `quantize --resume`.
 
 After layer k's shard is written the journal records, atomically (write to a temporary name, then
-rename): the calibration activations that enter layer k+1 (`activations.safetensors`), the report
+rename): the calibration activations that enter layer k+1 (`activations_file`, one per rank), the report
 so far, the writer's index state and the sha256 of every shard written. A resumed run checks each
 recorded shard against its sha256, reloads the activations and continues; everything a layer
 computes depends only on its weights and those activations, so the shards it writes are
@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from lmfoundry.distributed import ranks
+
 JOURNAL = "journal.json"
-ACTIVATIONS = "activations.safetensors"
 
 
 def run_key(parts: dict[str, Any]) -> str:
@@ -60,7 +61,8 @@ class LayerJournal:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             return journal
-        if not isinstance(data, dict) or data.get("key") != key or not (journal.folder / ACTIVATIONS).is_file():
+        if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("done"), int) \
+                or not (journal.folder / activations_file(0, data["done"])).is_file():
             return journal
         shards = data.get("shards", {})
         if not all((journal.folder / name).is_file() and _sha256(journal.folder / name) == digest
@@ -84,36 +86,56 @@ class LayerJournal:
 
     def restore(self, writer: Any, report: Any) -> list[torch.Tensor]:
         """Put the writer's index and the report back as they were after layer `done`; returns the
-        calibration activations entering that layer (empty for a run without calibration data)."""
+        calibration activations entering that layer (empty for a run without calibration data).
+        A data-parallel rank gets its own share; a rank without a writer restores only that."""
         from safetensors.torch import load_file
 
-        writer.weight_map = dict(self.state["weight_map"])
-        writer.total_bytes = int(self.state["total_bytes"])
-        report.layers.update(self.state["layers"])
-        report.warnings.extend(self.state["warnings"])
-        tensors = load_file(str(self.folder / ACTIVATIONS))
+        if writer is not None:
+            writer.weight_map = dict(self.state["weight_map"])
+            writer.total_bytes = int(self.state["total_bytes"])
+            report.layers.update(self.state["layers"])
+            report.layer_seconds.update(self.state.get("layer_seconds", {}))
+            report.warnings.extend(self.state["warnings"])
+        tensors = load_file(str(self.folder / activations_file(ranks().rank, self.done)))
         return [tensors[f"batch.{i}"] for i in range(len(tensors))]
 
     def record(self, done: int, writer: Any, report: Any, inputs: list[torch.Tensor] | None) -> None:
         """Layers [0, done) are written: save the activations entering layer `done`, then the
-        journal (each replaced atomically, activations first)."""
+        journal (each replaced atomically, activations first). Under torchrun every rank saves
+        its share of the activations and the writer rank writes the journal once all have."""
         from safetensors.torch import save_file
 
+        group = ranks()
+        name = activations_file(group.rank, done)
+        tmp = self.folder / f".{name}.tmp"
+        save_file({f"batch.{i}": x.contiguous().cpu() for i, x in enumerate(inputs or [])}, str(tmp))
+        os.replace(tmp, self.folder / name)
+        group.barrier()  # every rank's activations for `done` are on disk before the journal says so
+        previous, self.done = self.done, done
+        if writer is None:
+            return
         shards = dict(self.state.get("shards", {}))
-        for name in sorted(set(writer.weight_map.values()) - set(shards)):
-            shards[name] = _sha256(writer.tmp / name)
-        tmp = self.folder / f".{ACTIVATIONS}.tmp"
-        save_file({f"batch.{i}": x.contiguous() for i, x in enumerate(inputs or [])}, str(tmp))
-        os.replace(tmp, self.folder / ACTIVATIONS)
-        self.done = done
+        for shard in sorted(set(writer.weight_map.values()) - set(shards)):
+            shards[shard] = _sha256(writer.tmp / shard)
         self.state = {"key": self.key, "done": done, "shards": shards, "weight_map": writer.weight_map,
-                      "total_bytes": writer.total_bytes, "layers": report.layers, "warnings": report.warnings}
+                      "total_bytes": writer.total_bytes, "layers": report.layers, "layer_seconds": report.layer_seconds,
+                      "warnings": report.warnings}
         _replace_json(self.folder / JOURNAL, self.state)
+        for rank in range(group.world_size):  # the journal no longer points at them
+            (self.folder / activations_file(rank, previous)).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Remove the journal's files (the run finished: they are not part of the artifact)."""
-        for name in (JOURNAL, ACTIVATIONS):
-            (self.folder / name).unlink(missing_ok=True)
+        (self.folder / JOURNAL).unlink(missing_ok=True)
+        for f in self.folder.glob("activations*.safetensors"):
+            f.unlink(missing_ok=True)
+
+
+def activations_file(rank: int, done: int) -> str:
+    """The file of one rank's activations entering layer `done`. Named by layer, because under
+    torchrun a rank may save layer k+1's before the journal (written once every rank has) moves
+    from k to k+1: a crash in between must leave layer k's files for the journal to point at."""
+    return f"activations-{done:05d}-rank{rank}.safetensors"
 
 
 def process_alive(folder: Path) -> bool:

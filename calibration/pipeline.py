@@ -15,6 +15,7 @@ quantized pass, and each linear is fitted to the inputs it will see after quanti
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from lmfoundry.calibration.journal import LayerJournal
 from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, encode_linear
+from lmfoundry.distributed import ranks
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
 from lmfoundry.quantizers.qmath import check_group_size
@@ -76,6 +78,7 @@ def release_memory() -> None:
 @dataclass
 class PipelineReport:
     layers: dict[str, Any] = field(default_factory=dict)
+    layer_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each decoder layer
     warnings: list[str] = field(default_factory=list)
     peak_rss_bytes: int = 0
     wall_s: float = 0.0
@@ -110,11 +113,13 @@ def check_plan(plan: QuantizationPlan, config: ModelConfig) -> None:
             break
 
 
-def load_layer(reader: CheckpointReader, config: ModelConfig, idx: int, dtype: torch.dtype) -> DecoderLayer:
-    """Build decoder layer `idx` with its weights, nothing else of the model."""
+def load_layer(reader: CheckpointReader, config: ModelConfig, idx: int, dtype: torch.dtype,
+               device: torch.device | None = None) -> DecoderLayer:
+    """Build decoder layer `idx` with its weights on `device` (moved in the stored dtype, then
+    widened there: half the transfer of widening first), nothing else of the model."""
     with torch.device("meta"):
         layer = DecoderLayer(config, idx)
-    state = {k: v.to(dtype) for k, v in reader.prefixed(f"model.layers.{idx}").items()}
+    state = {k: v.to(device).to(dtype) for k, v in reader.prefixed(f"model.layers.{idx}").items()}
     missing = set(layer.state_dict()) - set(state)
     if missing:
         raise UserError(f"{reader.folder}: layer {idx} lacks {sorted(missing)[:3]}")
@@ -162,9 +167,26 @@ def _two_pass_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: 
     if calib is not None:
         q_out = calib.run(layer, keep_outputs=True)
         err = [weight_error(f, q) for f, q in zip(float_out, q_out)]
-        metrics["output_rel_error"] = sum(err) / len(err)
+        group = ranks()  # the mean over every rank's batches
+        metrics["output_rel_error"] = group.sum_number(sum(err)) / group.sum_number(len(err))
         calib.inputs = q_out if propagate == "quantized" else float_out
     return result, metrics
+
+
+def calibration_batches(calib_ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """This rank's calibration batches: the single-process batches, shared out contiguously
+    among data-parallel ranks (re-cut into one batch per rank when there are fewer batches than
+    ranks). Refused when there are fewer samples than ranks: a rank without data has no
+    statistics to contribute."""
+    group = ranks()
+    batches = list(calib_ids.split(batch_size))
+    if group.parallel:
+        if calib_ids.shape[0] < group.world_size:
+            raise UserError(f"{calib_ids.shape[0]} calibration samples cannot be shared by "
+                            f"{group.world_size} ranks; use --num-samples >= {group.world_size}")
+        if len(batches) < group.world_size:
+            batches = list(calib_ids.tensor_split(group.world_size))
+    return group.shard(batches)
 
 
 def run_pipeline(
@@ -172,7 +194,7 @@ def run_pipeline(
     config: ModelConfig,
     plan: QuantizationPlan,
     quantizer: Quantizer,
-    writer: CheckpointWriter,
+    writer: CheckpointWriter | None,
     calib_ids: torch.Tensor | None,
     out_dtype: torch.dtype,
     propagate: Propagate = "quantized",
@@ -180,6 +202,8 @@ def run_pipeline(
     extra_layer_passes: list[Any] | None = None,
     progress: bool = True,
     journal: LayerJournal | None = None,
+    device: torch.device | None = None,
+    offload: bool = False,
 ) -> PipelineReport:
     """Quantize every decoder layer of `reader`'s model into `writer`; returns per-layer metrics.
 
@@ -187,14 +211,22 @@ def run_pipeline(
     on layers (e.g. KV-cache scale calibration) that may add to `result.extra_tensors`. With a
     `journal`, each finished layer is recorded (its shard, the activations entering the next
     layer) and a journal that already holds k layers makes the run continue at layer k.
+
+    `device` is where layers, activations and statistics live (default CPU); with `offload` the
+    activations stay in host memory between uses (see `LayerCalibration`). Under torchrun every
+    rank runs this on its share of the batches (`calibration_batches`) and only the writer rank
+    passes a `writer` (the others pass None and write nothing).
     """
     t0 = time.time()
+    device = torch.device(device or "cpu")
     report = PipelineReport()
     quantizer.scale_dtype = out_dtype
     work_dtype = torch.float32  # calibrate in fp32 whatever the storage dtype
     needs_data = quantizer.needs_calibration or bool(extra_layer_passes)
     if needs_data and calib_ids is None:
         raise UserError(f"method {quantizer.name} needs calibration data")
+    if writer is None and not needs_data:
+        return report  # a non-writing rank of a job without calibration data has no share of work
 
     start = journal.done if journal is not None else 0
     calib: LayerCalibration | None = None
@@ -202,16 +234,18 @@ def run_pipeline(
         inputs = journal.restore(writer, report)
     else:  # --- embeddings: inputs of layer 0
         embed = reader.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
-        writer.write_shard(_shard(0, config), {"model.embed_tokens.weight": embed.to(out_dtype)})
-        if needs_data:
-            emb = embed.to(work_dtype)
-            inputs = [torch.nn.functional.embedding(b, emb) for b in calib_ids.split(batch_size)]
-            del emb
+        if writer is not None:
+            writer.write_shard(_shard(0, config), {"model.embed_tokens.weight": embed.to(out_dtype)})
+        if needs_data:  # rows gathered in the stored dtype, then widened (exact): no float32 copy of the table
+            inputs = [torch.nn.functional.embedding(b, embed).to(work_dtype)
+                      for b in calibration_batches(calib_ids, batch_size)]
         del embed
     if needs_data:
         positions = torch.arange(calib_ids.shape[1]).unsqueeze(0)
         cos, sin = RotaryEmbedding(config)(positions, work_dtype)
-        calib = LayerCalibration(inputs, cos, sin)
+        stored = torch.device("cpu") if offload else device
+        inputs = [x.to(stored) for x in inputs]
+        calib = LayerCalibration(inputs, cos.to(device), sin.to(device), device=device, offload=offload)
     release_memory()
 
     quantizer.calib = calib  # one object for the whole run: its inputs advance layer by layer
@@ -219,24 +253,33 @@ def run_pipeline(
                total=config.num_layers, disable=not progress)
     sequential = calib is not None and quantizer.sequential and propagate == "quantized" and not extra_layer_passes
     for idx in bar:
-        layer = load_layer(reader, config, idx, work_dtype)
-        schemes = layer_schemes(plan, config, idx)
-        if sequential:  # one pass, group by group; no float outputs, so no layer output error
-            result = _sequential_layer(layer, schemes, quantizer, calib, idx, work_dtype)
-            layer_metrics: dict[str, Any] = {}
-        else:
-            result, layer_metrics = _two_pass_layer(layer, schemes, quantizer, calib, idx, work_dtype,
-                                                    propagate, extra_layer_passes or [])
+        t_layer = time.time()
+        # factory calls of quantizers and observers land on `device` too (CPU is already the default,
+        # and the mode would add a Python hook to every op)
+        with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
+            layer = load_layer(reader, config, idx, work_dtype, device)
+            schemes = layer_schemes(plan, config, idx)
+            if sequential:  # one pass, group by group; no float outputs, so no layer output error
+                result = _sequential_layer(layer, schemes, quantizer, calib, idx, work_dtype)
+                layer_metrics: dict[str, Any] = {}
+            else:
+                result, layer_metrics = _two_pass_layer(layer, schemes, quantizer, calib, idx, work_dtype,
+                                                        propagate, extra_layer_passes or [])
         layer_metrics.update({n: qw.metrics for n, qw in result.weights.items()})
         layer_metrics.update(result.metrics)
         report.warnings += [f"layer {idx}: {w}" for w in result.warnings]
+        if writer is not None:
+            writer.write_shard(_shard(idx + 1, config), _layer_tensors(layer, idx, result, schemes, out_dtype))
         report.layers[f"model.layers.{idx}"] = layer_metrics
-        writer.write_shard(_shard(idx + 1, config), _layer_tensors(layer, idx, result, schemes, out_dtype))
+        report.layer_seconds[f"model.layers.{idx}"] = round(time.time() - t_layer, 3)
         del layer, result
         if journal is not None:
             journal.record(idx + 1, writer, report, calib.inputs if calib is not None else None)
         bar.set_postfix(rss=f"{peak_rss_bytes() / 2**20:.0f}MiB")
 
+    if writer is None:
+        report.wall_s = time.time() - t0
+        return report
     # --- final norm and LM head
     tail = {"model.norm.weight": reader.get(["model.norm.weight"])["model.norm.weight"].to(out_dtype)}
     if reader.has("lm_head.weight") and not config.tie_word_embeddings:
@@ -278,4 +321,4 @@ def _layer_tensors(layer: DecoderLayer, idx: int, result: LayerResult, schemes: 
         out.update(encode_linear(f"{prefix}.{name}", qw, schemes[name]))
     for name, t in result.extra_tensors.items():
         out[f"{prefix}.{name}"] = t
-    return out
+    return {k: v.cpu() for k, v in out.items()}  # no-op on CPU; the shard is written from host memory

@@ -292,26 +292,6 @@ def serving_bytes(config: ModelConfig, plan: QuantizationPlan, ctx: int) -> dict
             "total": weights + per_token * ctx}
 
 
-def calibration_bytes(config: ModelConfig, method: str | None, num_samples: int, seq_len: int,
-                      batch_size: int, needs_data: bool) -> dict[str, int]:
-    """Estimated peak host memory of the layer-wise pipeline (fp32 work dtype):
-    one layer's weights twice (float + dequantized/quantized), the fp32 embedding, three copies of
-    the calibration hidden states (inputs, float outputs, quantized outputs), one batch's largest
-    intermediates (MLP and attention scores), and the method's statistics (GPTQ Hessians)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    layer_params = sum(o * k for o, k in config.linear_shapes.values()) + 2 * h
-    parts = {"layer": layer_params * 4 * 2, "embedding": config.vocab_size * h * 4 * 2}
-    if needs_data:
-        parts["hidden_states"] = 3 * num_samples * seq_len * h * 4
-        b = min(batch_size, num_samples)
-        parts["batch_intermediates"] = b * seq_len * (3 * i + 4 * config.num_heads * d) * 4 \
-            + b * config.num_heads * seq_len * seq_len * 4
-    if method == "gptq":  # one fp32 Hessian per distinct linear input
-        parts["method_state"] = sum(k * k * 4 for k in (h, config.num_heads * d, h, i))
-    parts["total"] = sum(parts.values())
-    return parts
-
-
 def check_memory(report: DoctorReport, config: ModelConfig, plan: QuantizationPlan, ctx: int,
                  gpu_mem: int | None, calib: dict[str, int] | None) -> None:
     serve = serving_bytes(config, plan, ctx)
@@ -330,15 +310,19 @@ def check_memory(report: DoctorReport, config: ModelConfig, plan: QuantizationPl
                    "(before activation workspace)")
     if calib is not None:
         report.estimates["calibration"] = calib
-        report.add("calibration memory", INFO, f"peak about {gib(calib['total'])} host RAM "
-                   f"({', '.join(f'{k} {gib(v)}' for k, v in calib.items() if k != 'total')})")
+        phases = ("embedding_phase", "layer_phase", "total")
+        report.add("calibration memory", INFO, f"peak about {gib(calib['total'])} per process on CPU "
+                   f"(embedding phase {gib(calib['embedding_phase'])}, layer phase {gib(calib['layer_phase'])}: "
+                   f"{', '.join(f'{k} {gib(v)}' for k, v in calib.items() if k not in phases and v)})")
 
 
 # ------------------------------------------------------------------------------------- entry points
 def diagnose_plan(config: ModelConfig, recipe: dict[str, Any], arch: str | None = None,
                   gpu_mem: int | None = None, ctx: int | None = None, subject: str = "",
-                  tp: int | None = None) -> DoctorReport:
-    """Every check for quantizing a float model with `recipe` (the applied recipe dict)."""
+                  tp: int | None = None, source_dtype: Any = "float32") -> DoctorReport:
+    """Every check for quantizing a float model with `recipe` (the applied recipe dict);
+    `source_dtype` is the stored dtype of the weights (it sizes the embedding table in memory)."""
+    from lmfoundry.calibration.memory import calibration_bytes
     from lmfoundry.calibration.pipeline import check_plan
     from lmfoundry.quantization_plan import build_plan
     from lmfoundry.quantizers.base import get_quantizer
@@ -383,7 +367,7 @@ def diagnose_plan(config: ModelConfig, recipe: dict[str, Any], arch: str | None 
     check_arch(report, plan, arch)
     check_kv_plan(report, plan.kv_cache, config, None, int(c.get("num_samples", 1)) if needs_data else None)
     calib = calibration_bytes(config, q["method"], int(c.get("num_samples", 128)), int(c.get("seq_len", 512)),
-                              int(c.get("batch_size", 8)), needs_data)
+                              int(c.get("batch_size", 8)), needs_data, source_dtype)
     check_memory(report, config, plan, ctx or config.max_position_embeddings, gpu_mem, calib)
     return report
 
@@ -414,7 +398,7 @@ def diagnose(model: str, recipe: dict[str, Any], arch: str | None = None, gpu_me
         return diagnose_checkpoint(reader, arch, gpu_mem, ctx, tp)
     config = ModelConfig.from_dict(reader.config)
     return diagnose_plan(config, recipe, arch, gpu_mem, ctx, subject=f"{model} -> {recipe['quantize']['method']} "
-                         f"{recipe['quantize']['scheme']}", tp=tp)
+                         f"{recipe['quantize']['scheme']}", tp=tp, source_dtype=reader.dtype)
 
 
 def preflight(model_spec: str, recipe: dict[str, Any]) -> DoctorReport:

@@ -27,19 +27,42 @@ class InputRecorder:
 
     def __init__(self, rows_per_batch: int = 0) -> None:
         self.rows_per_batch = rows_per_batch
-        self.absmax: torch.Tensor | None = None
+        self._absmax: torch.Tensor | None = None
         self.rows: list[torch.Tensor] = []
+        self.reduced = False  # combined over data-parallel ranks (once, when first read)
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> None:
+        if self.reduced:
+            raise RuntimeError("InputRecorder called after its statistics were read")
         x2 = x.detach().reshape(-1, x.shape[-1]).float()
         a = x2.abs().amax(dim=0)
-        self.absmax = a if self.absmax is None else torch.maximum(self.absmax, a)
+        self._absmax = a if self._absmax is None else torch.maximum(self._absmax, a)
         if self.rows_per_batch > 0:
             stride = max(1, x2.shape[0] // self.rows_per_batch)
             self.rows.append(x2[::stride][: self.rows_per_batch].clone())
 
+    def _reduce(self) -> None:
+        """Absmax over every rank's inputs and every rank's rows (rank order)."""
+        from lmfoundry.distributed import ranks
+
+        if self.reduced:
+            return
+        self.reduced = True
+        group = ranks()
+        if group.parallel and self._absmax is not None:
+            group.max_(self._absmax)
+            if self.rows_per_batch > 0:
+                self.rows = [group.gather_rows(torch.cat(self.rows))]
+
+    @property
+    def absmax(self) -> torch.Tensor | None:
+        """Per-channel absmax over all calibration inputs (of all data-parallel ranks)."""
+        self._reduce()
+        return self._absmax
+
     def sample(self) -> torch.Tensor:
+        self._reduce()
         return torch.cat(self.rows) if self.rows else torch.empty(0)
 
     def tensor_absmax(self, divisor: torch.Tensor | None = None) -> torch.Tensor:

@@ -56,10 +56,13 @@ class InputStats:
         self.xtx: torch.Tensor | None = None
         self.count = 0
         self.token_cap = token_cap
+        self.reduced = False  # summed over data-parallel ranks (once, when first read)
 
     @torch.no_grad()
     def add(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Add the rows of x; `weights` (one per row, mean ~1) weight them in the error objective."""
+        if self.reduced:
+            raise RuntimeError("InputStats.add after the statistics were read")
         x = x.detach().reshape(-1, x.shape[-1]).float()
         if self.xtx is None:
             self.xtx = torch.zeros(x.shape[1], x.shape[1])
@@ -71,10 +74,24 @@ class InputStats:
         self.xtx.addmm_(xc.t(), xc)
         self.count += x.shape[0]
 
+    def _reduce(self) -> None:
+        from lmfoundry.distributed import ranks
+
+        if self.reduced:
+            return
+        self.reduced = True
+        group = ranks()
+        self.count = int(group.sum_number(self.count))
+        if self.xtx is not None and self.abs_sum is not None:
+            group.sum_(self.xtx)
+            group.sum_(self.abs_sum)
+
     def mean_abs(self) -> torch.Tensor:
+        self._reduce()
         return self.abs_sum / max(self.count, 1)
 
     def hessian(self) -> torch.Tensor:
+        self._reduce()
         if self.xtx is None or self.count == 0:
             raise RuntimeError("no calibration inputs reached this linear")
         return self.xtx * (2.0 / self.count)

@@ -60,10 +60,29 @@ class LayerCalibration:
     `inputs` are the hidden states entering the layer, one tensor [B, T, H] per batch; `cos`/`sin`
     are the rotary tables for those positions (same for every batch: calibration samples share
     one length).
+
+    With `offload` the hidden states live in host memory (pinned where CUDA is present) and each
+    batch goes to `device` only while it runs: for calibration sets larger than the GPU has room
+    for next to a layer. Without it, `load`/`store` are the identity, so the CPU path and a GPU
+    whose memory holds the activations run exactly the same operations.
     """
 
-    def __init__(self, inputs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, inputs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 device: torch.device | None = None, offload: bool = False) -> None:
         self.inputs, self.cos, self.sin = inputs, cos, sin
+        self.device = device if device is not None else cos.device
+        self.offload = offload
+
+    def load(self, x: torch.Tensor) -> torch.Tensor:
+        """A stored batch where the layer computes (asynchronous from pinned memory)."""
+        return x.to(self.device, non_blocking=True) if self.offload else x
+
+    def store(self, y: torch.Tensor) -> torch.Tensor:
+        """A computed batch where batches are kept (host memory when offloading)."""
+        if not self.offload:
+            return y
+        host = torch.empty(y.shape, dtype=y.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+        return host.copy_(y)
 
     @property
     def num_tokens(self) -> int:
@@ -81,9 +100,9 @@ class LayerCalibration:
         outputs = []
         try:
             for x in self.inputs:
-                y = layer(x, self.cos, self.sin)
+                y = layer(self.load(x), self.cos, self.sin)
                 if keep_outputs:
-                    outputs.append(y)
+                    outputs.append(self.store(y))
         finally:
             for h in handles:
                 h.remove()
@@ -108,25 +127,26 @@ class LayerCalibration:
         their place).
         """
         attn, mlp = layer.self_attn, layer.mlp
+        load, store = self.load, self.store
 
         def step(group: tuple[str, ...], inputs: list[torch.Tensor], fn: Callable) -> list[torch.Tensor]:
             """Observe `group`'s input of every batch, let it be quantized, then run it: each
             input is replaced in its list by fn(i, input), so it is freed as its output is made."""
             for x in inputs:
-                observe(group, x)
+                observe(group, load(x))
             finish(group)
             for i, x in enumerate(inputs):
-                inputs[i] = fn(i, x)
+                inputs[i] = fn(i, load(x))
             return inputs
 
         hs, self.inputs = self.inputs, []  # the residual stream, updated in place
-        normed = [layer.input_layernorm(x) for x in hs]
+        normed = [store(layer.input_layernorm(load(x))) for x in hs]
         heads = step(QKV, normed,
-                     lambda i, x: attn.heads_output(x, self.cos, self.sin))
-        step(("self_attn.o_proj",), heads, lambda i, a: hs[i].add_(attn.o_proj(a)))
-        normed = [layer.post_attention_layernorm(h) for h in hs]
-        mids = step(GATE_UP, normed, lambda i, x: mlp.hidden(x))
-        step(("mlp.down_proj",), mids, lambda i, m: hs[i].add_(mlp.down_proj(m)))
+                     lambda i, x: store(attn.heads_output(x, self.cos, self.sin)))
+        step(("self_attn.o_proj",), heads, lambda i, a: hs[i].add_(store(attn.o_proj(a))))
+        normed = [store(layer.post_attention_layernorm(load(h))) for h in hs]
+        mids = step(GATE_UP, normed, lambda i, x: store(mlp.hidden(x)))
+        step(("mlp.down_proj",), mids, lambda i, m: hs[i].add_(store(mlp.down_proj(m))))
         return hs
 
 

@@ -42,7 +42,7 @@ max_damp_retries (3), token_cap (10), kv_attention_weights (true).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -92,12 +92,20 @@ class HessianAccumulator:
     XᵀX is symmetric, so it is accumulated with BLAS `ssyrk` (one triangle, half the products of
     a matmul) and mirrored once at the end: measured 0.81x the CPU time of the block-triangular
     matmuls used before (and 0.51x a full matmul) for a 1536-wide down_proj input, with float32
-    sums; the Hessians are still about a quarter of GPTQ's calibration CPU time."""
+    sums; the Hessians are still about a quarter of GPTQ's calibration CPU time.
+
+    Each batch's XᵀX is made in float32 on its own and added into a float64 sum. A sum of a few
+    float32 values in float64 is exact, so it does not depend on the order of the batches: a
+    data-parallel run, whose ranks each sum their own batches and then all-reduce, gets the same
+    Hessian bits as one process (float32 accumulation across batches flipped 32 % of down_proj's
+    GPTQ codes between 1 and 2 ranks on SmolLM2; GPTQ's error feedback amplifies the last bit)."""
 
     def __init__(self, token_cap: float = 0.0) -> None:
-        self.sum = None  # numpy float32 [C, C], Fortran order, upper triangle valid
+        self.sum: Any = None  # CPU: numpy float64 [C, C], Fortran order, upper triangle valid
+        self.device_sum: torch.Tensor | None = None  # elsewhere (CUDA): torch float64 [C, C], full
         self.count = 0
         self.token_cap = token_cap
+        self.reduced = False  # summed over data-parallel ranks (done once, when first read)
 
     @torch.no_grad()
     def add(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> None:
@@ -112,16 +120,37 @@ class HessianAccumulator:
             factor = w if factor is None else factor * w
         if factor is not None:
             x = x * factor.unsqueeze(-1)
-        if self.sum is None:
-            self.sum = np.zeros((x.shape[1], x.shape[1]), dtype=np.float32, order="F")
-        # x [N, C] row-major is xᵀ [C, N] column-major: ssyrk(trans=0) adds xᵀ·x without a copy
-        self.sum = ssyrk(1.0, x.contiguous().numpy().T, beta=1.0, c=self.sum, trans=0, lower=0, overwrite_c=1)
+        if self.reduced:
+            raise RuntimeError("HessianAccumulator.add after the Hessian was read")
         self.count += x.shape[0]
+        if x.device.type != "cpu":  # on the accelerator: one matmul, no host round trip
+            if self.device_sum is None:
+                self.device_sum = torch.zeros(x.shape[1], x.shape[1], device=x.device, dtype=torch.float64)
+            self.device_sum += x.t() @ x
+            return
+        # x [N, C] row-major is xᵀ [C, N] column-major: ssyrk(trans=0) makes xᵀ·x without a copy
+        part = ssyrk(1.0, x.contiguous().numpy().T, trans=0, lower=0)
+        if self.sum is None:
+            self.sum = np.zeros((x.shape[1], x.shape[1]), dtype=np.float64, order="F")
+        self.sum += part
 
     def hessian(self) -> torch.Tensor:
-        if self.sum is None or self.count == 0:
+        """2·XᵀX/N over the tokens of every data-parallel rank (summed across ranks here, once)."""
+        from lmfoundry.distributed import ranks
+
+        if not self.reduced:
+            self.reduced = True
+            group = ranks()
+            self.count = int(group.sum_number(self.count))
+            if self.device_sum is not None:
+                group.sum_(self.device_sum)
+            elif self.sum is not None:
+                group.sum_(torch.from_numpy(self.sum.T))  # C-contiguous view of the same memory
+        if (self.sum is None and self.device_sum is None) or self.count == 0:
             raise RuntimeError("no calibration inputs reached this linear")
-        upper = torch.triu(torch.from_numpy(self.sum))
+        if self.device_sum is not None:
+            return self.device_sum.float().mul_(2.0 / self.count)
+        upper = torch.triu(torch.from_numpy(self.sum).float())
         full = upper + upper.t()
         full.diagonal().mul_(0.5)
         return full.mul_(2.0 / self.count)
@@ -145,13 +174,18 @@ def upper_cholesky_of_inverse(h_flipped: torch.Tensor) -> torch.Tensor | None:
     H⁻¹ = R⁻ᵀ·R⁻¹ and U = R⁻¹ = J·M⁻¹·J — one Cholesky and one triangular inverse (LAPACK
     strtri), about n³/3 each, instead of Cholesky, cholesky_inverse and a second Cholesky
     (measured 0.47x the CPU time at n = 1536)."""
-    from scipy.linalg.lapack import strtri
-
     m, info = torch.linalg.cholesky_ex(h_flipped)
     if info != 0:
         return None
-    m_inv, info = strtri(m.numpy(), lower=1)
-    u = torch.from_numpy(m_inv).tril_().flip(0, 1)  # strtri leaves the other triangle as it found it
+    if m.device.type == "cpu":
+        from scipy.linalg.lapack import strtri
+
+        m_inv, info = strtri(m.numpy(), lower=1)
+        u = torch.from_numpy(m_inv).tril_().flip(0, 1)  # strtri leaves the other triangle as it found it
+    else:  # no LAPACK strtri on the accelerator: a triangular solve against I (same n³/3)
+        eye = torch.eye(m.shape[0], device=m.device, dtype=m.dtype)
+        u = torch.linalg.solve_triangular(m, eye, upper=False).flip(0, 1)
+        info = 0
     if info != 0 or not torch.isfinite(u).all():
         return None
     return u.contiguous()
@@ -527,6 +561,9 @@ class GPTQQuantizer(Quantizer):
             by_key.setdefault((id(self._hessians[n]), schemes[n].weights), []).append(n)
         hessians = {id(self._hessians[n]): self._hessians[n] for n in group}
         h_of = {key: acc.hessian() for key, acc in hessians.items()}
+        for n in group:  # the group's sums are read: free them before the next group's (peak = one group)
+            del self._hessians[n]
+        del hessians
         hinv_cache: dict[tuple[int, str | None], InverseHessian | None] = {}
         for (hid, args), names in by_key.items():
             label = f"model.layers.{layer_idx}.{'+'.join(n.split('.')[-1] for n in names)}"

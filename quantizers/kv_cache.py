@@ -99,8 +99,12 @@ def calibrate_kv_scales(layer: nn.Module, calib: LayerCalibration, kv_args: Quan
         calib.run(layer)
     finally:
         attn.kv_round_trip = previous
-    if observer.k_absmax is None:
+    if observer.k_absmax is None or observer.v_absmax is None:
         raise RuntimeError("KV calibration saw no data")
+    from lmfoundry.distributed import ranks
+
+    ranks().max_(observer.k_absmax)  # over every data-parallel rank's calibration inputs
+    ranks().max_(observer.v_absmax)
     return (kv_scales_from_absmax(observer.k_absmax, kv_args.type, scale_dtype, per_head),
             kv_scales_from_absmax(observer.v_absmax, kv_args.type, scale_dtype, per_head))
 

@@ -45,7 +45,9 @@ def load_model(
 
 def check_device(device: str) -> str:
     """A --device value as torch understands it, or a one-line error (cuda asked on a machine
-    without one included)."""
+    without one included). `auto` is the GPU where there is one, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):

@@ -114,15 +114,28 @@ def recipe_from_cli(recipe: str | None, method: str | None = None, scheme: str |
               help="Continue a run of the same inputs that was killed (SIGKILL, out of memory, preemption) "
                    "from the last layer it finished, writing the same bytes; its journal lives in the hidden "
                    "`.OUTPUT.partial-PID` folder next to the output.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where layers, calibration activations and statistics (Hessians) live: cpu, cuda[:N], or "
+                   "auto (the GPU if there is one). Weights stream from the safetensors to the device one layer "
+                   "at a time; shards stream back to disk.")
+@click.option("--offload", type=click.Choice(["auto", "yes", "no"]), default="auto", show_default=True,
+              help="Keep calibration activations in pinned host memory between uses (GPU runs whose activations "
+                   "do not fit beside a layer); auto decides from free GPU memory, as `doctor` reports.")
 def quantize(model: str, output: str, overwrite: bool, skip_doctor: bool, quiet: bool, resume: bool,
-             **flags: Any) -> None:
+             device: str, offload: str, **flags: Any) -> None:
     """Quantize MODEL (a HF folder, a .gguf file, or `smollm2-135m`) into a checkpoint that vLLM,
     SGLang and transformers load (compressed-tensors), plus lmfoundry.json (recipe, versions,
-    hashes, per-layer errors). Prints the peak RSS at the end."""
+    hashes, per-layer errors). Prints the peak RSS at the end.
+
+    Data-parallel calibration: `torchrun --nproc-per-node N --no-python lmfoundry quantize ...`
+    shares the calibration samples among N processes (gloo on CPU, NCCL on GPU, one GPU each),
+    sums their statistics before every quantization step, and rank 0 writes the checkpoint."""
     rec = recipe_from_cli(**flags)
     summary = run_quantize(model, Path(output), rec, overwrite=overwrite, allow_pickle=flags["allow_pickle"],
-                           doctor=not skip_doctor, progress=not quiet, resume=resume)
-    click.echo(summary)
+                           doctor=not skip_doctor, progress=not quiet, resume=resume, device=device,
+                           offload=offload)
+    if summary:
+        click.echo(summary)
 
 
 def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -139,20 +152,53 @@ def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
 
 
 def run_quantize(model: str, output: Path, rec: dict[str, Any], overwrite: bool = False,
-                 allow_pickle: bool = False, doctor: bool = True, progress: bool = True, resume: bool = False) -> str:
-    """The whole quantize job; returns the summary text. Raises UserError before any output on
-    bad input, and leaves the disk as it found it on any failure: the checkpoint is built in a
-    hidden staging folder next to the output, swapped in at the end, and the staging folder and
-    any parent folders created for the output are removed when the job fails."""
+                 allow_pickle: bool = False, doctor: bool = True, progress: bool = True, resume: bool = False,
+                 device: str = "cpu", offload: str = "auto") -> str:
+    """The whole quantize job; returns the summary text (empty on data-parallel ranks other than
+    0, which write nothing). Raises UserError before any output on bad input, and leaves the disk
+    as it found it on any failure: the checkpoint is built in a hidden staging folder next to the
+    output, swapped in at the end, and the staging folder and any parent folders created for the
+    output are removed when the job fails."""
+    from lmfoundry.distributed import init_from_environment, shutdown
     from lmfoundry.recipe import check_recipe
+    from lmfoundry.runtime.loader import check_device
 
     check_recipe(rec)
+    if offload not in ("auto", "yes", "no"):
+        raise UserError(f"--offload {offload!r}: expected auto, yes or no")
+    dev = _compute_device(check_device(device))
+    group = init_from_environment(dev)
+    try:
+        if not group.writer:
+            return _quantize_into(model, None, None, rec, overwrite, allow_pickle, doctor, False, resume,
+                                  dev, offload)
+        return _run_writer(model, output, rec, overwrite, allow_pickle, doctor, progress, resume, dev, offload)
+    finally:
+        shutdown()
+
+
+def _compute_device(spec: str) -> Any:
+    """The torch device of this process: under torchrun with CUDA, the GPU of LOCAL_RANK."""
+    import torch
+
+    from lmfoundry.distributed import launched_world_size
+
+    dev = torch.device(spec)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if launched_world_size() > 1 else 0)
+    return dev
+
+
+def _run_writer(model: str, output: Path, rec: dict[str, Any], overwrite: bool, allow_pickle: bool,
+                doctor: bool, progress: bool, resume: bool, device: Any, offload: str) -> str:
+    """`run_quantize` on the writing process (the only one, or rank 0)."""
     out = check_output(output, overwrite)
     created = _make_parents(out)
     staging: Path | None = None
     try:
         staging = _staging_folder(out)
-        summary = _quantize_into(model, out, staging, rec, overwrite, allow_pickle, doctor, progress, resume)
+        summary = _quantize_into(model, out, staging, rec, overwrite, allow_pickle, doctor, progress, resume,
+                                 device, offload)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -283,14 +329,19 @@ def _swap_into_place(staging: Path, out: Path, overwrite: bool) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], overwrite: bool,
-                   allow_pickle: bool, doctor: bool, progress: bool, resume: bool = False) -> str:
-    """`run_quantize` after the output checks: build the checkpoint in `staging`, then swap it in."""
+def _quantize_into(model: str, out: Path | None, staging: Path | None, rec: dict[str, Any], overwrite: bool,
+                   allow_pickle: bool, doctor: bool, progress: bool, resume: bool = False,
+                   device: Any = "cpu", offload: str = "auto") -> str:
+    """`run_quantize` after the output checks: build the checkpoint in `staging`, then swap it in.
+    A data-parallel rank other than 0 (out and staging None) runs the same steps on its share of
+    the calibration data, in the work folder rank 0 names, and writes no checkpoint."""
     import torch
 
     from lmfoundry.calibration.data import load_calibration
-    from lmfoundry.calibration.journal import run_key
+    from lmfoundry.calibration.journal import LayerJournal, run_key
+    from lmfoundry.calibration.memory import activations_offload
     from lmfoundry.calibration.pipeline import check_plan, current_rss_bytes, run_pipeline
+    from lmfoundry.distributed import ranks
     from lmfoundry.checkpoint import TOKENIZER_FILES, CheckpointReader, CheckpointWriter, quantized_config
     from lmfoundry.manifest import sha256_file, tool_versions
     from lmfoundry.models import resolve_model, safetensors_files
@@ -305,8 +356,8 @@ def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], ov
     q, c = rec["quantize"], rec["calibration"]
     plan = build_plan(q)
     quantizer = get_quantizer(q["method"], q.get("options"))
-    for group in plan.groups:
-        quantizer.validate(group.scheme)
+    for g in plan.groups:
+        quantizer.validate(g.scheme)
     folder = resolve_model(model, allow_pickle=allow_pickle)
     reader = CheckpointReader(folder)
     if reader.plan is not None:
@@ -330,14 +381,28 @@ def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], ov
     key = run_key({"recipe": {k: v for k, v in rec.items() if k != "source_file"}, "source": source_files,
                    "config_sha256": sha256_file(folder / "config.json"), "calibration": calib.describe(),
                    "dtype": str(out_dtype), "versions": tool_versions()})
+    group = ranks()
+    key = run_key({"run": key, "world_size": group.world_size})  # each rank journals its own share
+    device = torch.device(device)
+    batch_size = int(c.get("batch_size", 8))
+    move_out = needs_data and activations_offload(config, -(-int(c["num_samples"]) // group.world_size),
+                                                  int(c["seq_len"]), batch_size, device, offload, q["method"])
+    pipeline_args = dict(propagate=c["propagate"], batch_size=batch_size, extra_layer_passes=extra,
+                         device=device, offload=move_out)
+    calib_ids = calib.token_ids if needs_data else None
+    if out is None:  # a data-parallel rank other than 0: rank 0's work folder and journal position
+        work_name, done = group.broadcast(None)
+        journal = LayerJournal(Path(work_name), key, done=done)
+        run_pipeline(reader, config, plan, quantizer, None, calib_ids, out_dtype, progress=False,
+                     journal=journal, **pipeline_args)
+        return ""
     work, journal = _work_folder(out, key, resume)
+    group.broadcast((str(work), journal.done))
     try:
         with CheckpointWriter(staging, work=work) as writer:
             resumed_at = journal.done
-            report = run_pipeline(reader, config, plan, quantizer, writer,
-                                  calib.token_ids if needs_data else None, out_dtype,
-                                  propagate=c["propagate"], batch_size=int(c.get("batch_size", 8)),
-                                  extra_layer_passes=extra, progress=progress, journal=journal)
+            report = run_pipeline(reader, config, plan, quantizer, writer, calib_ids, out_dtype,
+                                  progress=progress, journal=journal, **pipeline_args)
             journal.close()
             writer.copy_files(folder, TOKENIZER_FILES)
             source_hashes = {f.name: sha256_file(f) for f in shards}
@@ -352,9 +417,12 @@ def _quantize_into(model: str, out: Path, staging: Path, rec: dict[str, Any], ov
                 "calibration": {**calib.describe(), "used": needs_data},
                 "quantization_config_format": plan.format(),
                 "layers": report.layers,
+                "layer_seconds": report.layer_seconds,
                 "warnings": report.warnings + _loader_notes(plan),
                 "peak_rss_bytes": report.peak_rss_bytes,
                 "baseline_rss_bytes": baseline_rss,
+                "device": str(device), "activations_offloaded": move_out,
+                "data_parallel": {"world_size": group.world_size, "backend": group.backend},
                 "wall_s": round(time.time() - t0, 2),
                 "resumed_from_layer": resumed_at,
             }

@@ -107,10 +107,8 @@ def test_resume_with_other_settings_starts_over(inputs, tmp_path: Path) -> None:
     class Writer:
         tmp, weight_map, total_bytes = work, {}, 0
 
-    class Report:
-        layers: dict = {}
-        warnings: list = []
+    from lmfoundry.calibration.pipeline import PipelineReport
 
-    journal.record(2, Writer, Report, None)
+    journal.record(2, Writer, PipelineReport(), None)
     assert LayerJournal.open(work, run_key({"seed": 1})).done == 2
     assert LayerJournal.open(work, run_key({"seed": 2})).done == 0
