@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "lmfoundry.commands.inspect:inspect_cmd",
     "eval": "lmfoundry.commands.eval:eval_group",
     "eval-gate": "lmfoundry.commands.eval_gate:eval_gate",
+    "export": "lmfoundry.commands.export:export_cmd",
     "compile": "lmfoundry.commands.compile:compile_cmd",
     "serve": "lmfoundry.commands.serve:serve",
     "bench": "lmfoundry.commands.bench:bench",

@@ -1,0 +1,137 @@
+"""`lmfoundry export --format gguf`: our codes land in ggml blocks unchanged (checked against the
+`gguf` package's own dequantizer, which is ggml's reference), and transformers' GGUF loader, a
+reader that is not ours, computes the same logits as our runtime on the checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_model_folder
+
+from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.errors import UserError
+from lmfoundry.gguf_export import export_gguf, rope_interleave_rows
+from lmfoundry.recipe import apply_overrides, load_recipe
+
+VOCAB = 49152  # the shipped model's BPE tokenizer (a GGUF embeds a BPE vocabulary)
+
+
+def _bpe_model(path: Path, arch: str) -> Path:
+    from lmfoundry.models import resolve_model
+
+    # transformers' GGUF reader takes Qwen3's head_dim from its config default (128), not from
+    # the file's key_length (llama.cpp reads that): give the tiny Qwen3 that head_dim
+    extra = {"head_dim": 128} if arch == "qwen3" else {}
+    src = tiny_model_folder(path, arch, vocab_size=VOCAB, **extra)
+    smol = resolve_model("smollm2-135m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smol / name).is_file():
+            shutil.copy(smol / name, src / name)
+    return src
+
+
+def _quantize(src: Path, out: Path, **q) -> Path:
+    rec = load_recipe(None)
+    apply_overrides(rec, "quantize", method="rtn", **q)
+    run_quantize(str(src), out, rec, progress=False)
+    return out
+
+
+def _exact_dequant(qw) -> torch.Tensor:
+    """codes x scale (minus zero point) in float32 without any rounding in between."""
+    rows, cols = qw.q.shape
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:
+        t = t.float().reshape(rows, -1)
+        return t.repeat_interleave(cols // t.shape[1], dim=1)
+
+    q = qw.q.float()
+    if qw.zero_point is not None:
+        q = q - per_column(qw.zero_point)
+    return q * per_column(qw.scale)
+
+
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory) -> Path:
+    return _bpe_model(tmp_path_factory.mktemp("gguf") / "src", "llama")
+
+
+@pytest.mark.parametrize("q,kind", [({"scheme": "w4a16", "group_size": 32}, "Q4_0"),
+                                    ({"scheme": "w4a16", "group_size": 64}, "Q4_0"),
+                                    ({"scheme": "w8a16", "per_channel": True}, "Q8_0")])
+def test_codes_land_in_ggml_blocks_exactly(llama_src: Path, tmp_path: Path, q: dict, kind: str) -> None:
+    """With fp16 scales (`--dtype float16`) every dequantized GGUF weight equals our codes times
+    our scales bit for bit (q/k rows in llama.cpp's interleaved rope order)."""
+    import gguf
+
+    from lmfoundry.checkpoint import CheckpointReader, decode_linear
+    from lmfoundry.model.config import LAYER_LINEARS
+
+    ckpt = _quantize(llama_src, tmp_path / "q", dtype="float16", **q)
+    report = export_gguf(ckpt, tmp_path / "m.gguf", progress=False)
+    assert report.max_scale_rounding == 0.0 and report.types[kind] == 14
+    reader = CheckpointReader(ckpt)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    short = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i in range(2):
+        for local in LAYER_LINEARS:
+            name = f"model.layers.{i}.{local}"
+            t = tensors[f"blk.{i}.{short[local]}.weight"]
+            assert t.tensor_type.name == kind
+            ours = _exact_dequant(decode_linear(reader.prefixed(name), reader.plan.scheme_for(name)))
+            if local in ("self_attn.q_proj", "self_attn.k_proj"):
+                ours = rope_interleave_rows(ours, 4 if local.endswith("q_proj") else 2)
+            theirs = gguf.quants.dequantize(t.data, t.tensor_type)
+            assert np.array_equal(theirs, ours.numpy()), name
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                  pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_transformers_reads_the_gguf_like_our_runtime(tmp_path: Path, arch: str) -> None:
+    """transformers dequantizes the GGUF (undoing the q/k interleave) and its logits equal our
+    runtime's on the checkpoint: float32 throughout, scales rounded to fp16 on export (relative
+    2^-11), so logits agree to ~1e-3 of their range and the greedy token is the same. Qwen2 is
+    exported asymmetric (Q4_1), whose offset m = -(8 + z)·s is rounded to fp16 too: up to
+    16·s·2^-11 per weight, an eighth of the symmetric case's step precision, so 4x the bound."""
+    from transformers import AutoModelForCausalLM
+
+    from lmfoundry.runtime.loader import load_model
+
+    src = _bpe_model(tmp_path / "src", arch)
+    ckpt = _quantize(src, tmp_path / "q", scheme="w4a16", group_size=32, symmetric=(arch != "qwen2"))
+    export_gguf(ckpt, tmp_path / "g" / "m.gguf", progress=False)
+    ours, _ = load_model(str(ckpt))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "g"), gguf_file="m.gguf", dtype=torch.float32).eval()
+    ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(ids).float(), hf(ids).logits.float()
+    bound = (2e-3 if arch != "qwen2" else 8e-3) * float(a.abs().max())
+    assert float((a - b).abs().max()) <= bound, float((a - b).abs().max())
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_refuses_what_has_no_exact_gguf_form(llama_src: Path, tmp_path: Path) -> None:
+    cases = {
+        "act-order": ({"scheme": "w4a16", "group_size": 32, "actorder": "dynamic"}, "act-order"),
+        "w8a8": ({"scheme": "w8a8"}, "quantizes activations"),
+        "3-bit": ({"scheme": "w3a16", "group_size": 32}, "no exact GGUF block type"),
+        "int8 asym": ({"scheme": "w8a16", "per_channel": True, "symmetric": False}, "no exact GGUF block type"),
+    }
+    for label, (q, message) in cases.items():
+        method = "gptq" if "actorder" in q else ("smoothquant" if q["scheme"] == "w8a8" else "rtn")
+        rec = load_recipe(None)
+        apply_overrides(rec, "quantize", method=method, **q)
+        apply_overrides(rec, "calibration", source="tiny", num_samples=2, seq_len=16)
+        out = tmp_path / label.replace(" ", "-")
+        run_quantize(str(llama_src), out, rec, progress=False)
+        with pytest.raises(UserError, match=message):
+            export_gguf(out, tmp_path / f"{label}.gguf", progress=False)
+        assert not list(tmp_path.glob(f"*{label}.gguf*"))  # nothing half-written
+    with pytest.raises(UserError, match="not a quantized checkpoint"):
+        export_gguf(llama_src, tmp_path / "float.gguf", progress=False)
