@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lmfoundry.calibration.journal import LayerJournal
-from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, encode_linear
+from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, encode_linear, fuse_checkpoint_linears
 from lmfoundry.distributed import ranks
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
@@ -95,7 +95,16 @@ def layer_schemes(plan: QuantizationPlan, config: ModelConfig, layer_idx: int) -
 
 
 def check_plan(plan: QuantizationPlan, config: ModelConfig) -> None:
-    """Fail before any work if a group size does not divide a targeted linear's input dimension."""
+    """Fail before any work if a group size does not divide a targeted linear's input dimension,
+    or if a checkpoint that stores q/k/v and gate/up fused (Phi-3) would need one tensor per part
+    (per-tensor weight scales, dynamic act-order)."""
+    if config.checkpoint_fused:
+        for group in plan.groups:
+            w = group.scheme.weights
+            if w.strategy == "tensor" or w.actorder == "dynamic":
+                raise UserError(f"{config.model_type} stores q/k/v and gate/up fused, which holds one weight scale "
+                                f"per tensor and one g_idx: use per-channel or group weights without dynamic "
+                                f"act-order (got {w.describe()})")
     for local, (_, in_features) in config.linear_shapes.items():
         for i in range(config.num_layers):
             scheme = plan.scheme_for(f"model.layers.{i}.{local}")
@@ -269,7 +278,9 @@ def run_pipeline(
         layer_metrics.update(result.metrics)
         report.warnings += [f"layer {idx}: {w}" for w in result.warnings]
         if writer is not None:
-            writer.write_shard(_shard(idx + 1, config), _layer_tensors(layer, idx, result, schemes, out_dtype))
+            tensors = fuse_checkpoint_linears(_layer_tensors(layer, idx, result, schemes, out_dtype),
+                                              config.checkpoint_fused)
+            writer.write_shard(_shard(idx + 1, config), tensors)
         report.layers[f"model.layers.{idx}"] = layer_metrics
         report.layer_seconds[f"model.layers.{idx}"] = round(time.time() - t_layer, 3)
         del layer, result

@@ -165,6 +165,12 @@ class CheckpointReader:
         for f in self.files:
             for k in sorted(read_safetensors_header(f)):  # the order safe_open lists them in
                 self.index[k] = f
+        # fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) seen as their linears' parts
+        self.virtual: dict[str, tuple[str, int, int, int]] = _split_fused_names(self.index, self.config)
+        for name, (fused, *_rows) in self.virtual.items():
+            self.index[name] = self.index[fused]
+        for fused in {v[0] for v in self.virtual.values()}:
+            del self.index[fused]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -185,11 +191,100 @@ class CheckpointReader:
         out = {}
         for f, keys in by_file.items():
             with safe_open(str(f), "pt") as st:
+                fused: dict[str, torch.Tensor] = {}
                 for k in keys:
-                    out[k] = st.get_tensor(k)
+                    if k in self.virtual:
+                        source, start, end, rows = self.virtual[k]
+                        if source not in fused:
+                            fused[source] = st.get_tensor(source)
+                        out[k] = _fused_part(fused[source], k.rsplit(".", 1)[1], start, end, rows)
+                    else:
+                        out[k] = st.get_tensor(k)
         return out
 
     def prefixed(self, prefix: str) -> dict[str, torch.Tensor]:
         """All tensors under `prefix.` with the prefix stripped."""
         names = [k for k in self.index if k.startswith(prefix + ".")]
         return {k[len(prefix) + 1 :]: v for k, v in self.get(names).items()}
+
+
+# ------------------------------------------------------------------ fused checkpoint tensors
+# Leaves of a fused linear shared by all its parts rather than split by rows.
+_SHARED_LEAVES = ("weight_g_idx", "input_scale")
+
+
+def _split_fused_names(index: dict[str, Path], config: dict[str, Any]) -> dict[str, tuple[str, int, int, int]]:
+    """Virtual name -> (fused tensor name, first row, end row, rows of the fused linear) for every
+    tensor of a fused linear in a checkpoint whose architecture stores them fused."""
+    from lmfoundry.model.config import ModelConfig
+
+    try:
+        model = ModelConfig.from_dict(config)
+    except (UserError, KeyError, TypeError, ValueError):
+        return {}  # not a model we run: no splitting (the caller's own checks will say why)
+    fused_map = model.checkpoint_fused
+    if not fused_map:
+        return {}
+    shapes = model.linear_shapes
+    out: dict[str, tuple[str, int, int, int]] = {}
+    for name in index:
+        for fused, members in fused_map.items():
+            marker = f".{fused}."
+            if marker not in name:
+                continue
+            prefix, leaf = name.split(marker, 1)
+            rows = sum(shapes[m][0] for m in members)
+            start = 0
+            for m in members:
+                end = start + shapes[m][0]
+                out[f"{prefix}.{m}.{leaf}"] = (name, start, end, rows)
+                start = end
+    return out
+
+
+def _fused_part(t: torch.Tensor, leaf: str, start: int, end: int, rows: int) -> torch.Tensor:
+    """Rows [start, end) of one tensor of a fused linear (scales, codes, biases; zero points
+    packed 8 rows per int32 are sliced in packed rows)."""
+    if leaf in _SHARED_LEAVES or t.numel() == 1:
+        return t
+    if leaf == "weight_shape":
+        return torch.tensor([end - start, int(t[1])], dtype=t.dtype)
+    per = rows // t.shape[0] if t.shape[0] and rows % t.shape[0] == 0 else 0
+    if not per or start % per or end % per:
+        raise UserError(f"fused tensor {leaf} with {t.shape[0]} rows cannot be split at rows {start}:{end} of {rows}")
+    return t[start // per:end // per].clone()
+
+
+def fuse_checkpoint_linears(tensors: dict[str, torch.Tensor], fused_map: dict[str, tuple[str, ...]]
+                            ) -> dict[str, torch.Tensor]:
+    """Join the tensors of linears a checkpoint stores fused (`ModelConfig.checkpoint_fused`):
+    rows concatenated (zero points packed along rows too), shapes summed, and what the parts
+    share (g_idx, static input scales, per-tensor scales) kept once, refused if the parts differ."""
+    if not fused_map:
+        return tensors
+    out = dict(tensors)
+    for fused, members in fused_map.items():
+        groups: dict[tuple[str, str], list[str]] = {}
+        for name in tensors:
+            for m in members:
+                marker = f".{m}."
+                if marker in name:
+                    prefix, leaf = name.split(marker, 1)
+                    groups.setdefault((prefix, leaf), []).append(name)
+        for (prefix, leaf), names in groups.items():
+            parts = [f"{prefix}.{m}.{leaf}" for m in members]
+            if sorted(names) != sorted(parts):
+                raise UserError(f"{prefix}: {fused} is stored fused, but {leaf} exists for only "
+                                f"{', '.join(n.split('.')[-2] for n in names)}; give its linears one scheme")
+            values = [out.pop(n) for n in parts]
+            if leaf in _SHARED_LEAVES or all(v.numel() == 1 for v in values):
+                if any(not torch.equal(v, values[0]) for v in values[1:]):
+                    raise UserError(f"{prefix}.{fused}: its parts have different {leaf}; a fused checkpoint "
+                                    "holds one (use per-channel or group scales, and no dynamic act-order)")
+                joined = values[0]
+            elif leaf == "weight_shape":
+                joined = torch.tensor([sum(int(v[0]) for v in values), int(values[0][1])], dtype=values[0].dtype)
+            else:
+                joined = torch.cat(values, dim=0)
+            out[f"{prefix}.{fused}.{leaf}"] = joined
+    return out

@@ -1,8 +1,8 @@
 """The decoder configuration our execution code needs, read from a Hugging Face `config.json`.
 
-Llama-family decoders (Llama, Mistral, Qwen2, Qwen3 dense) differ only in a few switches (q/k/v
-bias, q/k RMSNorm, head_dim, rope scaling); this dataclass names them so the rest of the code never
-looks at `model_type`.
+Llama-family decoders (Llama, Mistral, Qwen2, Qwen3 dense, Phi-3) differ only in a few switches
+(q/k/v bias, q/k RMSNorm, head_dim, rope scaling, which linears the checkpoint stores fused); this
+dataclass names them so the rest of the code never looks at `model_type`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from lmfoundry.errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 # The linears of one decoder layer, in execution order, and the groups of them that read the same
 # input tensor, named by the fused module runtimes make of each group (vLLM's qkv_proj and
@@ -80,6 +80,8 @@ class ModelConfig:
                 f"unsupported architecture {archs} (model_type {model_type!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (dense Llama-family decoders)"
             )
+        if model_type == "phi3":
+            _check_phi3(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -107,6 +109,14 @@ class ModelConfig:
             eos_token_id=cfg.get("eos_token_id"),
             raw=dict(cfg),
         )
+
+    @property
+    def checkpoint_fused(self) -> dict[str, tuple[str, ...]]:
+        """Fused module name -> its linears, for checkpoints that store a group as one tensor
+        (Phi-3's qkv_proj and gate_up_proj). Everything in lmfoundry works on the separate
+        linears; `CheckpointReader` splits such tensors on read and `fuse_checkpoint_linears`
+        joins them on write, so vLLM and transformers find the names they expect."""
+        return dict(FUSED_LINEARS) if self.model_type == "phi3" else {}
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -155,3 +165,15 @@ class ModelConfig:
         hf_cfg = AutoConfig.for_model(**self.raw)
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu")
         return inv_freq.float(), float(scale)
+
+
+def _check_phi3(cfg: dict[str, Any]) -> None:
+    """Phi-3 variants whose attention is not the Llama one are refused by name rather than run
+    wrong: partial rotary (Phi-4-mini) and LongRoPE's length-switched factors (the 128k models)."""
+    factor = float(cfg.get("partial_rotary_factor", 1.0) or 1.0)
+    if factor != 1.0:
+        raise UserError(f"phi3 with partial_rotary_factor {factor} is not supported (rotary on the whole head only)")
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind not in (None, "default"):
+        raise UserError(f"phi3 with rope_scaling {kind!r} (the long-context variants) is not supported")
