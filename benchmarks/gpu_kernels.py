@@ -10,6 +10,15 @@ at a small row count (error bounds from `lmfoundry.kernels.checks`, poisoned out
 median time at each benchmark shape (`triton.testing.do_bench`), printed as achieved GB/s and
 TFLOP/s with their fraction of the measured ceilings.
 
+W4A16 on Llama-3-8B/70B layer shapes has its own section (`w4a16_llm_section`; `--only w4a16_llm`):
+M = 1/16/64 with the weights HBM-resident (rotating copies exceed the L2), the tiled kernel against
+dense bf16 `torch.matmul` (cuBLAS) and the compressed-tensors kernels it replaced.
+
+Paged decode has its own section (`decode_section`; `--only paged_decode` runs just it and the
+decode checks): batch 1/16/64 x 4096-token context, Llama-3-8B heads, bf16/int8/fp8 KV, with
+FlashDecoding (`paged_decode`), the unsplit kernel it replaced and torch SDPA on a dense bf16 copy
+of the same KV, each graph-timed and given as % of the copy bandwidth measured in the same run.
+
 `--engine` is the cross-version test of the cubin path: a bundle built on a CPU machine with
 Triton 3.7.1 is loaded here (whatever torch/Triton this machine has), must select its cubins for
 this arch, run every shipped specialization through the CUDA driver and pass the same checks,
@@ -157,12 +166,19 @@ def cases(cap: int, quick: bool) -> list[tuple[str, dict, dict, dict, list[int]]
         out.append(("w4a16_gemv", {"act": BF, "scale": BF}, w4, {"N": n, "K": k, "bits": 4}, [1, 4]))
         out.append(("w4a16_gemm", {"act": BF, "scale": BF}, w4, {"N": n, "K": k, "bits": 4}, [16, 256, 4096]))
     out.append(("w4a16_gemm", {"act": F16, "scale": F16}, w4a, {"N": 4096, "K": 4096, "bits": 4}, [256, 4096]))
+    # the tiled layout compile writes (the engine's W4A16 kernel); the rows above are its baseline
+    w4t = {"BITS": 4, "GROUP_SIZE": 64, "HAS_ZP": False, "HAS_BIAS": False}
+    for n, k in [(960, 576), (3072, 576), (576, 1536)] + big:
+        out.append(("w4a16_tiled", {"act": BF, "scale": BF}, w4t, {"N": n, "K": k, "bits": 4, "group": 64},
+                    [1, 4, 16, 64, 256, 4096]))
+    out.append(("w4a16_tiled", {"act": F16, "scale": F16}, {**w4t, "GROUP_SIZE": 128, "HAS_ZP": True},
+                {"N": 4096, "K": 4096, "bits": 4, "group": 128}, [1, 16, 256, 4096]))
     for n, k in [(960, 576)] + big:
-        out.append(("w8a8_gemm", {"a": "i8", "bscale": BF, "out": BF}, {**mm8, "ACC_INT": True}, {"N": n, "K": k},
-                    [16, 256, 4096]))
+        out.append(("w8a8_gemm", {"a": "i8", "bscale": BF, "out": BF, "acc": "i32"}, {**mm8, "ACC_INT": True},
+                    {"N": n, "K": k}, [1, 16, 64, 256, 4096]))
         if cap >= 89:
-            out.append(("fp8_gemm", {"a": "fp8e4nv", "bscale": BF, "out": BF}, {**mm8, "ACC_INT": False},
-                        {"N": n, "K": k}, [16, 256, 4096]))
+            out.append(("fp8_gemm", {"a": "fp8e4nv", "bscale": BF, "out": BF, "acc": "fp32"}, {**mm8, "ACC_INT": False},
+                        {"N": n, "K": k}, [1, 16, 64, 256, 4096]))
     for q in (0, 1) + ((2,) if cap >= 89 else ()):
         out.append(("rmsnorm_quant", {"act": BF, "out": {0: BF, 1: "i8", 2: "fp8e4nv"}[q]},
                     {"APPLY_NORM": True, "HAS_RESIDUAL": True, "QUANT": q, "STATIC_SCALE": False}, {"H": 4096}, [1, 4096]))
@@ -172,7 +188,11 @@ def cases(cap: int, quick: bool) -> list[tuple[str, dict, dict, dict, list[int]]
         out.append(("store_kv", {"act": BF, "kv": kv}, {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "PAGE": 16, "KV_QUANT": code},
                     {}, [1, 4096]))
         out.append(("paged_prefill", {"act": BF, "kv": kv}, {**attn, "KV_QUANT": code}, {"B": 4}, [512, 2048]))
-        out.append(("paged_decode", {"act": BF, "kv": kv}, {**attn, "KV_QUANT": code}, {}, [8, 64]))
+        # decode kernels are checked here and timed against each other in `decode_section`
+        out.append(("paged_decode_split", {"act": BF, "kv": kv}, {**attn, "KV_QUANT": code}, {"Hq": 32, "splits": 3}, []))
+        out.append(("paged_decode_split", {"act": BF, "kv": kv}, {**attn, "KV_QUANT": code}, {"Hq": 32}, []))
+        out.append(("paged_decode", {"act": BF, "kv": kv}, {**attn, "KV_QUANT": code}, {}, []))
+    out.append(("paged_decode_reduce", {"act": BF}, {"NUM_Q_HEADS": 32, "HEAD_DIM": 128}, {"Hkv": 8, "splits": 5}, []))
     return out
 
 
@@ -180,7 +200,7 @@ def bench_shape(kernel: str, shape: dict, rows: int) -> dict:
     s = dict(shape)
     if kernel == "paged_prefill":
         s.update({"ctx": rows, "q_len": rows})
-    elif kernel == "paged_decode":
+    elif kernel in ("paged_decode", "paged_decode_split", "paged_decode_reduce"):
         s.update({"B": rows, "ctx": 2048})
     else:
         s = examples.shape_for(kernel, s, rows)
@@ -188,7 +208,8 @@ def bench_shape(kernel: str, shape: dict, rows: int) -> dict:
 
 
 def check_rows(kernel: str) -> int:
-    return {"w4a16_gemv": 3, "paged_prefill": 80, "paged_decode": 3}.get(kernel, 37)
+    return {"w4a16_gemv": 3, "paged_prefill": 80, "paged_decode": 3, "paged_decode_split": 3,
+            "paged_decode_reduce": 3}.get(kernel, 37)
 
 
 def acc_unit(kernel: str, cap: int) -> float:
@@ -203,7 +224,7 @@ def run_all(args, cap: int, ceil: dict) -> list[dict]:
     rows_out = []
     failures = 0
     for kernel, types, sem, shape, rows_list in cases(cap, args.quick):
-        if args.only and kernel not in args.only:
+        if args.only and kernel not in args.only and not (kernel.startswith("paged_decode") and "paged_decode" in args.only):
             continue
         label = f"{kernel} {types} {sem} {shape}"
         try:
@@ -237,6 +258,241 @@ def run_all(args, cap: int, ceil: dict) -> list[dict]:
             Path(args.json).write_text(json.dumps({"ceilings": ceil, "rows": rows_out}, indent=1))
     print(f"{failures} check failures")
     return rows_out
+
+
+# ---- W4A16 on LLM layer shapes, weights HBM-resident: tiled kernel vs dense bf16 cuBLAS ----------
+
+# N x K of Llama-3-8B / 70B layers (8B: down 4096x14336, gate or up 14336x4096; 4096x28672 and
+# 70B's down 8192x28672 as the long-K cases), g128 symmetric bf16 as GPTQ checkpoints ship them.
+W4A16_LLM_SHAPES = [(4096, 14336), (14336, 4096), (4096, 28672), (8192, 28672)]
+W4A16_LLM_ROWS = (1, 16, 64)
+HBM_PASS_BYTES = 512 << 20  # weight bytes one timed pass reads, >= 4x the L2 too: DRAM, not L2, is timed
+
+
+def rotated_ms(fns: list) -> float:
+    """GPU ms per call when the callables run in turn, captured in one CUDA graph: with one weight
+    copy per callable and more copies than fit in L2, every call reads its weight from DRAM."""
+    for fn in fns:
+        fn()  # compile, allocate split-K counters, warm cuBLAS outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return bench(graph.replay) / len(fns)
+
+
+def w4a16_llm_section(args, cap: int, ceil: dict) -> list[dict]:
+    """The decode regime the tiled W4A16 kernel exists for: M = 1/16/64 tokens on 8B/70B layer
+    shapes, each of ours (`w4a16_tiled`, tile table of this arch), the compressed-tensors kernels it
+    replaced (`w4a16_gemv`/`w4a16_gemm`) and dense bf16 `torch.matmul` (cuBLAS) timed over rotating
+    weight copies that together exceed the L2 several times, so all three stream from HBM. Checked
+    first against the dequantize-then-matmul reference with `checks.exact_weight_bound`."""
+    from functools import partial
+
+    from lmfoundry.compile import tiles
+    from lmfoundry.kernels import checks, w4a16
+
+    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    need = max(HBM_PASS_BYTES, 4 * l2)
+    rows: list[dict] = []
+    print(f"W4A16 (g128 sym, bf16) vs dense bf16 on LLM shapes, HBM-resident (L2 {l2 >> 20} MiB, "
+          f">= {need >> 20} MiB of weights per timed pass)")
+    for n, k in W4A16_LLM_SHAPES:
+        gen = torch.Generator().manual_seed(n * 7 + k)
+        group = 128
+        packed = w4a16.PackedLinear(
+            w4a16.pack_codes(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32), 4, 1),
+            (torch.rand(n, k // group, generator=gen) * 0.02 + 0.002).bfloat16(), 4, group, k)
+        tiled = w4a16.repack_tiled(packed)
+        exact, offset, weight_u = w4a16.tiled_error_terms(tiled, torch.bfloat16)
+        tiled = tiled.to("cuda")
+        dense = packed.dequantize().to(torch.bfloat16).cuda()  # the same weights, dense
+        legacy = w4a16.PackedLinear(packed.weight_packed.cuda(), packed.weight_scale.cuda(), 4, group, k)
+        copies = lambda nbytes: max(2, -(-need // nbytes))  # noqa: E731
+        tiled_copies = [tiled] + [w4a16.TiledLinear(tiled.qweight.clone(), tiled.scale.clone(), 4, group, k, n)
+                                  for _ in range(copies(tiled.nbytes()) - 1)]
+        dense_copies = [dense] + [dense.clone() for _ in range(copies(dense.numel() * 2) - 1)]
+        legacy_bytes = legacy.weight_packed.numel() * 4 + legacy.weight_scale.numel() * 2
+        legacy_copies = [legacy] + [w4a16.PackedLinear(legacy.weight_packed.clone(), legacy.weight_scale.clone(), 4,
+                                                       group, k) for _ in range(copies(legacy_bytes) - 1)]
+        for m in W4A16_LLM_ROWS:
+            x = torch.randn(m, k, generator=gen).bfloat16().cuda()
+            out, dout, lout = (torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+            cfg = tiles.pick(cap, w4a16.make_tiled_call(x, tiled, out))
+            status = "ok"
+            try:
+                got = w4a16.w4a16_tiled_linear(x, tiled, out=checks.poisoned((m, n), torch.bfloat16, "cuda"),
+                                               executor=jit)
+                checks.assert_written(got, "w4a16_tiled")
+                ref = (x.float() @ dense.float().t()).bfloat16().cpu()
+                bound = checks.exact_weight_bound(ref, x.cpu(), exact, offset, torch.bfloat16, weight_u, 2.0**-22)
+                checks.assert_within(got.cpu(), ref, bound, f"w4a16_tiled {n}x{k} M={m}")
+            except Exception as exc:  # noqa: BLE001 - report, keep timing the others
+                status = f"FAIL {type(exc).__name__}: {str(exc)[:300]}"
+            ours = rotated_ms([partial(w4a16.w4a16_tiled_linear, x, t, out=out, executor=jit) for t in tiled_copies])
+            cublas = rotated_ms([partial(torch.matmul, x, w.t(), out=dout) for w in dense_copies])
+            before = rotated_ms([partial(w4a16.w4a16_linear, x, w, out=lout, executor=jit) for w in legacy_copies])
+            gbps = tiled.nbytes() / ours / 1e6
+            row = {"section": "w4a16_llm", "kernel": "w4a16_tiled", "shape": {"N": n, "K": k, "M": m, "group": group},
+                   "config": cfg.as_dict(), "ms": ours, "GBps": gbps, "pct_copy_bw": 100 * gbps / ceil["copy_GBps"],
+                   "dense_bf16_ms": cublas, "speedup_vs_dense": cublas / ours, "legacy_ms": before,
+                   "speedup_vs_legacy": before / ours, "weight_copies": len(tiled_copies), "check": status}
+            rows.append(row)
+            print(f"  [{status[:4]}] {n}x{k} M={m:<3} tiled {ours * 1e3:8.1f} us {gbps:6.0f} GB/s "
+                  f"({row['pct_copy_bw']:4.0f}% of copy) | dense bf16 {cublas * 1e3:8.1f} us "
+                  f"({cublas / ours:4.2f}x) | before {before * 1e3:8.1f} us ({before / ours:4.2f}x) "
+                  f"tiles {dict(cfg.constexprs)} w{cfg.num_warps} s{cfg.num_stages}", flush=True)
+            if status != "ok":
+                print(f"    {status}")
+        del tiled_copies, dense_copies, legacy_copies
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- paged decode: FlashDecoding vs the unsplit kernel vs torch SDPA -----------------------------
+# Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), blocks of 16, one decode token per
+# sequence over a 4096-token context; batch 64 is the serving case, 1 and 16 the latency cases.
+DECODE_BATCHES = (1, 16, 64)
+DECODE_CONTEXT = 4096
+DECODE_HEADS = {"Hq": 32, "Hkv": 8, "D": 128, "PAGE": 16}
+
+
+def decode_cases(cap: int, quick: bool) -> list[dict]:
+    """The section's shapes: bf16 queries over bf16, int8 and (sm_89+) fp8 KV caches."""
+    kvs = [BF, "i8"] + (["fp8e4nv"] if cap >= 89 else [])
+    if quick:
+        kvs = kvs[:1]
+    return [{"B": b, "ctx": DECODE_CONTEXT, **DECODE_HEADS, "act": BF, "kv": kv} for kv in kvs for b in DECODE_BATCHES]
+
+
+def decode_bytes(case: dict) -> dict[str, int]:
+    """Bytes each implementation must move at least once: every cached key and value of every
+    sequence (at the cache's width; SDPA reads a dense bf16 copy), the block table, q and out."""
+    width = {BF: 2, "i8": 1, "fp8e4nv": 1}
+    b, n, hq, hkv, d = case["B"], case["ctx"], case["Hq"], case["Hkv"], case["D"]
+    qo = 2 * b * hq * d * 2
+    kv = 2 * b * n * hkv * d
+    table = b * -(-n // case["PAGE"]) * 4 + b * 4
+    return {"paged": kv * width[case["kv"]] + table + qo, "sdpa": kv * 2 + qo}
+
+
+def decode_inputs(case: dict, seed: int = 0):
+    """Random cache (codes drawn directly in the storage dtype, scales > 0), shuffled block table,
+    queries; and the same keys/values dense [B, Hkv, ctx, D] in bf16 for SDPA."""
+    from lmfoundry.kernels.kv_cache import PagedKVCache, dequantize_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, n, hq, hkv, d, page = (case[k] for k in ("B", "ctx", "Hq", "Hkv", "D", "PAGE"))
+    pages = -(-n // page)
+    blocks = b * pages
+    kv_dt = examples.TORCH_DTYPE[case["kv"]]
+    shape = (blocks, page, hkv, d)
+
+    def codes() -> torch.Tensor:
+        x = torch.randn(shape, generator=gen, device="cuda")
+        if kv_dt == torch.int8:
+            return (x * 40).round().clamp(-127, 127).to(torch.int8)
+        if kv_dt == torch.float8_e4m3fn:
+            return (x * 40).clamp(-448, 448).to(kv_dt)
+        return x.to(kv_dt)
+
+    scale = (torch.rand(hkv, generator=gen, device="cuda") * 0.02 + 0.01) if kv_dt != torch.bfloat16 else None
+    cache = PagedKVCache(codes(), codes(), *(s if s is not None else torch.ones(hkv, device="cuda")
+                                            for s in (scale, scale)))
+    table = torch.randperm(blocks, generator=gen, device="cuda").to(torch.int32).view(b, pages)
+    ctx = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def dense(c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        x = dequantize_kv(c[table.long()].reshape(b, pages * page, hkv, d)[:, :n], s)
+        return x.to(torch.bfloat16).transpose(1, 2).contiguous()  # [B, Hkv, ctx, D]
+
+    return cache, table, ctx, q, dense(cache.key_cache, cache.k_scale), dense(cache.value_cache, cache.v_scale)
+
+
+def graph_ms(fn) -> float:
+    """GPU ms of one `fn()` by replaying GRAPH_REPEAT calls captured in one CUDA graph (so two
+    kernel launches are not charged Python dispatch); plain do_bench when capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_REPEAT):
+                fn()
+    except Exception as exc:  # noqa: BLE001 - report and time with dispatch instead
+        print(f"    (graph capture failed, timing with dispatch: {type(exc).__name__}: {str(exc)[:120]})")
+        torch.cuda.synchronize()
+        return bench(fn)
+    return bench(graph.replay) / GRAPH_REPEAT
+
+
+def decode_section(args, cap: int, ceil: dict) -> list[dict]:
+    """FlashDecoding (`paged_decode`: split + merge, GQA per program) against the unsplit kernel it
+    replaces and torch SDPA on a dense bf16 copy of the same KV, each as GB/s of the bytes it must
+    move and as % of the device-to-device copy bandwidth measured at the start of this run. The
+    first 4 sequences of every shape are checked against the reference (checks.attention_bound)."""
+    from lmfoundry.compile import tiles
+    from lmfoundry.kernels import checks, paged_attention
+
+    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    sms = paged_attention.device_sm_count(torch.device("cuda"))
+    copy = ceil["copy_GBps"]
+    print(f"paged decode, Hq {DECODE_HEADS['Hq']} / Hkv {DECODE_HEADS['Hkv']} / D {DECODE_HEADS['D']}, "
+          f"ctx {DECODE_CONTEXT}, {sms} SMs; copy {copy:.0f} GB/s", flush=True)
+    rows = []
+    for case in decode_cases(cap, args.quick):
+        cache, table, ctx, q, k_dense, v_dense = decode_inputs(case)
+        splits = paged_attention.decode_splits(case["B"], case["Hkv"], table.shape[1] * case["PAGE"], sms, case["PAGE"])
+        out_flash, out_old = torch.empty_like(q), torch.empty_like(q)
+        qd = q[:, :, None, :]  # [B, Hq, 1, D]
+        runs = {
+            "flash": lambda: paged_attention.paged_decode(q, cache, table, ctx, out=out_flash, executor=jit),
+            "unsplit": lambda: paged_attention.paged_decode_unsplit(q, cache, table, ctx, out=out_old, executor=jit),
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qd, k_dense, v_dense, enable_gqa=True),
+        }
+        nbytes = decode_bytes(case)
+        row: dict = {"section": "paged_decode", "shape": {k: case[k] for k in ("B", "ctx", "Hq", "Hkv", "D", "PAGE")},
+                     "kv": case["kv"], "splits": splits}
+        status = "ok"
+        try:
+            runs["flash"]()
+            runs["unsplit"]()
+            torch.cuda.synchronize()
+            n = min(4, case["B"])
+            sub = table[:n].cpu()
+            cpu_cache = type(cache)(*(t.cpu() for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)))
+            cu = torch.arange(n + 1, dtype=torch.int32)
+            sm = 1 / (case["D"] ** 0.5)
+            ref = paged_attention.reference(q[:n].cpu(), cpu_cache, sub, cu, ctx[:n].cpu(), sm)
+            for name, got, kw in (("flash", out_flash, {"p_split": True, "splits": splits}), ("unsplit", out_old, {})):
+                bound = checks.attention_bound(q[:n].cpu(), cpu_cache, sub, cu, ctx[:n].cpu(), ref, sm,
+                                               torch.bfloat16 if kw else torch.float32, **kw)
+                checks.assert_within(got[:n].cpu(), ref, bound, f"{name} decode")
+        except Exception as exc:  # noqa: BLE001 - a wrong result: report, keep timing the others
+            status = f"FAIL {type(exc).__name__}: {str(exc)[:300]}"
+        row["check"] = status
+        line = []
+        for name, fn in runs.items():
+            ms = graph_ms(fn)
+            moved = nbytes["sdpa" if name == "sdpa" else "paged"]
+            gbps = moved / ms / 1e6
+            row[name] = {"us": ms * 1e3, "GBps": gbps, "pct_copy_bw": 100 * gbps / copy}
+            line.append(f"{name} {ms * 1e3:8.1f} us {gbps:6.0f} GB/s ({100 * gbps / copy:4.1f}%)")
+        row["speedup_vs_unsplit"] = row["unsplit"]["us"] / row["flash"]["us"]
+        row["speedup_vs_sdpa"] = row["sdpa"]["us"] / row["flash"]["us"]
+        print(f"[check {status[:4]}] kv {case['kv']:8} B={case['B']:<3} splits {splits:<3} " + " | ".join(line)
+              + f" | x{row['speedup_vs_unsplit']:.2f} vs unsplit, x{row['speedup_vs_sdpa']:.2f} vs SDPA", flush=True)
+        if status != "ok":
+            print(f"    {status}")
+        rows.append(row)
+    return rows
 
 
 SWEEP = {
@@ -325,8 +581,10 @@ def verify_engine(path: str, cap: int) -> bool:
         lo, hi = cover["rows"]
         rows = min(hi, max(lo, check_rows(e["kernel"])))
         shape = bench_shape(e["kernel"], cover["shape"], rows)
-        if e["kernel"] in ("paged_prefill", "paged_decode"):
+        if e["kernel"] in ("paged_prefill", "paged_decode", "paged_decode_split", "paged_decode_reduce"):
             shape.update({"B": 2, "ctx": 80})
+        if e["kernel"] in ("paged_decode_split", "paged_decode_reduce"):
+            shape["splits"] = 3  # the partial-state path (a single split is the same code's other branch)
         try:
             ex = examples.build(e["kernel"], e["types"], e["semantics"], shape, "cuda")
             before = dict(ks.stats)
@@ -350,7 +608,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the 4096-wide shapes")
     parser.add_argument("--skip-kernels", action="store_true", help="only verify --engine")
     parser.add_argument("--json", help="write the timing rows here")
-    parser.add_argument("--only", type=lambda v: v.split(","), default=None, help="comma list of kernels to run")
+    parser.add_argument("--only", type=lambda v: v.split(","), default=None,
+                        help="comma list of kernels to run (w4a16_llm: the HBM-resident LLM-shape W4A16 section)")
     parser.add_argument("--sweep", action="store_true", help="time W4A16 tile candidates (writes --json.sweep)")
     parser.add_argument("--graph", action="store_true",
                         help="time kernels by CUDA-graph replay (GPU time only, no Python dispatch)")
@@ -376,6 +635,10 @@ def main() -> None:
         ceil = ceilings(cap)
         print("ceilings: " + ", ".join(f"{k} {v:.0f}" for k, v in ceil.items()))
         rows = run_all(args, cap, ceil)
+        if (not args.only and not args.quick) or "w4a16_llm" in (args.only or []):
+            rows += w4a16_llm_section(args, cap, ceil)
+        if not args.only or "paged_decode" in args.only:
+            rows += decode_section(args, cap, ceil)
         ok &= all(r["check"] == "ok" for r in rows)
         if args.json:
             Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -364,6 +364,7 @@ def _ops() -> dict[str, Callable[..., Any]]:
 
     return {
         "w4a16_linear": w4a16.w4a16_linear,
+        "w4a16_tiled_linear": w4a16.w4a16_tiled_linear,
         "w8a8_gemm": w8a8.w8a8_gemm,
         "w8a8_linear": w8a8.w8a8_linear,
         "fp8_gemm": fp8.fp8_gemm,

@@ -6,6 +6,10 @@ Decisions made here, and recorded in the bundle so the runtime does exactly what
     whole int32 rows per member; act-order g_idx and static input scales must be identical);
   - RMSNorm is fused with the activation quantization of the GEMM it feeds (W8A8 / FP8), and with
     the residual add of the decoder's skip path;
+  - W4A16/W8A16 GEMMs run `w4a16_tiled` on the tiled layout that compile/repack.py writes; an
+    act-order (g_idx) down_proj has its K permutation folded into the rows of gate/up when those are
+    W4A16 too (`mlp.down_proj.input_perm`: no activation gather at run time), other act-order GEMMs
+    gather their input once per call;
   - every kernel is specialized on dtypes, the semantic constexprs, and a tile config per row
     bucket from the arch tables; one specialization covers every model shape that shares them.
 """
@@ -150,6 +154,29 @@ def _concat_fusion(ck: Checkpoint, fused: str, members: tuple[str, ...]) -> Fusi
     return Fusion(fused, "concat_gemm", list(members), True, f"all {s.describe()}")
 
 
+ACT_ORDER_FOLD = "mlp.down_proj.input_perm"
+
+
+def _act_order_fold(ck: Checkpoint, fusions: dict[str, Fusion]) -> Fusion | None:
+    """Whether down_proj's act-order permutation goes into the rows of gate/up (None: down_proj is
+    not act-order). Its input is SiLU(gate) * up, element-wise per intermediate feature, so
+    permuting gate's and up's output rows identically permutes down_proj's input for free; the
+    tiled layout stores rows in any order, so gate/up must be W4A16 (any act-order of their own is
+    a permutation of their K, independent of their rows)."""
+    down = _layer_scheme(ck, "mlp.down_proj")
+    if down.kind != "w4a16" or not down.actorder:
+        return None
+    gate_up = FUSED_LINEARS["mlp.gate_up_proj"]
+    producers = ["mlp.gate_up_proj"] if fusions["mlp.gate_up_proj"].applied else list(gate_up)
+    members = [*producers, "mlp.down_proj"]
+    kinds = {_layer_scheme(ck, m).kind for m in gate_up}
+    if kinds != {"w4a16"}:
+        return Fusion(ACT_ORDER_FOLD, "act_order_fold", members, False,
+                      f"gate/up are {'/'.join(sorted(kinds))}, not W4A16: down_proj gathers its input at run time")
+    return Fusion(ACT_ORDER_FOLD, "act_order_fold", members, True,
+                  "gate/up rows stored in down_proj's act order: no activation gather")
+
+
 def _gemms(ck: Checkpoint, fusions: dict[str, Fusion]) -> list[Gemm]:
     cfg = ck.config
     out: list[Gemm] = []
@@ -260,7 +287,10 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
          {"NUM_KV_HEADS": hkv, "HEAD_DIM": d, "PAGE": block_size, "KV_QUANT": kv_quant},
          {"Hkv": hkv, "D": d, "k_stride": k_stride}, "self_attn.kv_cache"),
         ("paged_prefill", {"act": act, "kv": kv_type}, attn_sem, {"Hq": hq, "D": d, "q_stride": q_stride}, "self_attn.attn"),
-        ("paged_decode", {"act": act, "kv": kv_type}, attn_sem, {"Hq": hq, "D": d, "q_stride": q_stride}, "self_attn.attn"),
+        # decode is FlashDecoding: the split kernel (GQA group per program), then the LSE merge
+        ("paged_decode_split", {"act": act, "kv": kv_type}, attn_sem, {"Hq": hq, "Hkv": hkv, "D": d, "q_stride": q_stride},
+         "self_attn.attn"),
+        ("paged_decode_reduce", {"act": act}, {"NUM_Q_HEADS": hq, "HEAD_DIM": d}, {"Hq": hq, "D": d}, "self_attn.attn"),
     ]
 
     specs: dict[tuple, Spec] = {}
@@ -282,7 +312,9 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
         ints = [c.pop("_ints") for c in spec.covers]
         spec.aligned = [p.name for p in kd.params if p.aligned and not p.is_pointer
                         and all(isinstance(i.get(p.name), int) and i[p.name] % 16 == 0 for i in ints)]
-    return Plan(list(capabilities), ck.dtype, kv_type, block_size, list(fusions.values()) + norm_fusions, gemms,
+    fold = _act_order_fold(ck, fusions)
+    return Plan(list(capabilities), ck.dtype, kv_type, block_size,
+                list(fusions.values()) + norm_fusions + ([fold] if fold is not None else []), gemms,
                 list(specs.values()))
 
 
@@ -297,14 +329,14 @@ def _gemm_requests(g: Gemm, act: str) -> list[tuple[str, dict[str, str], dict[st
     s = g.scheme
     if s.kind == "dense":
         return []  # torch / cuBLAS
-    if s.kind == "w4a16":
+    if s.kind == "w4a16":  # the tiled layout: act-order is a K permutation there, not a kernel variant
         types = {"act": act, "scale": triton_type(g.scale_dtype)}
-        sem = {"BITS": s.bits, "GROUP_SIZE": s.group_size or 0, "HAS_ZP": not s.symmetric, "HAS_GIDX": s.actorder,
-               "HAS_BIAS": g.bias}
-        shape = {"N": g.n, "K": g.k, "bits": s.bits}
-        return [(k, types, sem, shape, g.name) for k in ("w4a16_gemv", "w4a16_gemm")]
+        sem = {"BITS": s.bits, "GROUP_SIZE": s.group_size or 0, "HAS_ZP": not s.symmetric, "HAS_BIAS": g.bias}
+        shape = {"N": g.n, "K": g.k, "bits": s.bits, "group": s.group_size or 0}
+        return [("w4a16_tiled", types, sem, shape, g.name)]
     kernel = "w8a8_gemm" if s.kind == "w8a8" else "fp8_gemm"
-    types = {"a": QUANT_TYPE[QUANT_OF_KIND[s.kind]], "bscale": triton_type(g.scale_dtype), "out": act}
+    types = {"a": QUANT_TYPE[QUANT_OF_KIND[s.kind]], "bscale": triton_type(g.scale_dtype), "out": act,
+             "acc": "i32" if s.kind == "w8a8" else "fp32"}  # split-K partials: exact int32 / fp32
     sem = {"A_PER_TOKEN": s.input_strategy == "token", "B_PER_CHANNEL": s.weight_strategy == "channel",
            "HAS_BIAS": g.bias, "ACC_INT": s.kind == "w8a8"}
     return [(kernel, types, sem, {"N": g.n, "K": g.k}, g.name)]

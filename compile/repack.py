@@ -1,10 +1,19 @@
-"""Write the checkpoint's tensors with the compile-time GEMM fusions applied (`--weights repack`).
+"""Write the checkpoint's tensors in the layout the engine's kernels read (`--weights repack`).
 
-q/k/v (and gate/up) tensors are concatenated along the output dimension into
-`...self_attn.qkv_proj.*` (`...mlp.gate_up_proj.*`), so the runtime loads one weight per fused GEMM.
-Concatenation is valid for every stored form because each is row-major in the output dim:
-packed weights (packed along K), scales, packed zero points (whole int32 rows per member — checked
-when the fusion was decided), and biases. Per-tensor scales are expanded to per-channel first.
+Two transformations, each defined once here and used both at compile time (written into the
+bundle) and at load time (a bundle whose weights were copied unchanged):
+  - fusion: q/k/v (and gate/up) tensors are concatenated along the output dimension into
+    `...self_attn.qkv_proj.*` (`...mlp.gate_up_proj.*`), so the runtime loads one weight per fused
+    GEMM. Concatenation is valid for every stored form because each is row-major in the output dim:
+    packed weights (packed along K), scales, packed zero points (whole int32 rows per member —
+    checked when the fusion was decided), and biases. Per-tensor scales are expanded to per-channel.
+  - tiling (`tile_layer`): every W4A16/W8A16 linear (fused or not) is rewritten into the tiled
+    layout of `lmfoundry.kernels.w4a16` (`*.tiled_weight`, `*.tiled_scale`, ...): panels of
+    fragment-ordered codes, scales and zero points N-contiguous per group, act-order resolved into a
+    K permutation. Where compile decided it (`plan.ACT_ORDER_FOLD`), down_proj's permutation is
+    applied to the output rows of gate/up, so its input arrives already permuted.
+`kernels.w4a16.unrepack_tiled` inverts the tiling exactly (tested), so a bundle keeps the
+checkpoint's information bit for bit.
 """
 
 from __future__ import annotations
@@ -15,8 +24,9 @@ from typing import Callable
 import torch
 
 from lmfoundry.compile.checkpoint import Checkpoint
-from lmfoundry.compile.plan import Plan
-from lmfoundry.model.config import FUSED_LINEARS
+from lmfoundry.compile.plan import ACT_ORDER_FOLD, Plan
+from lmfoundry.kernels.w4a16 import PackedLinear, act_order_perm, repack_tiled
+from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS
 
 _CONCAT = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "bias")
 _SHARED = ("weight_g_idx", "input_scale")  # identical across members when fused (checked)
@@ -52,31 +62,104 @@ def fuse_members(
     return out, consumed
 
 
+# (bits, group size (0: per channel), in_features) of a W4A16 linear; None for any other format
+TileFormat = tuple[int, int, int]
+GATE_UP = FUSED_LINEARS["mlp.gate_up_proj"]
+
+
+def tiled_linear_tensors(tensors: dict[str, torch.Tensor], fmt: TileFormat, out_perm: torch.Tensor | None = None,
+                         input_permuted: bool = False) -> dict[str, torch.Tensor]:
+    """The tiled tensors (suffix -> tensor) of one stored compressed-tensors linear."""
+    bits, group, k = fmt
+    w = PackedLinear(tensors["weight_packed"], tensors["weight_scale"], bits, group, k,
+                     tensors.get("weight_zero_point"), tensors.get("weight_g_idx"), tensors.get("bias"))
+    return repack_tiled(w, out_perm, input_permuted).to_tensors()
+
+
+def tile_layer(linears: dict[str, dict[str, torch.Tensor]], formats: dict[str, TileFormat | None],
+               fold_act_order: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """One decoder layer's linears (local name, fused or not -> suffix -> tensor) with every W4A16
+    linear in the tiled layout; other linears are returned unchanged. `fold_act_order`: down_proj's
+    act-order permutation goes into the rows of gate/up (`plan.ACT_ORDER_FOLD`)."""
+    perm = None
+    if fold_act_order:
+        down = linears["mlp.down_proj"]
+        if "tiled_perm" in down:  # already tiled (then gate/up are too, by the same call at compile time)
+            perm = down["tiled_perm"].long()
+        else:
+            _, group, _ = formats["mlp.down_proj"]  # type: ignore[misc]
+            perm = act_order_perm(down["weight_g_idx"], group).long()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for local, tensors in linears.items():
+        fmt = formats.get(local)
+        if fmt is None or "weight_packed" not in tensors:
+            out[local] = tensors
+            continue
+        rows = None
+        if perm is not None and local == "mlp.gate_up_proj":
+            rows = torch.cat([perm, perm + perm.numel()])  # gate rows, then up rows, both in down's K order
+        elif perm is not None and local in GATE_UP:
+            rows = perm
+        out[local] = tiled_linear_tensors(tensors, fmt, rows, input_permuted=perm is not None and local == "mlp.down_proj")
+    return out
+
+
 def repack(ck: Checkpoint, plan: Plan, dest: Path) -> dict[str, list[str]]:
-    """Write all tensors (fused where planned) to `dest`; returns fused name -> member names."""
+    """Write all tensors (fused where planned, W4A16 tiled) to `dest`; returns fused name -> member names."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     applied = {f.name for f in plan.fusions if f.kind == "concat_gemm" and f.applied}
+    fold = any(f.name == ACT_ORDER_FOLD and f.applied for f in plan.fusions)
     handles = {name: safe_open(ck.path / name, framework="pt") for name in set(ck.tensor_files.values())}
 
     def get(name: str) -> torch.Tensor:
         return handles[ck.tensor_files[name]].get_tensor(name)
 
+    def fmt_of(full: str) -> TileFormat | None:
+        s = ck.schemes.get(full)
+        if s is None or s.kind != "w4a16":
+            return None
+        return s.bits, s.group_size or 0, ck.shape_of(full)[1]  # type: ignore[return-value]
+
+    def stored(prefix: str) -> dict[str, torch.Tensor]:
+        return {n[len(prefix) + 1:]: get(n) for n in ck.tensors if n.startswith(prefix + ".")}
+
     out: dict[str, torch.Tensor] = {}
     consumed: set[str] = set()
     fused_record: dict[str, list[str]] = {}
     for i in range(ck.config.num_layers):
-        for fused in applied:
-            members = [f"model.layers.{i}.{m}" for m in FUSED_LINEARS[fused]]
-            target = f"model.layers.{i}.{fused}"
-            fused_record[target] = members
-            rows = [ck.shape_of(m)[0] for m in members]
-            tensors, used = fuse_members(members, rows, get, lambda n: n in ck.tensors)
-            out.update({f"{target}.{suffix}": t for suffix, t in tensors.items()})
-            consumed.update(used)
+        pre = f"model.layers.{i}"
+        linears: dict[str, dict[str, torch.Tensor]] = {}
+        formats: dict[str, TileFormat | None] = {}
+        for local in FUSED_LINEARS:
+            members = [f"{pre}.{m}" for m in FUSED_LINEARS[local]]
+            if local in applied:
+                fused_record[f"{pre}.{local}"] = members
+                rows = [ck.shape_of(m)[0] for m in members]
+                linears[local], used = fuse_members(members, rows, get, lambda n: n in ck.tensors)
+                consumed.update(used)
+                formats[local] = fmt_of(members[0])
+        for local in LAYER_LINEARS:
+            if any(local in FUSED_LINEARS[f] for f in applied):
+                continue
+            linears[local] = stored(f"{pre}.{local}")
+            formats[local] = fmt_of(f"{pre}.{local}")
+        for local, tensors in tile_layer(linears, formats, fold).items():
+            if formats.get(local) is None:
+                continue  # not W4A16: written below as stored (or as fused above)
+            consumed.update(f"{pre}.{local}.{suffix}" for suffix in linears[local])
+            out.update({f"{pre}.{local}.{suffix}": t for suffix, t in tensors.items()})
+        for local in applied:
+            if formats.get(local) is None:
+                out.update({f"{pre}.{local}.{suffix}": t for suffix, t in linears[local].items()})
+    head = fmt_of("lm_head")
+    if head is not None and "lm_head.weight_packed" in ck.tensors:
+        head_tensors = stored("lm_head")
+        consumed.update(f"lm_head.{suffix}" for suffix in head_tensors)
+        out.update({f"lm_head.{suffix}": t for suffix, t in tiled_linear_tensors(head_tensors, head).items()})
     for name in ck.tensors:
         if name not in consumed:
             out[name] = get(name).contiguous()
-    save_file(out, str(dest), metadata={"format": "pt", "lmfoundry_repacked": "1"})
+    save_file(out, str(dest), metadata={"format": "pt", "lmfoundry_repacked": "1", "lmfoundry_tiled": "1"})
     return fused_record

@@ -8,13 +8,20 @@ entry by measurement when a GPU of that arch is present.
 
 A GEMM table is a list of (max_rows, config) buckets, ascending; rows above the last bound use the
 last entry. Kernels without a row dimension use their shape-derived default, with per-arch warps.
+
+The tiled W4A16 kernel (`w4a16_tiled`) computes out^T = W x^T: its BLOCK_N (weight rows, <= 128)
+is the MMA's M side, so on Hopper BLOCK_N >= 64 with 4 warps gives wgmma even for BLOCK_M = 16.
+Its SPLIT_K (and that of the INT8/FP8 `scaled_mm` GEMMs) is not in the table: for buckets of at
+most `SPLIT_MAX_M` rows it is chosen per shape (`_split_k`) so that n-tiles x splits fill the arch's
+SMs (`lmfoundry.gpus.SM_COUNT`) — at decode a 4096-wide layer has only 32 tiles of 128 rows for
+132 SMs.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
-from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_NAME  # noqa: F401  (compile/plan.py reads them as tiles.*)
+from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_COUNT, SM_NAME  # noqa: F401  (compile/plan.py reads them as tiles.*)
 from lmfoundry.kernels import registry, w4a16
 from lmfoundry.kernels.spec import KernelCall, TileConfig, next_pow2
 
@@ -26,6 +33,12 @@ def cfg(bm: int | None, bn: int, bk: int, warps: int, stages: int) -> TileConfig
     if bm is not None:
         kw["BLOCK_M"] = bm
     return TileConfig.make(num_warps=warps, num_stages=stages, **kw)
+
+
+def mm_cfg(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = False) -> TileConfig:
+    """A `scaled_mm` (W8A8 / FP8) entry; SPLIT_K 1 here, sized per shape by `buckets`."""
+    return TileConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1,
+                           SWAP_AB=int(swap))
 
 
 # kernel -> arch -> [(max_rows, config)]
@@ -44,16 +57,81 @@ GEMM_TABLES: dict[str, dict[int, list[tuple[int, TileConfig]]]] = {
         # H200, graph-timed sweep: 8x256 4.1 us at 3072x576, 14.2 us at 4096x4096 (8x512: 4.3 / 13.7)
         90: [(1, cfg(1, 8, 256, 4, 2)), (UNBOUNDED, cfg(4, 8, 256, 4, 2))],
     },
+    # INT8 / FP8 (`scaled_mm`): up to 16 tokens a 16-row tile (Hopper: SWAP_AB, the weight's 128 rows
+    # are the wgmma M side); up to SPLIT_MAX_M rows SPLIT_K is sized per shape like W4A16's.
     "w8a8_gemm": {
-        80: [(32, cfg(32, 64, 128, 4, 3)), (128, cfg(64, 128, 128, 4, 3)), (UNBOUNDED, cfg(128, 128, 128, 8, 3))],
-        89: [(32, cfg(32, 64, 128, 4, 2)), (128, cfg(64, 128, 128, 4, 2)), (UNBOUNDED, cfg(128, 64, 128, 4, 3))],
-        90: [(128, cfg(64, 128, 128, 4, 3)), (UNBOUNDED, cfg(128, 128, 128, 8, 3))],
+        80: [(16, mm_cfg(16, 64, 128, 4, 4)), (32, mm_cfg(32, 64, 128, 4, 3)), (64, mm_cfg(64, 128, 128, 4, 3)),
+             (128, mm_cfg(64, 128, 128, 4, 3)), (UNBOUNDED, mm_cfg(128, 128, 128, 8, 3))],
+        89: [(16, mm_cfg(16, 64, 128, 4, 3)), (32, mm_cfg(32, 64, 128, 4, 2)), (64, mm_cfg(64, 128, 128, 4, 2)),
+             (128, mm_cfg(64, 128, 128, 4, 2)), (UNBOUNDED, mm_cfg(128, 64, 128, 4, 3))],
+        90: [(16, mm_cfg(16, 128, 128, 4, 4, swap=True)), (64, mm_cfg(64, 128, 128, 4, 3)),
+             (128, mm_cfg(64, 128, 128, 4, 3)), (UNBOUNDED, mm_cfg(128, 128, 128, 8, 3))],
     },
     "fp8_gemm": {
-        89: [(32, cfg(32, 64, 128, 4, 2)), (128, cfg(64, 128, 128, 4, 2)), (UNBOUNDED, cfg(128, 64, 128, 4, 3))],
-        90: [(128, cfg(64, 128, 128, 4, 3)), (UNBOUNDED, cfg(128, 128, 128, 8, 3))],
+        89: [(16, mm_cfg(16, 64, 128, 4, 3)), (32, mm_cfg(32, 64, 128, 4, 2)), (64, mm_cfg(64, 128, 128, 4, 2)),
+             (128, mm_cfg(64, 128, 128, 4, 2)), (UNBOUNDED, mm_cfg(128, 64, 128, 4, 3))],
+        90: [(16, mm_cfg(16, 128, 128, 4, 4, swap=True)), (64, mm_cfg(64, 128, 128, 4, 3)),
+             (128, mm_cfg(64, 128, 128, 4, 3)), (UNBOUNDED, mm_cfg(128, 128, 128, 8, 3))],
     },
 }
+
+def tiled_cfg(bm: int, bn: int, warps: int, stages: int) -> TileConfig:
+    """A `w4a16_tiled` entry; SPLIT_K 1 here, sized per shape by `buckets`."""
+    return TileConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1)
+
+
+# A stage holds one weight panel (BLOCK_N x 16 words: 8 KiB at 128 rows) and the x slices of its
+# planes (BLOCK_M x 128 k x 2 bytes): 8 KiB at BLOCK_M 16, 40 KiB at 128 rows by 128 tokens. Small M
+# is memory-bound: deep pipelines (4 stages) and split-K; large M takes 128x128 tiles. Register
+# counts (cuobjdump -res-usage, Triton 3.7, sm_90a): 116-130 at BLOCK_M 16-64, 216-255 at 128x128
+# with 8 warps, no spills. Untimed: no GPU was available when these were set (`--tune` measures).
+GEMM_TABLES["w4a16_tiled"] = {
+    80: [(16, tiled_cfg(16, 64, 4, 4)), (32, tiled_cfg(32, 64, 4, 4)), (64, tiled_cfg(64, 64, 4, 4)),
+         (256, tiled_cfg(64, 64, 4, 3)), (UNBOUNDED, tiled_cfg(128, 128, 8, 3))],
+    # 100 KiB of shared memory: fewer stages
+    89: [(16, tiled_cfg(16, 64, 4, 3)), (32, tiled_cfg(32, 64, 4, 3)), (64, tiled_cfg(64, 64, 4, 3)),
+         (256, tiled_cfg(64, 64, 4, 2)), (UNBOUNDED, tiled_cfg(128, 128, 8, 2))],
+    90: [(16, tiled_cfg(16, 128, 4, 4)), (32, tiled_cfg(32, 128, 4, 4)), (64, tiled_cfg(64, 64, 4, 4)),
+         (256, tiled_cfg(64, 64, 4, 4)), (UNBOUNDED, tiled_cfg(128, 128, 8, 3))],
+}
+
+MAX_SPLIT_K = 16
+SPLIT_MAX_M = w4a16.SPLIT_MAX_M  # = kernels.splitk.SPLIT_MAX_M: rows up to which ops pass a split-K workspace
+
+
+def _split_k(capability: int, n: int, k_iters: int, config: TileConfig, max_rows: int) -> int:
+    """SPLIT_K for a GEMM bucket of at most `max_rows` rows whose K loop has `k_iters` iterations:
+    the split minimizing waves x (iterations per split + 2), the +2 standing for pipeline fill and
+    the epilogue, plus a quarter iteration per serial partial-sum hand-over. One wave of
+    tiles x splits programs fills the arch's SMs once. 1 above SPLIT_MAX_M rows (no workspace)."""
+    if max_rows > SPLIT_MAX_M:
+        return 1
+    sms = SM_COUNT.get(table_arch(capability), 0)
+    if not sms:
+        return 1
+    tiles = -(-max_rows // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
+    best, best_cost = 1, float("inf")
+    for s in range(1, min(MAX_SPLIT_K, k_iters) + 1):
+        cost = -(-tiles * s // sms) * (-(-k_iters // s) + 2) + 0.25 * (s - 1)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def _fit_split(capability: int, kernel: str, config: TileConfig, shape: Mapping[str, int], max_rows: int
+               ) -> TileConfig:
+    """A split-K kernel's table entry with SPLIT_K sized for this shape and bucket. K iterations:
+    panels (or groups, when longer) for `w4a16_tiled`, BLOCK_K tiles for `scaled_mm`."""
+    d = dict(config.constexprs)
+    if kernel == "w4a16_tiled":
+        unit = max(w4a16.panel_k(shape["bits"]), shape.get("group", 0))
+    else:
+        d["BLOCK_N"] = max(16, min(d["BLOCK_N"], next_pow2(shape["N"])))
+        unit = d["BLOCK_K"]
+        config = TileConfig.make(num_warps=config.num_warps, num_stages=config.num_stages, **d)
+    d["SPLIT_K"] = _split_k(capability, shape["N"], -(-shape["K"] // unit), config, max_rows)
+    return TileConfig.make(num_warps=config.num_warps, num_stages=config.num_stages, **d)
+
 
 ATTENTION_TABLE: dict[str, dict[int, TileConfig]] = {
     "paged_prefill": {
@@ -66,7 +144,27 @@ ATTENTION_TABLE: dict[str, dict[int, TileConfig]] = {
         89: TileConfig.make(num_warps=4, num_stages=2, BLOCK_N=64),
         90: TileConfig.make(num_warps=4, num_stages=2, BLOCK_N=64),
     },
+    # FlashDecoding: the tiles (BLOCK_G query heads per KV head, BLOCK_N keys, 32 for head_dim 256)
+    # come from the shape (`paged_attention._split_default`); per arch only warps and stages. Two
+    # stages of K and V tiles (cp.async, 40 KiB at head_dim 128) fit every arch's shared memory
+    # several times over, so occupancy, not shared memory, limits the programs per SM.
+    "paged_decode_split": {
+        80: TileConfig.make(num_warps=4, num_stages=2),
+        89: TileConfig.make(num_warps=4, num_stages=2),
+        90: TileConfig.make(num_warps=4, num_stages=2),
+    },
+    "paged_decode_reduce": {
+        80: TileConfig.make(num_warps=4, num_stages=1),
+        89: TileConfig.make(num_warps=4, num_stages=1),
+        90: TileConfig.make(num_warps=4, num_stages=1),
+    },
 }
+
+# SMs of the arch's reference product, one table for every tile choice (`lmfoundry.gpus.SM_COUNT`:
+# A100, L40S, H100/H200 SXM), for choosing FlashDecoding splits where no device can be asked (a
+# bundle run through the CPU interpreter); on a GPU the device's own count is used
+# (`paged_attention.device_sm_count`).
+NOMINAL_SM_COUNT: dict[int, int] = SM_COUNT
 
 
 # Rows each kernel is ever called with (the W4A16 op sends M <= GEMV_MAX_M to the GEMV).
@@ -83,6 +181,11 @@ def table_arch(capability: int) -> int:
     if capability == 89:
         return 89
     return 90 if capability >= 90 else 80
+
+
+def nominal_sm_count(capability: int) -> int:
+    """SM count of the reference product of the table a capability uses (see NOMINAL_SM_COUNT)."""
+    return NOMINAL_SM_COUNT[table_arch(capability)]
 
 
 def _fit(config: TileConfig, shape: Mapping[str, int]) -> TileConfig:
@@ -106,7 +209,9 @@ def buckets(capability: int, kernel: str, shape: Mapping[str, int]) -> list[tupl
         for hi, config in table:
             a, b = max(lo, first), min(hi, last)
             if a <= b:
-                out.append((a, b, _fit(config, shape)))
+                fitted = (_fit_split(capability, kernel, config, shape, b) if "SPLIT_K" in dict(config.constexprs)
+                          else _fit(config, shape))
+                out.append((a, b, fitted))
             lo = hi + 1
         return out
     base = kd.default_config(shape)

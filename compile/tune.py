@@ -15,6 +15,8 @@ CANDIDATES = {
     "BLOCK_M": (16, 32, 64, 128),
     "BLOCK_N": (64, 128, 256),
     "BLOCK_K": (32, 64, 128),
+    "SPLIT_K": (1, 2, 4, 8),  # only taken at rows <= kernels.splitk.SPLIT_MAX_M (above, the kernels ignore it)
+    "SWAP_AB": (0, 1),  # scaled_mm
     "num_warps": (4, 8),
     "num_stages": (2, 3, 4),
 }
@@ -65,6 +67,8 @@ def _candidates(base, kernel: str):
     for values in product(*(CANDIDATES[n] for n in names), CANDIDATES["num_warps"], CANDIDATES["num_stages"]):
         d = dict(zip(names, values[: len(names)]))
         if kernel == "w4a16_gemm" and d.get("BLOCK_M", 64) < 16:
+            continue
+        if kernel == "w4a16_tiled" and d["BLOCK_N"] > 128:  # a tile must lie inside a 128-row panel
             continue
         yield TileConfig.make(num_warps=values[-2], num_stages=values[-1], **d)
 

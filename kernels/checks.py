@@ -112,6 +112,9 @@ def attention_bound(
     ref: torch.Tensor,
     sm_scale: float,
     p_dtype: torch.dtype,
+    *,
+    p_split: bool = False,
+    splits: int = 1,
 ) -> torch.Tensor:
     """Per (token, head, dim) bound on |kernel - reference| for causal paged attention.
 
@@ -119,6 +122,16 @@ def attention_bound(
     scaled), fp32 exp and scale roundings, and P rounded to `p_dtype` for the PV product. A weighted
     mean with weights perturbed by ≤ ε moves by ≤ 2ε/(1-ε)·max|v|; the PV and normaliser sums add
     γ_N·max|v|; each side rounds the output once.
+
+    FlashDecoding (`paged_attention.paged_decode`) changes three terms:
+      - `p_split`: P enters the PV product as hi + lo in `p_dtype`, relative error u² instead of u;
+        where P is subnormal in `p_dtype` (fp16) each weight is also off by up to the subnormal
+        spacing σ, against a normaliser ≥ P_SCALE: n·σ/P_SCALE·max|v| more;
+      - the online rescaling by exp2(m_old - m_new) once per key tile: its argument roundings
+        telescope to u32·2·max|score|, each exp2 adds ≤ 4·u32 (ex2.approx: 2^-22.5): at most one
+        tile per 16 keys, n/4·u32 in ε;
+      - `splits` > 1: the merge weighs each split's state by one more exp2 (the same two terms,
+        once) and sums `splits` more terms (γ_{N+S}).
     """
     from lmfoundry.kernels.kv_cache import dequantize_kv
 
@@ -128,10 +141,11 @@ def attention_bound(
     key_cache, value_cache = cache.key_cache.cpu(), cache.value_cache.cpu()
     k_scale, v_scale = cache.k_scale.cpu(), cache.v_scale.cpu()
     bound = torch.zeros(ref.shape, dtype=torch.float64)
-    u_p = unit_roundoff(p_dtype)
+    u_p = unit_roundoff(p_dtype) ** 2 if p_split else unit_roundoff(p_dtype)
+    sub = torch.finfo(p_dtype).smallest_normal * torch.finfo(p_dtype).eps if p_split else 0.0  # subnormal spacing
     for b in range(len(ctx_lens)):
         start, stop, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(ctx_lens[b])
-        if stop == start:
+        if stop == start or n == 0:  # no keys: the output is exactly 0 on both sides
             continue
         blocks = block_table[b, : -(-n // page)].long()
         k = dequantize_kv(key_cache[blocks].reshape(-1, hkv, d)[:n], k_scale).double()
@@ -141,7 +155,50 @@ def attention_bound(
         abs_scores = torch.einsum("qhd,khd->hqk", q[start:stop].double().abs(), k.abs()) * sm_scale
         delta = (2 * gamma(d + 4) + 8 * U32) * abs_scores.amax(-1)  # [h, q]
         eps = u_p + delta + 16 * U32
+        chain = n + 2
+        if p_split:
+            eps = eps + n / 4 * U32 + (2 * U32 * abs_scores.amax(-1) + 4 * U32) * (2 if splits > 1 else 1)
+            chain += splits
         vmax = v.abs().amax(0)  # [h, d]
-        per = (2 * eps / (1 - eps) + 2 * gamma(n + 2))[..., None] * vmax[:, None, :]
+        per = (2 * eps / (1 - eps) + 2 * gamma(chain))[..., None] * vmax[:, None, :]
+        if p_split:
+            from lmfoundry.kernels.paged_attention import P_SCALE
+
+            per = per + 2 * n * sub / P_SCALE * vmax[:, None, :]
         bound[start:stop] = per.permute(1, 0, 2)
     return bound + 2 * unit_roundoff(ref.dtype) * ref.double().abs() + 2 * torch.finfo(ref.dtype).tiny
+
+
+def exact_weight_bound(
+    ref: torch.Tensor,
+    x: torch.Tensor,
+    w_exact: torch.Tensor,
+    offset_abs: torch.Tensor,
+    out_dtype: torch.dtype,
+    weight_u: float,
+    acc_u: float = U32,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bound on |kernel - reference| for a weight-only GEMM whose kernel multiplies exact integer
+    weights (q - z) and applies the scale s to fp32 partial sums, against a reference that first
+    rounds each dequantized weight (q - z) * s to the scale dtype and the activation dtype.
+
+    Reference: |w_ref - w| <= weight_u |w| per weight (weight_u = u_s + u_a + u_s u_a), then an fp32
+    sum of K products (gamma_{K+2}) and one rounding to the output. Kernel: each weight enters as
+    an exact code plus a constant offset B that a second fp32 sum (of x) cancels, per group,
+    (bf16: sum x (B + q) - (B + z) sum x), so its terms carry |x| (|w| + 2 |s| (B + 2^b)) =
+    |x| (|w| + 2 offset_abs); every term passes through at most K + 32 fp32 roundings (group sum,
+    three epilogue operations, the sums over groups and over at most 16 splits), and one rounding
+    to the output. `x` [M, K] and `w_exact` [N, K] = (q - z) s, `offset_abs` [N, K] = |s| (B + 2^b)
+    (zero where no offset is cancelled), all in the kernel's column order; `acc_u` as in `dot_bound`.
+    """
+    k = x.shape[-1]
+    xa = x.double().abs()
+    mag = xa @ w_exact.double().abs().t()
+    if bias is not None:
+        mag = mag + bias.double().abs()
+    offs = xa @ offset_abs.double().t()
+    u_out = unit_roundoff(out_dtype)
+    ref_side = weight_u * mag + gamma(k + 2, acc_u) * (1 + weight_u) * mag
+    kernel_side = gamma(k + 32, acc_u) * (mag + 2 * offs)
+    return 2 * u_out * ref.double().abs() + ref_side + kernel_side + 2 * torch.finfo(out_dtype).tiny

@@ -86,6 +86,34 @@ def _w4a16(kernel, types, sem, shape, device, gen) -> Example:
     return Example(call, ("out_ptr",), _nbytes(x, w.weight_packed, scale, zp, gidx, bias, out), 2 * m * n * k, check)
 
 
+def _w4a16_tiled(kernel, types, sem, shape, device, gen) -> Example:
+    """The tiled-layout GEMM on a random compressed-tensors weight repacked as compile does (no
+    act-order: it permutes x before the kernel, which the kernel never sees)."""
+    m, n, k, bits = shape["M"], shape["N"], shape["K"], sem["BITS"]
+    act, sdt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["scale"]]
+    group = sem["GROUP_SIZE"]
+    groups = 1 if group == 0 else k // group
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.int32)
+    scale = (torch.rand(n, groups, generator=gen) * 0.02 + 0.002).to(sdt)
+    zp = w4a16.pack_codes(torch.randint(0, 1 << bits, (n, groups), generator=gen, dtype=torch.int32), bits, 0) \
+        if sem["HAS_ZP"] else None
+    bias = torch.randn(n, generator=gen).to(act) if sem["HAS_BIAS"] else None
+    tiled = w4a16.repack_tiled(w4a16.PackedLinear(w4a16.pack_codes(q, bits, 1), scale, bits, group, k, zp, None, bias))
+    x = torch.randn(m, k, generator=gen).to(act)
+    out = checks.poisoned((m, n), act, device)
+    call = w4a16.make_tiled_call(x.to(device), tiled.to(device), out)
+
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        exact, offset, weight_u = w4a16.tiled_error_terms(tiled, act)
+        out_ref = ref.args["out_ptr"].cpu()
+        checks.assert_written(ran.args["out_ptr"], kernel)
+        bound = checks.exact_weight_bound(out_ref, x, exact, offset, act, weight_u, acc_u, bias)
+        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
+
+    return Example(call, ("out_ptr",), _nbytes(x, tiled.qweight, tiled.scale, tiled.zero, bias, out), 2 * m * n * k,
+                   check)
+
+
 def _scaled(kernel, types, sem, shape, device, gen) -> Example:
     m, n, k = shape["M"], shape["N"], shape["K"]
     out_dt, bsdt = TORCH_DTYPE[types["out"]], TORCH_DTYPE[types["bscale"]]
@@ -289,13 +317,16 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
                                       max(q_lens), sm, out, executor=Capture())
         flops = 4 * d * hq * sum(ql * n for ql, n in zip(q_lens, lens))
         p_dtype = act
-    else:
+    elif kernel == "paged_decode":  # the unsplit baseline: fp32 FMA reductions
         cu = torch.arange(nseq + 1, dtype=torch.int32)
         q = torch.randn(nseq, hq, d, generator=gen).to(act)
         out = checks.poisoned(tuple(q.shape), act, device)
-        paged_attention.paged_decode(q.to(device), dcache, table.to(device), ctx.to(device), sm, out, executor=Capture())
+        paged_attention.paged_decode_unsplit(q.to(device), dcache, table.to(device), ctx.to(device), sm, out,
+                                             executor=Capture())
         flops = 4 * d * hq * sum(lens)
         p_dtype = torch.float32
+    else:  # paged_decode_split, with shape["splits"] (default 1: it writes the output itself)
+        return _decode_split(kernel, {**shape, "Hq": hq}, act, cache, table, ctx, lens, gen, device)
     kv_bytes = 2 * sum(lens) * hkv * d * cdt.itemsize
 
     def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
@@ -307,10 +338,81 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
     return Example(calls[0], ("out_ptr",), kv_bytes + 2 * _nbytes(q), flops, check)
 
 
+_PARTIALS = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
+
+
+def _decode_calls(shape, act, cache, table, ctx, gen, device) -> tuple[list[KernelCall], torch.Tensor]:
+    """The FlashDecoding calls (split, then merge when shape["splits"] > 1) on random queries. Each
+    split takes at least shape["min_split_pages"] blocks (default 1: short contexts split too)."""
+    q = torch.randn(len(ctx), shape["Hq"], cache.head_dim, generator=gen).to(act)
+    out = checks.poisoned(tuple(q.shape), act, device)
+    calls: list[KernelCall] = []
+
+    class Capture:
+        def run(self, call: KernelCall) -> None:
+            calls.append(call)
+
+    paged_attention.paged_decode(q.to(device), _to(cache, device), table.to(device), ctx.to(device),
+                                 1 / math.sqrt(cache.head_dim), out, executor=Capture(),
+                                 num_splits=shape.get("splits", 1), min_split_pages=shape.get("min_split_pages", 1))
+    return calls, q
+
+
+def _decode_check(kernel: str, q, cache, table, ctx, splits: int, outputs: tuple[str, ...]):
+    """FlashDecoding's bound (`checks.attention_bound` with p_split) against the attention reference;
+    partial states are merged by the reference merge first."""
+    cu = torch.arange(len(ctx) + 1, dtype=torch.int32)
+    sm = 1 / math.sqrt(cache.head_dim)
+    exact = paged_attention.reference(q, cache, table, cu, ctx, sm)
+    bound = checks.attention_bound(q, cache, table, cu, ctx, exact, sm, q.dtype, p_split=True, splits=splits)
+
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+        for name in outputs:
+            checks.assert_written(ran.args[name], f"{kernel}.{name}")
+        if outputs == _PARTIALS:
+            got = paged_attention.merge_partials_reference(*(ran.args[n].cpu() for n in _PARTIALS)).to(q.dtype)
+        else:
+            got = ran.args["out_ptr"].cpu()
+        checks.assert_within(got, exact, bound, kernel)
+
+    return check
+
+
+def _decode_split(kernel, shape, act, cache, table, ctx, lens, gen, device) -> Example:
+    calls, q = _decode_calls(shape, act, cache, table, ctx, gen, device)
+    split = calls[0]
+    splits = int(split.args["num_splits"])
+    outputs = ("out_ptr",) if splits == 1 else _PARTIALS
+    d, hkv = cache.head_dim, cache.num_kv_heads
+    state = _nbytes(*(split.args[n] for n in _PARTIALS)) if splits > 1 else _nbytes(split.args["out_ptr"])
+    kv_bytes = 2 * sum(lens) * hkv * d * cache.key_cache.element_size()
+    flops = 4 * d * q.shape[1] * sum(lens)
+    return Example(split, outputs, kv_bytes + _nbytes(q) + state, flops,
+                   _decode_check(kernel, q, cache, table, ctx, splits, outputs), {"splits": splits})
+
+
+def _decode_reduce(kernel, types, sem, shape, device, gen) -> Example:
+    """The merge alone, over partial states written by the reference split (bf16/fp16 KV of one
+    KV head per shape["Hkv"], default 1, blocks of 16, shape["splits"] default 3)."""
+    hq, d = sem["NUM_Q_HEADS"], sem["HEAD_DIM"]
+    act = TORCH_DTYPE[types["act"]]
+    nseq, ctx_len = shape.get("B", 2), shape.get("ctx", 80)
+    lens = [ctx_len - 3 * i for i in range(nseq)]
+    cache, table, _, _, _ = _cache(lens, shape.get("Hkv", 1), d, 16, act, act, gen, "cpu")
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    splits = max(2, shape.get("splits", 3))
+    calls, q = _decode_calls({**shape, "Hq": hq, "splits": splits}, act, cache, table, ctx, gen, device)
+    split, merge = calls
+    ReferenceExecutor().run(split)
+    return Example(merge, ("out_ptr",), _nbytes(*(split.args[n] for n in _PARTIALS), merge.args["out_ptr"]), 0,
+                   _decode_check(kernel, q, cache, table, ctx, splits, ("out_ptr",)), {"splits": splits})
+
+
 BUILDERS = {
-    "w4a16_gemm": _w4a16, "w4a16_gemv": _w4a16, "w8a8_gemm": _scaled, "fp8_gemm": _scaled,
+    "w4a16_gemm": _w4a16, "w4a16_gemv": _w4a16, "w4a16_tiled": _w4a16_tiled, "w8a8_gemm": _scaled, "fp8_gemm": _scaled,
     "rmsnorm_quant": _norm, "silu_mul": _silu, "rotary": _rotary, "store_kv": _store,
-    "paged_prefill": _attention, "paged_decode": _attention,
+    "paged_prefill": _attention, "paged_decode": _attention, "paged_decode_split": _attention,
+    "paged_decode_reduce": _decode_reduce,
 }
 
 
@@ -341,7 +443,7 @@ def time_ms(ex: Example, executor: Executor) -> float:
 def shape_for(kernel: str, cover_shape: dict[str, int], rows: int) -> dict[str, int]:
     """Example shape for a bundle cover: its static shape plus a row count / token count."""
     shape = dict(cover_shape)
-    if kernel in ("w4a16_gemm", "w4a16_gemv", "w8a8_gemm", "fp8_gemm", "rmsnorm_quant", "silu_mul"):
+    if kernel in ("w4a16_gemm", "w4a16_gemv", "w4a16_tiled", "w8a8_gemm", "fp8_gemm", "rmsnorm_quant", "silu_mul"):
         shape["M"] = rows
     elif kernel in ("rotary", "store_kv"):
         shape["T"] = rows

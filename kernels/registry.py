@@ -30,14 +30,16 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("w4a16", w4a16, w4a16.SUPPORT, (w4a16.GEMM, w4a16.GEMV)),
+        Family("w4a16", w4a16, w4a16.SUPPORT, (w4a16.TILED, w4a16.GEMM, w4a16.GEMV)),
         Family("w8a8", w8a8, w8a8.SUPPORT, (w8a8.KERNEL,)),
         Family("fp8", fp8, fp8.SUPPORT, (fp8.KERNEL,)),
         Family("rmsnorm_quant", norm_quant, norm_quant.SUPPORT, (norm_quant.KERNEL,)),
         Family("silu_mul", activation, activation.SUPPORT, (activation.KERNEL,)),
         Family("rotary", rotary, rotary.SUPPORT, (rotary.KERNEL,)),
         Family("kv_cache", kv_cache, kv_cache.SUPPORT, (kv_cache.KERNEL,)),
-        Family("paged_attention", paged_attention, paged_attention.SUPPORT, (paged_attention.PREFILL, paged_attention.DECODE)),
+        Family("paged_attention", paged_attention, paged_attention.SUPPORT,
+               (paged_attention.PREFILL, paged_attention.DECODE_SPLIT, paged_attention.DECODE_REDUCE,
+                paged_attention.DECODE)),
     )
 }
 

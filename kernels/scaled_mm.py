@@ -6,6 +6,12 @@ Both operands are 8-bit and row-major along K (compressed-tensors stores weights
 accumulates exactly in int32, fp8 in fp32. The scale epilogue runs in fp32 and rounds once to the
 output dtype. On Hopper, fp8 wgmma accumulates in reduced precision, so each K tile is promoted to
 the fp32 accumulator (`max_num_imprecise_acc=BLOCK_K`), the usual fix for long K.
+
+Small M (decode): two tile options the per-arch tables use. SWAP_AB computes out^T = b a^T, so the
+weight tile (BLOCK_N rows) is the MMA's M side and a Hopper wgmma (64 rows per warpgroup) runs
+with BLOCK_M = 16 tokens as its N side instead of padding 1-16 tokens to 64 rows. SPLIT_K splits
+K over programs per output tile (serially reduced in split order, `kernels.splitk`) so a few
+output tiles still fill the SMs; int8 partials stay int32 (exact), fp8 partials fp32.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmfoundry.kernels import splitk
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, TileConfig, triton_type
 
 if TYPE_CHECKING:
@@ -25,44 +32,69 @@ if TYPE_CHECKING:
 
 @triton.jit
 def scaled_mm_kernel(
-    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_am, stride_bn, stride_om,
     A_PER_TOKEN: tl.constexpr, B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    mask_m = rm < M
-    mask_n = rn < N
-    if ACC_INT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        mask_k = kk < K
-        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + rn[None, :] * stride_bn + kk[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-        if ACC_INT:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    pid_s = tl.program_id(2)
+    splits = splitk.split_count(M, SPLIT_K)
+    if pid_s < splits:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mask_m = rm < M
+        mask_n = rn < N
+        ACC: tl.constexpr = tl.int32 if ACC_INT else tl.float32
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC)
         else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-    if A_PER_TOKEN:
-        a_s = tl.load(a_scale_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
-    else:
-        a_s = tl.load(a_scale_ptr + rm * 0).to(tl.float32)
-    if B_PER_CHANNEL:
-        b_s = tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
-    else:
-        b_s = tl.load(b_scale_ptr + rn * 0).to(tl.float32)
-    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_tiles, splits)
+        t_lo = pid_s * per_split
+        t_hi = tl.minimum(t_lo + per_split, k_tiles)
+        for t in range(t_lo, t_hi):
+            kk = t * BLOCK_K + rk
+            mask_k = kk < K
+            a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            if SWAP_AB:  # acc^T += b a^T: the weight rows are the MMA's M side
+                b = tl.load(b_ptr + rn[:, None] * stride_bn + kk[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                            other=0.0)
+                if ACC_INT:
+                    acc = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                b = tl.load(b_ptr + rn[None, :] * stride_bn + kk[:, None], mask=mask_n[None, :] & mask_k[:, None],
+                            other=0.0)
+                if ACC_INT:
+                    acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        out_mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K > 1:
+            if splits > 1:
+                acc = splitk.serial_split_k(acc, ws_ptr + rm[:, None] * N + rn[None, :], out_mask,
+                                            lock_ptr + pid_m * tl.num_programs(1) + pid_n, pid_s, splits)
+        if pid_s == splits - 1:
+            if A_PER_TOKEN:
+                a_s = tl.load(a_scale_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
+            else:
+                a_s = tl.load(a_scale_ptr + rm * 0).to(tl.float32)
+            if B_PER_CHANNEL:
+                b_s = tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+            else:
+                b_s = tl.load(b_scale_ptr + rn * 0).to(tl.float32)
+            out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 PARAMS = (
@@ -72,6 +104,8 @@ PARAMS = (
     Param("b_scale_ptr", "*{bscale}"),
     Param("bias_ptr", "*{out}"),
     Param("out_ptr", "*{out}"),
+    Param("ws_ptr", "*{acc}"),  # split-K partial sums [M, N] (int32 for int8, fp32 for fp8)
+    Param("lock_ptr", "*i32"),
     Param("M", "i32"),
     Param("N", "i32", aligned=True),
     Param("K", "i32", aligned=True),
@@ -80,8 +114,8 @@ PARAMS = (
     Param("stride_om", "i32", aligned=True),
 )
 SEMANTICS = ("A_PER_TOKEN", "B_PER_CHANNEL", "HAS_BIAS", "ACC_INT")
-TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-GRID = ("cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)", "1")
+TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP_AB")
+GRID = ("cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)", "SPLIT_K")
 
 
 def shape_ints(shape: Mapping[str, int]) -> dict[str, int]:
@@ -91,7 +125,8 @@ def shape_ints(shape: Mapping[str, int]) -> dict[str, int]:
 
 def default_config(shape: Mapping[str, int]) -> TileConfig:
     m = shape.get("M", 64)
-    return TileConfig.make(num_warps=4, num_stages=2, BLOCK_M=64 if m > 16 else 16, BLOCK_N=64, BLOCK_K=64)
+    return TileConfig.make(num_warps=4, num_stages=2, BLOCK_M=64 if m > 16 else 16, BLOCK_N=64, BLOCK_K=64,
+                           SPLIT_K=1, SWAP_AB=0)
 
 
 def reference(
@@ -169,15 +204,18 @@ def make_call(
         raise ValueError(f"activation scale has {a_scale.numel()} values for {m} tokens (per_token={a_per_token})")
     if b_scale.numel() != (n if b_per_channel else 1):
         raise ValueError(f"weight scale has {b_scale.numel()} values for {n} channels (per_channel={b_per_channel})")
+    acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
+    ws, locks = splitk.workspace(m, n, acc_dtype, a.device, b)
     return KernelCall(
         kernel=kernel,
         args={
             "a_ptr": a, "b_ptr": b, "a_scale_ptr": a_scale, "b_scale_ptr": b_scale,
-            "bias_ptr": bias if bias is not None else out, "out_ptr": out,
+            "bias_ptr": bias if bias is not None else out, "out_ptr": out, "ws_ptr": ws, "lock_ptr": locks,
             "M": m, "N": n, "K": k,
             "stride_am": a.stride(0), "stride_bn": b.stride(0), "stride_om": out.stride(0),
         },
-        types={"a": triton_type(a.dtype), "bscale": triton_type(b_scale.dtype), "out": triton_type(out.dtype)},
+        types={"a": triton_type(a.dtype), "bscale": triton_type(b_scale.dtype), "out": triton_type(out.dtype),
+               "acc": triton_type(acc_dtype)},
         semantics={
             "A_PER_TOKEN": a_per_token,
             "B_PER_CHANNEL": b_per_channel,
@@ -250,7 +288,8 @@ def gemm_kernel(name: str, hopper_mma: str, mma: str) -> KernelDef:
     large enough for a warpgroup, else `mma`."""
 
     def expect_sass(arch: int, cfg: TileConfig, types: object, sem: object) -> tuple[str, ...]:
-        if arch >= 90 and cfg["BLOCK_M"] >= 64 and cfg.num_warps >= 4:
+        mma_rows = cfg["BLOCK_N"] if dict(cfg.constexprs).get("SWAP_AB") else cfg["BLOCK_M"]
+        if arch >= 90 and mma_rows >= 64 and cfg.num_warps >= 4:
             return (hopper_mma,)
         return (mma,)
 
@@ -259,7 +298,7 @@ def gemm_kernel(name: str, hopper_mma: str, mma: str) -> KernelDef:
         fn=scaled_mm_kernel,
         params=PARAMS,
         grid=GRID,
-        type_vars=("a", "bscale", "out"),
+        type_vars=("a", "bscale", "out", "acc"),
         semantics=SEMANTICS,
         tiles=TILES,
         reference=reference_call,

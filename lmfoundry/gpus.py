@@ -32,18 +32,23 @@ class Arch:
     names: tuple[str, ...] = ()  # GPU names (and family synonyms) that mean this capability
     compile_target: bool = False  # `lmfoundry compile` builds kernels for it
     compile_names: tuple[str, ...] = ()  # the `names` that `lmfoundry compile --arch` accepts too
+    # SMs of the data-centre part compile sizes its grids for (split-K fills this many SMs): A100,
+    # L40S, H100/H200 SXM. Other parts of the capability differ (L4: 58, H100 PCIe: 114); a grid sized
+    # for more SMs than a part has still runs, in more waves.
+    sms: int = 0
 
 
 # A family's own name means its first (lowest) capability: ampere -> sm_80, blackwell -> sm_100.
 ARCHITECTURES: tuple[Arch, ...] = (
     Arch(70, "volta", "sm_70", ("v100",)),
     Arch(75, "turing", "sm_75", ("t4",)),
-    Arch(80, "ampere", "sm_80", ("a100",), compile_target=True, compile_names=("a100",)),
+    Arch(80, "ampere", "sm_80", ("a100",), compile_target=True, compile_names=("a100",), sms=108),
     Arch(86, "ampere", "sm_86", ("a10", "a10g", "a40")),
     Arch(87, "ampere", "sm_87"),
     Arch(89, "ada", "sm_89", ("lovelace", "l4", "l40", "l40s", "rtx4090"), compile_target=True,
-         compile_names=("l4", "l40s")),
-    Arch(90, "hopper", "sm_90a", ("h100", "h200", "gh200"), compile_target=True, compile_names=("h100", "h200")),
+         compile_names=("l4", "l40s"), sms=142),
+    Arch(90, "hopper", "sm_90a", ("h100", "h200", "gh200"), compile_target=True, compile_names=("h100", "h200"),
+         sms=132),
     Arch(100, "blackwell", "sm_100", ("b200", "gb200")),
     Arch(120, "blackwell", "sm_120", ("rtx5090",)),
 )
@@ -77,6 +82,7 @@ ARCH_NAMES: dict[str, int] = _arch_names()
 COMPILE_ARCH_NAMES: dict[str, int] = _compile_arch_names()
 SM_NAME: dict[int, str] = {a.capability: a.sm for a in ARCHITECTURES}
 ARCH_OF_CAPABILITY: dict[int, str] = {a.capability: a.family for a in ARCHITECTURES}
+SM_COUNT: dict[int, int] = {a.capability: a.sms for a in ARCHITECTURES if a.sms}
 
 
 # ------------------------------------------------------------------------- products (gpus.yaml)

@@ -10,7 +10,8 @@ a dense GEMM (or the kernel of its scheme).
 Every op is a `lmfoundry.kernels` op bound to the `KernelSet` of `load_engine`: shipped cubins on a
 matching GPU, Triton JIT where they do not fit (or under TRITON_INTERPRET=1 on CPU), each kernel's
 PyTorch reference otherwise. Nothing here dequantizes a weight: a W4A16 layer keeps int4 codes
-and scales resident. This module holds no scheduling state; `KernelModelExecutor` feeds it the
+and scales resident, in the tiled layout compile wrote (`kernels.w4a16.TiledLinear`; an act-order
+down_proj reads gate/up outputs that compile stored in its K order). This module holds no scheduling state; `KernelModelExecutor` feeds it the
 flat inputs of one step.
 """
 
@@ -25,9 +26,10 @@ import torch
 
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.kv_cache import PagedKVCache
+from lmfoundry.kernels.paged_attention import decode_splits, device_sm_count
 from lmfoundry.kernels.rotary import rope_tables
 from lmfoundry.kernels.scaled_mm import ScaledLinear
-from lmfoundry.kernels.w4a16 import PackedLinear
+from lmfoundry.kernels.w4a16 import PackedLinear, TiledLinear
 from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -36,12 +38,15 @@ QUANT_DTYPE = {"int-quantized": torch.int8, "float-quantized": torch.float8_e4m3
 
 @dataclass
 class Gemm:
-    """One GEMM in its stored form: `dense` [N, K] weight, `packed` (W4A16/W8A16) or `scaled`
-    (W8A8 / FP8, with the quantized dtype its input takes)."""
+    """One GEMM in its stored form: `dense` [N, K] weight, `tiled` (W4A16/W8A16 in the layout
+    compile writes), `packed` (W4A16/W8A16 as compressed-tensors stores it: what `lmfoundry compile`
+    replaces by `tiled`; kept for callers that build a model by hand) or `scaled` (W8A8 / FP8, with
+    the quantized dtype its input takes)."""
 
     name: str
     dense: torch.Tensor | None = None
     packed: PackedLinear | None = None
+    tiled: TiledLinear | None = None
     scaled: ScaledLinear | None = None
     quant_dtype: torch.dtype | None = None
     bias: torch.Tensor | None = None
@@ -50,10 +55,12 @@ class Gemm:
     def out_features(self) -> int:
         if self.dense is not None:
             return self.dense.shape[0]
-        return (self.packed or self.scaled).out_features  # type: ignore[union-attr]
+        return (self.tiled or self.packed or self.scaled).out_features  # type: ignore[union-attr]
 
     def nbytes(self) -> int:
         parts = [self.dense, self.bias]
+        if self.tiled is not None:
+            return self.tiled.nbytes() + sum(t.numel() * t.element_size() for t in parts if t is not None)
         if self.packed is not None:
             p = self.packed
             parts += [p.weight_packed, p.weight_scale, p.weight_zero_point, p.weight_g_idx]
@@ -145,6 +152,8 @@ class KernelModel:
         """y = x W^T for one stored GEMM; `xq` is the input already quantized by a fused norm (then
         `x` is None: the consumers of a fused norm read only its quantized output)."""
         ks = self.kernels
+        if g.tiled is not None:
+            return ks.w4a16_tiled_linear(x, g.tiled)
         if g.packed is not None:
             return ks.w4a16_linear(x, g.packed)
         if g.scaled is not None:
@@ -169,10 +178,31 @@ class KernelModel:
         out, _, res = self.kernels.rmsnorm_quant(x, weight, eps, residual=residual)
         return out, None, (res if residual is not None else x)
 
+    def decode_sm_count(self) -> int:
+        """SMs the FlashDecoding splits should fill: the GPU's own; under the CPU interpreter the
+        nominal count of the bundle's newest arch (the interpreted run then takes the split path a
+        GPU of that arch would); 1 for the CPU references, where splitting only adds work."""
+        if self.device.type == "cuda":
+            return device_sm_count(self.device)
+        if getattr(self.kernels, "mode", "") == "interpret":
+            from lmfoundry.compile import tiles
+
+            return tiles.nominal_sm_count(max(int(a["capability"]) for a in self.kernels.manifest["archs"].values()))
+        return 1
+
+    def decode_splits(self, num_decode: int, table_width: int) -> int:
+        """Context splits of this step's decode attention, the same in every layer. The bound on the
+        context is the block table's width (known on the host: no device sync), so a CUDA graph
+        captured for a batch bucket keeps the split count it was captured with."""
+        return decode_splits(num_decode, self.config.num_kv_heads, table_width * self.block_size,
+                             self.decode_sm_count(), self.block_size)
+
     def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
                       caches: list[PagedKVCache]) -> torch.Tensor:
         """Final-norm hidden states [T, H] for the flat batch (rows ordered as `attn` says)."""
         cfg, ks = self.config, self.kernels
+        splits = (self.decode_splits(attn.num_decode, attn.decode_tables.shape[1])
+                  if attn.num_decode and attn.decode_tables is not None else 1)
         hq_heads, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = self.embed.index_select(0, ids)
         residual: torch.Tensor | None = None
@@ -195,7 +225,8 @@ class KernelModel:
             out = torch.empty((t, hq_heads, d), dtype=self.dtype, device=self.device)
             nd = attn.num_decode
             if nd:
-                ks.paged_decode(q[:nd], caches[i], attn.decode_tables, attn.decode_lens, out=out[:nd])
+                ks.paged_decode(q[:nd], caches[i], attn.decode_tables, attn.decode_lens, out=out[:nd],
+                                num_splits=splits)
             if nd < t:
                 ks.paged_prefill(q[nd:], caches[i], attn.prefill_tables, attn.cu_seqlens, attn.prefill_lens,
                                  attn.max_q_len, out=out[nd:])
@@ -248,6 +279,11 @@ def _scheme_gemm(name: str, tensors: dict[str, torch.Tensor], scheme: Any, in_fe
         return Gemm(name, dense=dev(stored, dtype), bias=bias)
     fmt = scheme.format
     w = scheme.weights
+    if fmt == "pack-quantized" and "tiled_meta" in tensors:
+        tiled = TiledLinear.from_tensors(tensors).to(device)
+        if tiled.bias is not None:
+            tiled.bias = tiled.bias.to(dtype)
+        return Gemm(name, tiled=tiled)
     if fmt == "pack-quantized":
         group = w.group_size if w.strategy == "group" else 0
         packed = PackedLinear(dev(tensors["weight_packed"]), dev(tensors["weight_scale"]), w.num_bits, group,
@@ -269,7 +305,8 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
                       progress: Callable[[int], None] | None = None) -> KernelModel:
     """Read the bundle's (verified) weights onto `device` in the layout its kernels were built for."""
     from lmfoundry.checkpoint import CheckpointReader
-    from lmfoundry.compile.repack import fuse_members
+    from lmfoundry.compile.plan import ACT_ORDER_FOLD
+    from lmfoundry.compile.repack import fuse_members, tile_layer
 
     engine = Path(engine_dir)
     manifest = kernels.manifest
@@ -277,26 +314,44 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
     cfg = ModelConfig.from_dict(reader.config)
     dtype = DTYPES[manifest["model"]["dtype"]]
     applied = {f["name"] for f in manifest["fusions"] if f["applied"]}
+    fold_act_order = ACT_ORDER_FOLD in applied
     plan = reader.plan
 
     def scheme_of(name: str) -> Any:
         return plan.scheme_for(name) if plan is not None else None
 
-    def linear(prefix: str, local: str) -> list[Gemm]:
+    def stored(prefix: str, local: str) -> list[tuple[str, dict[str, torch.Tensor], Any, int]]:
+        """(local name, stored tensors, scheme, in_features) of the GEMM(s) of `local`, fused where
+        compile fused them (at compile time, or here for a bundle whose weights were copied)."""
         name = f"{prefix}.{local}"
         if local in FUSED_LINEARS and local in applied:
             members = [f"{prefix}.{m}" for m in FUSED_LINEARS[local]]
-            if reader.has(f"{name}.weight") or reader.has(f"{name}.weight_packed"):  # repacked at compile
+            if any(reader.has(f"{name}.{t}") for t in ("weight", "weight_packed", "tiled_weight")):  # compile-time
                 tensors = reader.prefixed(name)
             else:
                 rows = [cfg.linear_shapes[m][0] for m in FUSED_LINEARS[local]]
                 got = reader.get([n for n in reader.index if any(n.startswith(m + ".") for m in members)])
                 tensors, _ = fuse_members(members, rows, got.__getitem__, got.__contains__)
-            k = cfg.linear_shapes[FUSED_LINEARS[local][0]][1]
-            return [_scheme_gemm(name, tensors, scheme_of(members[0]), k, dtype, device)]
-        locals_ = FUSED_LINEARS.get(local, (local,))
-        return [_scheme_gemm(f"{prefix}.{m}", reader.prefixed(f"{prefix}.{m}"), scheme_of(f"{prefix}.{m}"),
-                             cfg.linear_shapes[m][1], dtype, device) for m in locals_]
+            return [(local, tensors, scheme_of(members[0]), cfg.linear_shapes[FUSED_LINEARS[local][0]][1])]
+        return [(m, reader.prefixed(f"{prefix}.{m}"), scheme_of(f"{prefix}.{m}"), cfg.linear_shapes[m][1])
+                for m in FUSED_LINEARS.get(local, (local,))]
+
+    def layer_gemms(prefix: str) -> dict[str, list[Gemm]]:
+        """The layer's GEMMs by group (qkv, o_proj, gate_up, down). W4A16 weights not tiled at compile
+        time (a bundle with copied weights) are tiled here by the same code (`tile_layer`)."""
+        groups = {g: stored(prefix, g) for g in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                  "mlp.down_proj")}
+        entries = [e for es in groups.values() for e in es]
+        formats = {}
+        for local, tensors, scheme, k in entries:
+            w = scheme.weights if scheme is not None and scheme.format == "pack-quantized" else None
+            formats[local] = (w.num_bits, w.group_size if w.strategy == "group" else 0, k) if w is not None else None
+        if any(f is not None and "weight_packed" in t for (_, t, _, _), f in zip(entries, formats.values())):
+            tiled = tile_layer({local: t for local, t, _, _ in entries}, formats, fold_act_order)
+        else:
+            tiled = {local: t for local, t, _, _ in entries}
+        return {g: [_scheme_gemm(f"{prefix}.{local}", tiled[local], scheme, k, dtype, device)
+                    for local, _, scheme, k in es] for g, es in groups.items()}
 
     def vec(name: str) -> torch.Tensor:
         return reader.get([name])[name].to(device=device, dtype=dtype).contiguous()
@@ -305,10 +360,11 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
     kv_dtype = manifest["kv_cache"]["dtype"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
+        gemms = layer_gemms(p)
         layers.append(LayerWeights(
             input_norm=vec(f"{p}.input_layernorm.weight"), post_norm=vec(f"{p}.post_attention_layernorm.weight"),
-            qkv=linear(p, "self_attn.qkv_proj"), o_proj=linear(p, "self_attn.o_proj")[0],
-            gate_up=linear(p, "mlp.gate_up_proj"), down=linear(p, "mlp.down_proj")[0],
+            qkv=gemms["self_attn.qkv_proj"], o_proj=gemms["self_attn.o_proj"][0],
+            gate_up=gemms["mlp.gate_up_proj"], down=gemms["mlp.down_proj"][0],
             q_norm=vec(f"{p}.self_attn.q_norm.weight") if cfg.qk_norm else None,
             k_norm=vec(f"{p}.self_attn.k_norm.weight") if cfg.qk_norm else None))
         if kv_dtype != "auto":
@@ -321,9 +377,14 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
         if progress is not None:
             progress(i)
     embed = vec("model.embed_tokens.weight")
-    if reader.has("lm_head.weight") or reader.has("lm_head.weight_packed"):
-        lm_head = _scheme_gemm("lm_head", reader.prefixed("lm_head"), scheme_of("lm_head"), cfg.hidden_size,
-                               dtype, device)
+    if any(reader.has(f"lm_head.{t}") for t in ("weight", "weight_packed", "tiled_weight")):
+        head = reader.prefixed("lm_head")
+        w = scheme_of("lm_head")
+        if "weight_packed" in head and w is not None and w.format == "pack-quantized":
+            wa = w.weights
+            head = tile_layer({"lm_head": head}, {"lm_head": (wa.num_bits, wa.group_size if wa.strategy == "group"
+                                                              else 0, cfg.hidden_size)}, False)["lm_head"]
+        lm_head = _scheme_gemm("lm_head", head, w, cfg.hidden_size, dtype, device)
     else:
         lm_head = Gemm("lm_head", dense=embed)  # tied embeddings
     norm_quant = {norm: any(f["applied"] and f["kind"] == "norm_quant" and f["members"][0] == norm

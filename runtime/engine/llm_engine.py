@@ -21,6 +21,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.block_manager import BlockManager
 from lmfoundry.runtime.engine.config import EngineConfig
 from lmfoundry.runtime.engine.detokenizer import Detokenizer
+from lmfoundry.runtime.engine.grammar import GrammarCompiler
 from lmfoundry.runtime.engine.model_runner import ModelRunner
 from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
 from lmfoundry.runtime.engine.sampler import Sampler
@@ -54,6 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = _as_set(model.config.eos_token_id) | _as_set(getattr(tokenizer, "eos_token_id", None))
         self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)  # structured output
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
@@ -101,6 +103,9 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}")
+        params.check_token_ids(vocab)  # logit_bias ids: refused up front, not failed in the sampler
+        if params.json_schema is not None:
+            self.grammars.check(params.json_schema)  # compiled (and cached) here, off the engine thread
 
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams,
                     arrival_time: float | None = None) -> str:
@@ -111,6 +116,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         seqs = [Sequence(request_id, i, ids, params, arrival_time) for i in range(params.n)]
         for seq in seqs:
+            if params.json_schema is not None:
+                seq.grammar = self.grammars.matcher(params.json_schema)
             self.detokenizer.start(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = seqs
@@ -208,6 +215,9 @@ class LLMEngine:
             self.detokenizer.update(seq)
             if seq.num_output_tokens >= p.min_tokens and self.detokenizer.find_stop(seq, checked):
                 reason = "stop"
+            elif seq.grammar is not None and seq.grammar.is_finished:
+                reason = "stop"  # the structured output is complete: its grammar allows only EOS
+                self.detokenizer.flush(seq)
         if reason is None and (seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len):
             reason = "length"
             self.detokenizer.flush(seq)

@@ -103,7 +103,8 @@ class ModelRunner:
             logp = torch.log_softmax(self.executor.logits(hidden[lo - start : hi - start]), dim=-1).cpu()
             targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1])
             chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
-            top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+            best = logp.topk(k, dim=-1)  # k = 0: empty rows
+            top_i, top_v = best.indices.tolist(), best.values.tolist()
             for j in range(hi - lo):
-                top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if k else []
+                top = list(zip(top_i[j], top_v[j]))
                 out.append((lo + 1 + j, TokenLogprob(int(targets[j]), chosen[j], top)))

@@ -3,6 +3,18 @@
 The fields follow vLLM / the OpenAI API so that the server maps requests onto them one to one.
 `temperature == 0` means greedy (argmax, first index on ties, as transformers' greedy `generate`).
 
+Logits processing (applied by the sampler to greedy and sampled rows alike, so penalties change
+greedy choices too): `logit_bias` (OpenAI: token id -> value added to the logit, -100..100),
+`repetition_penalty` (HF/vLLM: a logit of a token seen in the prompt or the output is divided by
+it when positive, multiplied by it otherwise), `frequency_penalty` and `presence_penalty` (OpenAI:
+subtract count * frequency + (count > 0) * presence, counts over the generated tokens only), and
+`min_p` (drop tokens whose probability is below min_p times the most likely token's).
+
+Structured output: `json_schema` (a JSON schema as a dict) constrains the output to JSON matching
+it (OpenAI's `response_format` `json_object` is `{"type": "object"}`); the sampler masks every
+token the grammar forbids, on greedy and sampled rows alike (see `grammar.py`). Whether the schema
+can be enforced is checked by `LLMEngine.check_request`, which compiles it.
+
 `validate` is the only gate between a request and the engine thread, where a bad value would fail
 inside a batched step; so it checks types as well as ranges (a bool is not accepted as a number,
 NaN and infinities are refused). Checks that need the model (stop token ids and logprobs against the
@@ -18,6 +30,8 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit, as torch.Generator takes them
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def _is_int(value: Any) -> bool:
@@ -28,6 +42,15 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
     if not _is_int(value) or value < lo or (hi is not None and value > hi):
         bounds = f"in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
         raise ValueError(f"{name} must be {bounds}, got {value!r}")
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_range(name: str, value: Any, lo: float, hi: float) -> None:
+    if not _is_finite(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}")
 
 
 @dataclass
@@ -49,6 +72,12 @@ class SamplingParams:
     # cache (scoring continuations of a shared context recomputes only the continuations).
     prompt_logprobs_start: int = 1
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0  # OpenAI, over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI, over generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM, over prompt and generated tokens (1: off)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # 0: off
+    json_schema: dict[str, Any] | None = None  # output constrained to JSON matching this schema
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +85,8 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s] if isinstance(self.stop, (list, tuple)) else self.stop
         if isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None:
             self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is None:
+            self.logit_bias = {}
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (the server turns it into a 400)."""
@@ -86,6 +117,33 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token_id!r}")
+        _check_range("presence_penalty", self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
+        _check_range("frequency_penalty", self.frequency_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), "
+                             f"got {self.repetition_penalty!r}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            _check_range(f"logit_bias[{token_id}]", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"json_schema must be a JSON schema object (a dict), got {type(self.json_schema).__name__}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError for a logit_bias id outside the model's vocabulary. Separate from
+        `validate` because it needs the model; the server calls it with the model's vocabulary
+        size, and the sampler fails only the offending request if one still gets through."""
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {min(bad)}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty applies (the sampler reads this row's token counts only then)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

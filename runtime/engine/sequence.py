@@ -11,9 +11,14 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lmfoundry.runtime.engine.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -71,13 +76,43 @@ class Sequence:
         self.prefix_offset = 0  # incremental detokenizer state (relative to the output tokens)
         self.read_offset = 0
 
+        # token_ids as a tensor, grown as tokens are appended (see `token_id_tensor`).
+        self._id_buffer: torch.Tensor | None = None
+        self._id_buffer_len = 0
+
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             # Choice i of a seeded request draws from seed + i, wrapped into torch's uint64 range.
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
 
+        # Structured output: where the output stands in its grammar (set by the engine when
+        # params.json_schema is set). The sampler masks the logits with it and advances it with
+        # each chosen token; preemption keeps the tokens, so the state stays valid across recompute.
+        self.grammar: GrammarMatcher | None = None
+
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    def token_id_tensor(self) -> torch.Tensor:
+        """`token_ids` as an int64 CPU tensor (a view of a buffer that only copies the tokens
+        appended since the last call). The sampler's penalties read every token of a penalized
+        sequence at every step; rebuilding the tensor from the list would cost O(length) Python
+        work per step. Tokens are only ever appended, never changed."""
+        n = len(self.token_ids)
+        if self._id_buffer is None or self._id_buffer.numel() < n:
+            grown = torch.empty(max(2 * n, 64), dtype=torch.int64)
+            if self._id_buffer is not None:
+                grown[: self._id_buffer_len] = self._id_buffer[: self._id_buffer_len]
+            self._id_buffer = grown
+        if self._id_buffer_len < n:
+            self._id_buffer[self._id_buffer_len : n] = torch.tensor(self.token_ids[self._id_buffer_len : n],
+                                                                    dtype=torch.int64)
+            self._id_buffer_len = n
+        return self._id_buffer[:n]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over an `AsyncLLMEngine` (FastAPI, served by uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics. Errors use OpenAI's body
+GET /v1/models, GET /health, GET /metrics, and vLLM's tokenizer endpoints (GET /tokenizer_info,
+POST /tokenize, POST /detokenize), with which `lm_eval --model local-completions` tokenizes
+through the server and needs no local copy of the tokenizer. Errors use OpenAI's body
 {"error": {"message", "type", "param", "code"}}: 400 for invalid requests, 401 for a missing or
 wrong API key, 404 for an unknown model, 408 for a body that does not arrive in time, 413 for a
 body over the size limit, 415 for a POST that is not application/json, 429 when the waiting queue
@@ -37,7 +39,13 @@ from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.server.background import DEFAULT_READ_TIMEOUT
 from lmfoundry.runtime.server.metrics import ServerMetrics
-from lmfoundry.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from lmfoundry.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FieldError,
+    TokenizeRequest,
+)
 from lmfoundry.runtime.server.responses import ChatBuilder, CompletionBuilder
 
 MAX_N = 8
@@ -132,7 +140,11 @@ class OpenAIServer:
         self.max_n = max_n
         self.max_body_bytes = max_body_bytes
         self.read_timeout = read_timeout
-        self.metrics = ServerMetrics(engine.engine)
+        llm: Any = engine.engine  # the engine's model is typed as nn.Module; read its sizes once
+        self.vocab_size: int = llm.model.config.vocab_size
+        self.max_model_len: int = llm.max_model_len
+        self.grammars = llm.grammars  # compiles (and caches) the JSON schemas of structured output
+        self.metrics = ServerMetrics(engine.engine, model_name)
         self.created = int(time.time())
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
 
@@ -145,10 +157,13 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(self.prep, fn, body)
 
     # ---- shared checks ----------------------------------------------------------------------
-    def _check_common(self, req: Any) -> None:
-        if req.model is not None and req.model not in self.names:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+    def _check_common_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", code="model_not_found", param="model")
+
+    def _check_common(self, req: Any) -> None:
+        self._check_common_model(req.model)
         if not 1 <= req.n <= self.max_n:
             raise APIError(400, f"n must be between 1 and {self.max_n}, got {req.n}", param="n")
         if (reason := req.unsupported()) is not None:
@@ -163,8 +178,29 @@ class OpenAIServer:
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         try:
             self.engine.check(ids, params)
+            params.check_token_ids(self.vocab_size)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+
+    @staticmethod
+    def _params(req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                ) -> SamplingParams:
+        """The request's SamplingParams; a malformed field (a logit_bias key that is not a token
+        id, a response_format or tool_choice that cannot be honoured) is a 400 naming it."""
+        try:
+            return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except FieldError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+
+    def _check_schema(self, schema: dict[str, Any] | None, param: str) -> None:
+        """A 400 naming `param` for a JSON schema that cannot constrain decoding. Compiling here,
+        in the preparation thread, also leaves the grammar cached for the engine thread."""
+        if schema is None:
+            return
+        try:
+            self.grammars.check(schema)
+        except ValueError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from None
 
     def _submit(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
                 start: float) -> AsyncIterator[tuple[int, StepEvent]]:
@@ -192,11 +228,21 @@ class OpenAIServer:
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
         if req.max_tokens is None:
-            max_tokens = self.engine.engine.max_model_len - max(len(p) for p in prompts)
+            max_tokens = self.max_model_len - max(len(p) for p in prompts)
         else:
             max_tokens = req.max_tokens
+        if max_tokens == 0:
+            # OpenAI's way to score a prompt (echo its logprobs, generate nothing). The engine
+            # always produces one token; CompletionBuilder leaves it out of the response.
+            if not req.echo:
+                raise APIError(400, "max_tokens must be at least 1 (0 only with echo: true, to score the prompt)",
+                               param="max_tokens")
+            if req.min_tokens:
+                raise APIError(400, "min_tokens must be 0 when max_tokens is 0", param="min_tokens")
+            max_tokens = 1
         want_prompt_lps = req.echo and req.logprobs is not None
-        params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if want_prompt_lps else None)
+        params = self._params(req, max_tokens, req.logprobs, req.logprobs if want_prompt_lps else None)
+        self._check_schema(params.json_schema, "response_format")
         for ids in prompts:
             self._check(ids, params)
         return req, prompts, params
@@ -219,18 +265,32 @@ class OpenAIServer:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
         try:
+            plan = req.tool_plan()
+        except FieldError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        # With tool_choice "none" the tools stay out of the prompt: the request runs as one without tools.
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if plan.mode != "none" else None
+        try:
             text = self.tokenizer.apply_chat_template(
-                [m.as_template_input() for m in req.messages], tokenize=False, add_generation_prompt=True)
+                [m.as_template_input() for m in req.messages], tools=tools, tokenize=False,
+                add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
         max_tokens = req.wanted_max_tokens
         if max_tokens is None:
-            max_tokens = max(1, self.engine.engine.max_model_len - len(ids))
+            max_tokens = max(1, self.max_model_len - len(ids))
         top = req.top_logprobs if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
+        params = self._params(req, max_tokens, (top or 0) if req.logprobs else None)
+        if plan.constrained:
+            for i, tool in enumerate(req.tools or []):  # name the function whose schema is refused
+                if plan.mode == "required" or tool.function.name == plan.named:
+                    self._check_schema(plan.functions[tool.function.name], f"tools[{i}].function.parameters")
+            self._check_schema(params.json_schema, "tools")
+        else:
+            self._check_schema(params.json_schema, "response_format")
         self._check(ids, params)
         return req, ids, params
 
@@ -285,12 +345,43 @@ class OpenAIServer:
     def models(self) -> dict:
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "lmfoundry",
-            "max_model_len": self.engine.engine.max_model_len}]}
+            "max_model_len": self.max_model_len}]}
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"<{token_id}>"
         return self.tokenizer.decode([token_id])
+
+    # ---- tokenizer endpoints (vLLM's) -----------------------------------------------------
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return self.tokenizer
+
+    def tokenizer_info(self) -> dict:
+        tok = self._tokenizer()
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": self.max_model_len}
+
+    def _tokenize(self, body: bytes) -> dict:
+        req: TokenizeRequest = _parse(body, TokenizeRequest)
+        self._check_common_model(req.model)
+        ids = list(self._tokenizer()(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    def _detokenize(self, body: bytes) -> dict:
+        req: DetokenizeRequest = _parse(body, DetokenizeRequest)
+        self._check_common_model(req.model)
+        if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= self.vocab_size):
+            raise APIError(400, f"tokens must be token ids in [0, {self.vocab_size})", param="tokens")
+        return {"prompt": self._tokenizer().decode(req.tokens)}
+
+    async def tokenize(self, request: Request) -> dict:
+        return await self._off_loop(self._tokenize, await self._body(request))
+
+    async def detokenize(self, request: Request) -> dict:
+        return await self._off_loop(self._detokenize, await self._body(request))
 
 
 async def _merge(gens: list[AsyncIterator[StepEvent]], streams: list[RequestStream]
@@ -357,7 +448,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        server.metrics.rejected.labels(status=str(exc.status)).inc()
+        server.metrics.count_rejected(exc.status)
         return exc.response()
 
     @app.exception_handler(ClientGone)
@@ -383,6 +474,21 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def models(request: Request) -> dict:
         authorize(request)
         return server.models()
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict:
+        authorize(request)
+        return server.tokenizer_info()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        authorize(request)
+        return await server.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        authorize(request)
+        return await server.detokenize(request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,5 +1,12 @@
 """Prometheus metrics: request latency histograms observed by the server, engine state (queue
-lengths, KV blocks, prefix-cache hit rate, token and preemption counts) read at scrape time."""
+lengths, KV blocks and their usage fraction, prefix-cache hit rate, token and preemption counts)
+read at scrape time.
+
+Every series carries a `model_name` label (the served model name), as vLLM's do, so that one
+Prometheus and one dashboard (`dashboards/lmfoundry.json`) can tell several servers apart.
+The labelled series a dashboard plots exist from the start (zero until something happens), so
+panels show 0 rather than "no data" on a fresh server.
+"""
 
 from __future__ import annotations
 
@@ -19,21 +26,27 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25
 class EngineCollector:
     """Reads the engine's counters when Prometheus scrapes (no bookkeeping in the hot loop)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine = engine
+        self.model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
         s = self.engine.stats()
+        total = s["kv_blocks_total"]
         gauges = {
             "num_requests_running": ("Sequences in the running batch", s["requests_running"]),
             "num_requests_waiting": ("Sequences waiting for a slot", s["requests_waiting"]),
             "kv_cache_blocks_used": ("KV-cache blocks held by sequences", s["kv_blocks_used"]),
-            "kv_cache_blocks_total": ("KV-cache blocks in the pool", s["kv_blocks_total"]),
+            "kv_cache_blocks_total": ("KV-cache blocks in the pool", total),
+            "kv_cache_usage_ratio": ("Fraction of the KV-cache blocks held by sequences (0..1)",
+                                     s["kv_blocks_used"] / total if total else 0.0),
             "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens admitted",
                                       s["prefix_cache_hit_rate"]),
         }
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(f"lmfoundry_{name}", doc, value=value)
+            gauge = GaugeMetricFamily(f"lmfoundry_{name}", doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
         counters = {
             "prompt_tokens": ("Prompt tokens received", s["prompt_tokens"]),
             "generation_tokens": ("Tokens generated", s["generation_tokens"]),
@@ -42,23 +55,38 @@ class EngineCollector:
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", s["prefix_cache_hits_tokens"]),
         }
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(f"lmfoundry_{name}", doc, value=value)
+            counter = CounterMetricFamily(f"lmfoundry_{name}", doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
+        label = ["model_name"]
         self.ttft = Histogram("lmfoundry_time_to_first_token_seconds", "Request arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
+                              label, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         self.itl = Histogram("lmfoundry_inter_token_latency_seconds", "Time between successive output tokens",
-                             buckets=TOKEN_BUCKETS, registry=self.registry)
+                             label, buckets=TOKEN_BUCKETS, registry=self.registry).labels(model_name)
         self.e2e = Histogram("lmfoundry_e2e_request_latency_seconds", "Request arrival to last token",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+                             label, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         self.finished = Counter("lmfoundry_requests", "Finished requests by finish reason",
-                                ["finish_reason"], registry=self.registry)
+                                ["model_name", "finish_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.finished.labels(model_name, reason)  # exported as 0 from the start
         self.rejected = Counter("lmfoundry_requests_rejected", "Requests refused with an HTTP error",
-                                ["status"], registry=self.registry)
-        self.registry.register(EngineCollector(engine))
+                                ["model_name", "status"], registry=self.registry)
+        self.registry.register(EngineCollector(engine, model_name))
+
+    def count_finished(self, reason: str) -> None:
+        self.finished.labels(self.model_name, reason).inc()
+
+    def count_rejected(self, status: int) -> None:
+        self.rejected.labels(self.model_name, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -89,4 +117,4 @@ class ServerMetrics:
         finally:
             if reason not in ("abort", "error"):
                 self.e2e.observe(time.monotonic() - start)
-            self.finished.labels(finish_reason=reason).inc()
+            self.count_finished(reason)

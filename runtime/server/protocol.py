@@ -1,13 +1,35 @@
 """OpenAI request schemas (strictly typed: a field of the wrong type is a 400, unknown fields are
-ignored) and their mapping onto `SamplingParams`."""
+ignored) and their mapping onto `SamplingParams`.
+
+Sampling fields are OpenAI's (`presence_penalty`, `frequency_penalty`, `logit_bias` with token ids
+as string keys) plus vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+...). Their ranges are checked once, by `SamplingParams.validate`, so the engine and the server
+refuse the same values with the same message.
+
+Structured output: `response_format` (`text`, `json_object`, or `json_schema` with a named schema)
+on both endpoints, and on chat `tools` / `tool_choice` / `parallel_tool_calls` (see `tools.py`),
+become `SamplingParams.json_schema`. The shapes are checked here; whether a schema can be enforced
+is checked by the engine, which compiles it.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
+from lmfoundry.runtime.server.tools import NAME_PATTERN, NO_PARAMETERS, ToolMode, ToolPlan
+
+
+class FieldError(ValueError):
+    """A request field whose value the server refuses: a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class _Strict(BaseModel):
@@ -16,6 +38,36 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema` (OpenAI): a named schema. `strict` is accepted; the schema is
+    always enforced (decoding cannot leave it), and keywords that cannot be enforced are a 400."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must match; None for text. `json_object` is any JSON object;
+        a `json_schema` without `schema` is any JSON value."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.json_schema is None:
+            raise FieldError("response_format.json_schema is required when response_format.type is 'json_schema'",
+                             "response_format.json_schema")
+        if not NAME_PATTERN.fullmatch(self.json_schema.name):
+            raise FieldError("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-', "
+                             f"got {self.json_schema.name!r}", "response_format.json_schema.name")
+        return self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
 
 
 class _Sampling(_Strict):
@@ -35,19 +87,30 @@ class _Sampling(_Strict):
     skip_special_tokens: bool = True
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    min_p: float | None = None  # vLLM extension
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     def unsupported(self) -> str | None:
         """Name a requested feature this server does not implement (rather than ignoring it)."""
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
         return None
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with integer token ids. JSON object keys are strings: a key that is not a
+        (possibly negative) decimal integer raises FieldError; ranges are `SamplingParams`'s."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not re.fullmatch(r"-?[0-9]{1,12}", key):
+                raise FieldError(f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+            out[int(key)] = value
+        return out
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
+        """The engine's settings for this request (FieldError for a malformed logit_bias key or
+        response format)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -64,7 +127,17 @@ class _Sampling(_Strict):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            logit_bias=self.token_bias(),
+            json_schema=self.output_schema(),
         )
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema decoding is constrained to (None: free text)."""
+        return self.response_format.output_schema() if self.response_format is not None else None
 
 
 class CompletionRequest(_Sampling):
@@ -96,11 +169,28 @@ class TextPart(_Strict):
     text: str
 
 
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates read it: OpenAI sends `arguments` as a
+    JSON string, while templates (Llama 3.1, Qwen 2.5, Hermes) render `arguments | tojson` and
+    expect an object, so a string holding a JSON object is parsed."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            args = json.loads(function["arguments"])
+        except ValueError:
+            return call
+        if isinstance(args, dict):
+            return {**call, "function": {**function, "arguments": args}}
+    return call
+
+
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -109,7 +199,32 @@ class ChatMessage(_Strict):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no arguments
+    strict: bool | None = None  # accepted; constrained calls always follow the schema
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -118,16 +233,77 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    # "none", "auto", "required" or a NamedToolChoice; parsed by `tool_plan` so that a bad value is
+    # one clear 400 rather than an error per member of a union.
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format other than text is not supported"
-        return super().unsupported()
+    def tool_plan(self) -> ToolPlan:
+        """The resolved tool choice (FieldError for tools or a tool_choice that cannot be honoured):
+        "auto" when tools are given without a tool_choice, "none" without tools."""
+        tools = self.tools or []
+        choice = self._tool_choice()
+        if not tools:
+            if choice is not None and choice != "none":
+                raise FieldError("tool_choice needs tools", "tool_choice")
+            return ToolPlan("none")
+        functions: dict[str, dict[str, Any]] = {}
+        for i, tool in enumerate(tools):
+            name = tool.function.name
+            if not NAME_PATTERN.fullmatch(name):
+                raise FieldError(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}",
+                                 f"tools[{i}].function.name")
+            if name in functions:
+                raise FieldError(f"tools[{i}].function.name {name!r} is given twice", f"tools[{i}].function.name")
+            functions[name] = tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in functions:
+                raise FieldError(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+                                 "tool_choice")
+            plan = ToolPlan("named", functions, choice.function.name, parallel)
+        else:
+            mode: ToolMode = "none" if choice == "none" else "required" if choice == "required" else "auto"
+            plan = ToolPlan(mode, functions, None, parallel)
+        if plan.constrained and self.response_format is not None and self.response_format.type != "text":
+            raise FieldError("response_format cannot be combined with tool_choice 'required' or a named function "
+                             "(the output is the tool call)", "response_format")
+        return plan
+
+    def _tool_choice(self) -> str | NamedToolChoice | None:
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        if isinstance(choice, dict):
+            try:
+                return NamedToolChoice.model_validate(choice)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(x) for x in err.get("loc", ()))
+                raise FieldError(f"tool_choice{'.' + where if where else ''}: {err.get('msg')}", "tool_choice") from None
+        raise FieldError("tool_choice must be 'none', 'auto', 'required' or "
+                         f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}', "tool_choice")
+
+    def output_schema(self) -> dict[str, Any] | None:
+        plan = self.tool_plan()
+        return plan.output_schema() if plan.constrained else super().output_schema()
 
     @property
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's endpoint; lm-eval's remote tokenizer backend uses it)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's endpoint)."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,14 +1,30 @@
 """OpenAI response bodies built from engine events: streamed chunks and whole responses of
-/v1/completions (legacy logprobs format, echo) and /v1/chat/completions (chat logprobs format)."""
+/v1/completions (legacy logprobs format, echo) and /v1/chat/completions (chat logprobs format).
+
+Legacy completions logprobs, as OpenAI returns them and as `lm_eval --model local-completions`
+reads them for loglikelihood tasks: `tokens` (each token's text), `token_logprobs` (null for the
+first prompt token when echoed: nothing predicts it), `top_logprobs` (per token a {text: logprob}
+map of the `logprobs` most likely tokens plus the chosen one, so up to logprobs + 1 entries; null
+for the first prompt token; tokens whose texts coincide, such as byte tokens that are not whole
+UTF-8 characters, share one entry, the most likely one's) and `text_offset` (where each token's text starts in the choice's
+text, counting the echoed prompt). With `echo: true` and `max_tokens: 0` a choice is the prompt
+alone: its text and its prompt logprobs, no generated token.
+
+Chat tool calls: each choice's text goes through a `ToolCallStream` (tools.py), which passes it on
+as content or turns it into `tool_calls` deltas; whole chat responses are merged from the same
+deltas as the stream, so both carry the same message and finish_reason.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, AsyncIterator
 
 from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sequence import TokenLogprob
 from lmfoundry.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from lmfoundry.runtime.server.tools import ToolCallStream
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -24,6 +40,9 @@ class CompletionBuilder:
         self.created = int(time.time())
         self.completion_tokens = 0
         self.text_offsets: dict[int, int] = {}
+        # echo with max_tokens 0: the engine runs one token (a request must produce one) that the
+        # response leaves out, so a choice is the prompt and its logprobs alone.
+        self.echo_only = req.echo and req.max_tokens == 0
 
     def _choice_index(self, prompt_idx: int, ev: StepEvent) -> int:
         return prompt_idx * self.req.n + ev.index
@@ -35,7 +54,10 @@ class CompletionBuilder:
         if self.req.echo and ev.prompt_logprobs is not None:
             entries.extend(ev.prompt_logprobs)
         entries.extend(ev.logprobs or [])
-        tokens, token_lps, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         offset = self.text_offsets.get(idx, 0)
         prompt_ids = self.prompts[prompt_idx]
         for j, lp in enumerate(entries):
@@ -43,7 +65,14 @@ class CompletionBuilder:
             text = self.s.token_text(token_id)
             tokens.append(text)
             token_lps.append(lp.logprob if lp is not None else None)
-            tops.append({self.s.token_text(t): v for t, v in lp.top} if lp is not None else None)
+            if lp is None:
+                tops.append(None)
+            else:
+                top: dict[str, float] = {}
+                for t, v in lp.top:  # most likely first: a text two tokens share keeps the higher value
+                    top.setdefault(self.s.token_text(t), v)
+                top.setdefault(text, lp.logprob)  # OpenAI: the chosen token is always listed
+                tops.append(top)
             offsets.append(offset)
             offset += len(text)
         self.text_offsets[idx] = offset
@@ -59,6 +88,9 @@ class CompletionBuilder:
     async def chunks(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
         seen: set[int] = set()
         async for prompt_idx, ev in events:
+            if self.echo_only:
+                ev = dataclasses.replace(ev, token_ids=[], text="", logprobs=None,
+                                         finish_reason=None if ev.finish_reason is None else "length")
             idx = self._choice_index(prompt_idx, ev)
             first = idx not in seen
             seen.add(idx)
@@ -101,6 +133,8 @@ class ChatBuilder:
         self.s, self.req, self.prompt, self.rid = server, req, prompt, rid
         self.created = int(time.time())
         self.completion_tokens = 0
+        plan = req.tool_plan()  # validated when the request was prepared
+        self.tools = [ToolCallStream(plan) for _ in range(req.n)]
 
     def _logprobs(self, ev: StepEvent) -> dict | None:
         if not self.req.logprobs:
@@ -118,33 +152,47 @@ class ChatBuilder:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.s.model_name, "choices": choices}
 
+    async def _choices(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
+        """One choice delta per event that has something to say."""
+        async for _, ev in events:
+            self.completion_tokens += len(ev.token_ids)
+            logprobs = self._logprobs(ev)
+            delta, finish_reason = self.tools[ev.index].feed(ev.text, ev.finish_reason)
+            if not delta and logprobs is None and finish_reason is None:
+                continue  # text held back (partial UTF-8 character, possible stop string or tool call)
+            yield {"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
     async def chunks(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
         for i in range(self.req.n):
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
-        async for _, ev in events:
-            self.completion_tokens += len(ev.token_ids)
-            logprobs = self._logprobs(ev)
-            if not ev.text and logprobs is None and ev.finish_reason is None:
-                continue  # text held back (partial UTF-8 character or possible stop string)
-            delta = {"content": ev.text} if ev.text else {}
-            yield self._chunk([{"index": ev.index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": ev.finish_reason}])
+        async for choice in self._choices(events):
+            yield self._chunk([choice])
         if self.req.stream_options and self.req.stream_options.include_usage:
             chunk = self._chunk([])
             chunk["usage"] = _usage(len(self.prompt), self.completion_tokens)
             yield chunk
 
     async def collect(self, events: AsyncIterator[tuple[int, StepEvent]]) -> dict:
-        choices = {i: {"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-                       "finish_reason": None} for i in range(self.req.n)}
-        async for _, ev in events:
-            self.completion_tokens += len(ev.token_ids)
-            c = choices[ev.index]
-            c["message"]["content"] += ev.text
-            if (lps := self._logprobs(ev)) is not None:
+        choices: dict[int, dict[str, Any]] = {
+            i: {"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(self.req.n)}
+        async for choice in self._choices(events):
+            c = choices[choice["index"]]
+            message = c["message"]
+            message["content"] += choice["delta"].get("content", "")
+            for call in choice["delta"].get("tool_calls", []):
+                calls = message.setdefault("tool_calls", [])
+                if call["index"] == len(calls):  # a call's first delta: id, type, name
+                    calls.append({"id": call["id"], "type": call["type"],
+                                  "function": {"name": call["function"]["name"], "arguments": ""}})
+                calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+            if (lps := choice["logprobs"]) is not None:
                 c["logprobs"] = c["logprobs"] or {"content": []}
                 c["logprobs"]["content"].extend(lps["content"])
-            c["finish_reason"] = ev.finish_reason or c["finish_reason"]
+            c["finish_reason"] = choice["finish_reason"] or c["finish_reason"]
+        for c in choices.values():
+            if c["message"].get("tool_calls") and not c["message"]["content"]:
+                c["message"]["content"] = None  # OpenAI: a message that only calls tools has no content
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.s.model_name,
                 "choices": list(choices.values()), "usage": _usage(len(self.prompt), self.completion_tokens)}

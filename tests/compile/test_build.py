@@ -27,6 +27,8 @@ def test_w8a8_for_ampere(make_checkpoint, tmp_path):
     assert gemm and all("IMMA" in k["sass"]["mma"] for k in gemm)
     prefill = next(k for k in kernels if k["kernel"] == "paged_prefill")
     assert "HMMA" in prefill["sass"]["mma"]
+    decode = next(k for k in kernels if k["kernel"] == "paged_decode_split")
+    assert "HMMA" in decode["sass"]["mma"] and decode["sass"]["expected_any_of"] == ["HMMA"]
     fused = [f["name"] for f in result.manifest["fusions"] if f["applied"]]
     assert "input_layernorm+qkv_proj.input_quant" in fused and "self_attn.qkv_proj" in fused
     # Each covered GEMM shape appears in the manifest.
@@ -68,10 +70,16 @@ def test_sass_check_demands_wgmma_on_hopper():
     assert sass.mma_opcodes("  HFMA2.MMA R1 ;\n HGMMA.64x64x16.F32.BF16 gdesc ;") == ["HGMMA"]
 
 
+def _tiled(d, name):
+    return w4a16.TiledLinear.from_tensors({k[len(name) + 1:]: v for k, v in d.items() if k.startswith(name + ".")})
+
+
 def test_repacked_weights_concatenate_the_fused_members(make_checkpoint, tmp_path):
+    """The bundle holds the tiled layout of each fused GEMM; unrepacking it gives back exactly the
+    members' compressed-tensors tensors, concatenated."""
     from safetensors.torch import load_file
 
-    from lmfoundry.compile.repack import repack
+    from lmfoundry.compile.repack import fuse_members, repack
 
     ckpt = make_checkpoint(scheme="w4a16", group=32, symmetric=False)
     ck = load_checkpoint(ckpt)
@@ -79,18 +87,47 @@ def test_repacked_weights_concatenate_the_fused_members(make_checkpoint, tmp_pat
     fused = repack(ck, plan, tmp_path / "model.safetensors")
     assert fused["model.layers.1.self_attn.qkv_proj"] == [f"model.layers.1.self_attn.{m}_proj" for m in "qkv"]
     t, src = load_file(tmp_path / "model.safetensors"), load_file(ckpt / "model.safetensors")
-    assert not any(".q_proj." in n or ".gate_proj." in n for n in t)
+    assert not any(".q_proj." in n or ".gate_proj." in n or n.endswith(".weight_packed") for n in t)
     pre = "model.layers.0.self_attn."
+    members = [pre + f"{m}_proj" for m in "qkv"]
+    expect, _ = fuse_members(members, [128, 64, 64], src.__getitem__, src.__contains__)
+    back = w4a16.unrepack_tiled(_tiled(t, pre + "qkv_proj"))
+    assert back.out_features == 256 and back.in_features == 128
+    for key in ("weight_packed", "weight_scale", "weight_zero_point"):
+        assert torch.equal(getattr(back, key), expect[key]), key
+    down = w4a16.unrepack_tiled(_tiled(t, "model.layers.1.mlp.down_proj"))
+    assert torch.equal(down.weight_packed, src["model.layers.1.mlp.down_proj.weight_packed"])
 
-    def linear(d, name, n):
-        return w4a16.PackedLinear(d[name + ".weight_packed"], d[name + ".weight_scale"], 4, 32, 128,
-                                  d[name + ".weight_zero_point"])
 
-    fused_w = linear(t, pre + "qkv_proj", 256).dequantize()
-    parts = [linear(src, pre + f"{m}_proj", 0).dequantize() for m in "qkv"]
-    assert torch.equal(fused_w, torch.cat(parts))
-    assert t[pre + "qkv_proj.weight_shape"].tolist() == [256, 128]
-    assert torch.equal(t["model.layers.1.mlp.down_proj.weight_packed"], src["model.layers.1.mlp.down_proj.weight_packed"])
+def test_act_order_is_folded_into_gate_up(make_checkpoint, tmp_path):
+    """Act-order (g_idx) checkpoints: every GEMM gets a K permutation that makes groups contiguous;
+    down_proj's is applied to the rows of gate/up (its input then arrives permuted), and the
+    tiled tensors still unrepack to the checkpoint's exactly, g_idx included."""
+    from safetensors.torch import load_file
+
+    from lmfoundry.compile.plan import ACT_ORDER_FOLD
+    from lmfoundry.compile.repack import repack
+
+    ckpt = make_checkpoint(scheme="w4a16", group=32, actorder=True)
+    ck = load_checkpoint(ckpt)
+    plan = make_plan(ck, [90])
+    fold = next(f for f in plan.fusions if f.name == ACT_ORDER_FOLD)
+    assert fold.applied and fold.members == ["mlp.gate_up_proj", "mlp.down_proj"]
+    repack(ck, plan, tmp_path / "model.safetensors")
+    t, src = load_file(tmp_path / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    pre = "model.layers.1.mlp."
+    down, gate_up = _tiled(t, pre + "down_proj"), _tiled(t, pre + "gate_up_proj")
+    perm = w4a16.act_order_perm(src[pre + "down_proj.weight_g_idx"], 32)
+    assert down.input_permuted and torch.equal(down.perm, perm)
+    assert torch.equal(gate_up.out_perm, torch.cat([perm, perm + 256]))
+    qkv = _tiled(t, "model.layers.1.self_attn.qkv_proj")
+    assert qkv.perm is not None and not qkv.input_permuted and qkv.out_perm is None
+    back = w4a16.unrepack_tiled(down)
+    for key, name in (("weight_packed", "weight_packed"), ("weight_scale", "weight_scale"), ("weight_g_idx", "weight_g_idx")):
+        assert torch.equal(getattr(back, key), src[pre + "down_proj." + name]), key
+    back = w4a16.unrepack_tiled(gate_up)
+    assert torch.equal(back.weight_packed, torch.cat([src[pre + "gate_proj.weight_packed"], src[pre + "up_proj.weight_packed"]]))
+    assert torch.equal(back.weight_g_idx, src[pre + "gate_proj.weight_g_idx"])
 
 
 def _cli(args, capsys):
@@ -149,8 +186,9 @@ def test_default_model_hopper_and_ampere(tmp_path):
           f"load {os.getloadavg()[0]:.1f}")
     assert {k["sm"] for k in result.kernels} == {"sm_80", "sm_90a"}
     for k in result.kernels:
-        if k["kernel"] == "w4a16_gemm":
+        if k["kernel"] == "w4a16_tiled":
             assert ("HGMMA" if k["sm"] == "sm_90a" else "HMMA") in k["sass"]["mma"]
+    assert any(k["kernel"] == "w4a16_tiled" and k["config"]["constexprs"]["SPLIT_K"] > 1 for k in result.kernels)
     assert cpu / 2 <= 60, f"{cpu:.1f} CPU s is more than 60 s on 2 cores"
 
 
@@ -162,3 +200,5 @@ def test_fp8_for_ada_and_hopper(make_checkpoint, tmp_path):
     assert "QMMA" in gemms["sm_89"] and "QGMMA" in gemms["sm_90a"]
     kv = {k["types"]["kv"] for k in result.kernels if k["kernel"] == "paged_prefill"}
     assert kv == {"fp8e4nv"}
+    decode = {k["sm"]: k["sass"]["mma"] for k in result.kernels if k["kernel"] == "paged_decode_split"}
+    assert set(decode) == {"sm_89", "sm_90a"} and all("HMMA" in m for m in decode.values())  # fp8 KV -> bf16 MMAs

@@ -13,7 +13,7 @@ import torch
 from lmfoundry.compile import cuda_driver, loader
 from lmfoundry.compile.loader import DeviceInfo, EngineIntegrityError, load_engine
 from lmfoundry.kernels import activation, registry, w4a16
-from lmfoundry.kernels.checks import U32, assert_within, dot_bound, unit_roundoff
+from lmfoundry.kernels.checks import U32, assert_within, exact_weight_bound, unit_roundoff
 from lmfoundry.kernels.dispatch import is_interpreter
 from lmfoundry.kernels.interpreter import patch_interpreter
 
@@ -32,20 +32,27 @@ def tiny_linear(gen, n=N_QKV, k=K):
     return w4a16.PackedLinear(pack_to_int32(q, 4), scale, 4, 32, k, zp)
 
 
+def tiny_tiled(gen, n=N_QKV, k=K):
+    """The tiled layout compile writes for `tiny_linear` (what the bundle's W4A16 kernel reads)."""
+    return w4a16.repack_tiled(tiny_linear(gen, n, k))
+
+
 def test_manifest_lists_every_kernel_with_its_hash(hopper_engine):
     m = json.loads((hopper_engine / "engine.json").read_text())
     assert m["toolchain"]["triton"] == "3.7.1" and m["archs"] == {"hopper": {"capability": 90, "sm": "sm_90a"}}
     names = {k["kernel"] for k in m["kernels"]}
-    assert names == {"w4a16_gemm", "w4a16_gemv", "rmsnorm_quant", "silu_mul", "rotary", "store_kv", "paged_prefill",
-                     "paged_decode"}
+    assert names == {"w4a16_tiled", "rmsnorm_quant", "silu_mul", "rotary", "store_kv", "paged_prefill",
+                     "paged_decode_split", "paged_decode_reduce"}
     for k in m["kernels"]:
         for ext, rel in k["files"].items():
             assert hashlib.sha256((hopper_engine / rel).read_bytes()).hexdigest() == k["sha256"][ext]
         meta = json.loads((hopper_engine / k["files"]["json"]).read_text())
         assert meta["scratch_params"] == 2  # Triton 3.7 appends global and profile scratch pointers
         assert [p["name"] for p in meta["params"]] == [p.name for p in registry.kernel(k["kernel"]).params]
-        if k["kernel"] in ("w4a16_gemm", "paged_prefill"):
+        if k["kernel"] in ("w4a16_tiled", "paged_prefill"):
             assert "HGMMA" in k["sass"]["mma"], k
+        if k["kernel"] == "paged_decode_split":  # the GQA group (2 heads, padded to 16 rows): mma.sync
+            assert "HMMA" in k["sass"]["mma"] and k["sass"]["expected_any_of"] == ["HMMA"], k
     assert [f["name"] for f in m["fusions"] if f["applied"]] == ["self_attn.qkv_proj", "mlp.gate_up_proj"]
     assert not (hopper_engine / "weights" / "model.safetensors").is_symlink()  # deployable: repacked
     assert m["weights"]["mode"] == "repack" and m["weights"]["fused_tensors"]
@@ -59,7 +66,8 @@ def test_cpu_runs_the_reference(hopper_engine):
     x = torch.randn(3, K, generator=gen).bfloat16()
     out = ks.w4a16_linear(x, w)
     assert torch.equal(out, w4a16.reference(x, w.weight_packed, w.weight_scale, w.weight_zero_point, None, None, 4, 32))
-    assert ks.stats == {"reference": 1}
+    assert torch.equal(ks.w4a16_tiled_linear(x, w4a16.repack_tiled(w)), out)  # same definition, other layout
+    assert ks.stats == {"reference": 2}
 
 
 def test_pretending_sm80_falls_back_to_jit_with_one_log_line(hopper_engine, caplog):
@@ -139,30 +147,30 @@ def cubin_set(hopper_engine, monkeypatch):
 def test_cubin_launch_uses_the_shipped_metadata(cubin_set, hopper_engine):
     ks, fake = cubin_set
     gen = torch.Generator().manual_seed(2)
-    w = tiny_linear(gen)
+    w = tiny_tiled(gen)
     x = torch.randn(37, K, generator=gen).bfloat16()
     out = torch.empty(37, N_QKV, dtype=torch.bfloat16)
-    ks.w4a16_linear(x, w, out=out)
+    ks.w4a16_tiled_linear(x, w, out=out)
     assert ks.stats == {"cubin": 1}
     (image, entry, shared), = fake.loads
     launch, = fake.launches
-    kernel = ks.executor.find(w4a16.make_call(x, w, out))
+    kernel = ks.executor.find(w4a16.make_tiled_call(x, w, out))
     meta = kernel.meta
     assert image == (hopper_engine / kernel.entry["files"]["cubin"]).read_bytes()
-    assert entry == meta["entry"] == "w4a16_gemm_kernel" and shared == meta["shared"] == launch["shared"]
-    bm, bn = kernel.config["BLOCK_M"], kernel.config["BLOCK_N"]
-    assert launch["grid"] == [-(-37 // bm), -(-N_QKV // bn), 1]
+    assert entry == meta["entry"] == "w4a16_tiled_kernel" and shared == meta["shared"] == launch["shared"]
+    bm, bn, split = kernel.config["BLOCK_M"], kernel.config["BLOCK_N"], kernel.config["SPLIT_K"]
+    assert launch["grid"] == [-(-37 // bm), -(-N_QKV // bn), split]
     assert launch["threads"] == 32 * meta["num_warps"] and launch["stream"] == 0x5EED
     args = launch["args"]
     assert len(args) == len(meta["params"]) + 2 and args[-2:] == [("ptr", 0), ("ptr", 0)]
-    assert args[0] == ("ptr", x.data_ptr()) and args[1] == ("ptr", w.weight_packed.data_ptr())
-    assert args[6] == ("ptr", out.data_ptr())
-    assert args[7:10] == [("i32", 37), ("i32", N_QKV), ("i32", K)]
-    # Decode-sized calls go to the GEMV specialization: one program per N tile for all rows.
-    ks.w4a16_linear(x[:2], w, out=out[:2])
-    gemv = ks.executor.find(w4a16.make_call(x[:2], w, out[:2]))
-    assert fake.loads[-1][1] == "w4a16_gemv_kernel"
-    assert fake.launches[-1]["grid"] == [1, -(-N_QKV // gemv.config["BLOCK_N"]), 1]
+    assert args[0] == ("ptr", x.data_ptr()) and args[1] == ("ptr", w.qweight.data_ptr())
+    assert args[5] == ("ptr", out.data_ptr())
+    assert args[8:11] == [("i32", 37), ("i32", N_QKV), ("i32", K)]
+    # Decode-sized calls take the 16-token bucket: one program per 128-row weight tile (and split).
+    ks.w4a16_tiled_linear(x[:2], w, out=out[:2])
+    small = ks.executor.find(w4a16.make_tiled_call(x[:2], w, out[:2]))
+    assert small is not kernel and small.config["BLOCK_M"] == 16
+    assert fake.launches[-1]["grid"] == [1, -(-N_QKV // small.config["BLOCK_N"]), small.config["SPLIT_K"]]
 
 
 @interpreter_only
@@ -170,22 +178,22 @@ def test_uncovered_or_misaligned_calls_fall_back_to_jit(cubin_set, caplog):
     patch_interpreter()  # the JIT fallback runs bf16 through the interpreter here
     ks, fake = cubin_set
     gen = torch.Generator().manual_seed(3)
-    w = tiny_linear(gen, n=64)  # no layer has N=64: not covered by any shipped kernel
+    w = tiny_tiled(gen, n=64)  # no layer has N=64: not covered by any shipped kernel
     x = torch.randn(6, K, generator=gen).bfloat16()
     with caplog.at_level(logging.WARNING, logger="lmfoundry.engine"):
-        out = ks.w4a16_linear(x, w)
-        ks.w4a16_linear(x, w)
+        out = ks.w4a16_tiled_linear(x, w)
+        ks.w4a16_tiled_linear(x, w)
     assert not fake.launches and ks.stats == {"jit": 2}
     assert sum("no shipped kernel covers" in r.getMessage() for r in caplog.records) == 1  # said once
-    ref = w4a16.reference(x, w.weight_packed, w.weight_scale, w.weight_zero_point, None, None, 4, 32)
-    deq = w.dequantize().bfloat16().double()
-    assert_within(out, ref, dot_bound(ref, x.double().abs() @ deq.abs().t(), K, torch.bfloat16), "fallback")
+    ref = w4a16.tiled_reference(x, w)
+    exact, offset, weight_u = w4a16.tiled_error_terms(w, torch.bfloat16)
+    assert_within(out, ref, exact_weight_bound(ref, x, exact, offset, torch.bfloat16, weight_u), "fallback")
     # A covered shape whose activation pointer is not 16-byte aligned breaks a build assumption.
-    w = tiny_linear(gen)
+    w = tiny_tiled(gen)
     buf = torch.randn(6 * K + 1, generator=gen).bfloat16()
     x = buf[1:].view(6, K)
     with caplog.at_level(logging.WARNING, logger="lmfoundry.engine"):
-        ks.w4a16_linear(x, w)
+        ks.w4a16_tiled_linear(x, w)
     assert not fake.launches and "x_ptr=0x" in caplog.records[-1].getMessage()
 
 

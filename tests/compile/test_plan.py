@@ -24,33 +24,67 @@ def test_w4a16_plan(make_checkpoint):
     assert gemms["mlp.gate_up_proj"] == (512, 128) and gemms["mlp.down_proj"] == (128, 256)
     kernels = {(s.capability, s.kernel) for s in plan.specs}
     for cap in (90, 80):
-        for k in ("w4a16_gemm", "w4a16_gemv", "rmsnorm_quant", "silu_mul", "rotary", "store_kv", "paged_prefill",
-                  "paged_decode"):
+        for k in ("w4a16_tiled", "rmsnorm_quant", "silu_mul", "rotary", "store_kv", "paged_prefill",
+                  "paged_decode_split", "paged_decode_reduce"):
             assert (cap, k) in kernels
+        assert (cap, "w4a16_gemm") not in kernels and (cap, "w4a16_gemv") not in kernels  # the tiled layout's kernel
+        assert (cap, "paged_decode") not in kernels  # the unsplit decode kernel is only the benchmark's baseline
     # Every GEMM shape is covered for every row count, exactly once per arch and kernel.
     for cap in (90, 80):
         for name, (n, k) in gemms.items():
             if name == "lm_head":
                 continue
             rows = sorted(tuple(c["rows"]) for s in plan.specs if s.capability == cap and s.kernel.startswith("w4a16")
-                          for c in s.covers if c["shape"] == {"N": n, "K": k, "bits": 4})
+                          for c in s.covers if c["shape"] == {"N": n, "K": k, "bits": 4, "group": 32})
             assert rows[0][0] == 1 and rows[-1][1] == tiles.UNBOUNDED
             assert all(a[1] + 1 == b[0] for a, b in zip(rows, rows[1:]))
-    # Hopper GEMM tiles are wgmma-sized.
-    assert all(s.config["BLOCK_M"] >= 64 for s in plan.specs if s.capability == 90 and s.kernel == "w4a16_gemm")
+    # Hopper W4A16 tiles are wgmma-sized: 64+ weight rows (the MMA's M side), any number of tokens.
+    tiled = [s for s in plan.specs if s.capability == 90 and s.kernel == "w4a16_tiled"]
+    assert all(s.config["BLOCK_N"] >= 64 and s.expected_sass() == ("HGMMA",) for s in tiled)
+    assert min(s.config["BLOCK_M"] for s in tiled) == 16
+    assert all(s.semantics == {"BITS": 4, "GROUP_SIZE": 32, "HAS_ZP": False, "HAS_BIAS": False} for s in tiled)
     assert len({s.key() for s in plan.specs}) == len(plan.specs)
 
 
 def test_alignment_assumptions_follow_the_shapes(make_checkpoint):
-    # K = 128 (qkv, gate_up): packed row stride 16 words; K = 256 (down): 32 words -> both aligned.
+    # K = 128 (qkv, gate_up), 256 (down): activation rows and K are multiples of 16 -> assumed.
     ck = load_checkpoint(make_checkpoint(scheme="w4a16", group=32, weights=False))
-    spec = next(s for s in make_plan(ck, [90]).specs if s.kernel == "w4a16_gemv")
-    assert {"N", "K", "stride_xm", "stride_qn", "stride_om"} <= set(spec.aligned)
-    # hidden 72 -> K = 72: packed stride 9 words is not a multiple of 16: not assumed.
+    spec = next(s for s in make_plan(ck, [90]).specs if s.kernel == "w4a16_tiled")
+    assert {"N", "K", "stride_xm", "stride_qn", "stride_sg", "stride_om"} <= set(spec.aligned)
+    # hidden 72 -> K = 72: the activation row stride is not a multiple of 16: not assumed; the tiled
+    # weight's strides are (N and K padded to its panels).
     ck = load_checkpoint(make_checkpoint(scheme="w4a16", group=0, hidden=72, intermediate=144, heads=1, kv_heads=1,
                                          weights=False))
-    spec = next(s for s in make_plan(ck, [90]).specs if s.kernel == "w4a16_gemv")
-    assert "stride_qn" not in spec.aligned and "K" not in spec.aligned
+    spec = next(s for s in make_plan(ck, [90]).specs if s.kernel == "w4a16_tiled" and
+                any(c["shape"]["K"] == 72 for c in s.covers))
+    assert "stride_xm" not in spec.aligned and "K" not in spec.aligned
+    assert {"stride_qn", "stride_sg"} <= set(spec.aligned)
+
+
+def test_w4a16_split_k_fills_the_sms():
+    """Decode-sized buckets split K so n-tiles x splits reach the arch's SM count; batched rows
+    (above w4a16.SPLIT_MAX_M, where the op passes no workspace) never split."""
+    from lmfoundry.gpus import SM_COUNT
+    from lmfoundry.kernels import w4a16
+
+    for cap in (80, 89, 90):
+        for n, k in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]:
+            for lo, hi, c in tiles.buckets(cap, "w4a16_tiled", {"N": n, "K": k, "bits": 4, "group": 128}):
+                programs = -(-hi // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]) * c["SPLIT_K"]
+                if hi <= w4a16.SPLIT_MAX_M:
+                    assert programs >= 0.75 * SM_COUNT[cap] or c["SPLIT_K"] == tiles.MAX_SPLIT_K, (cap, n, k, lo, c)
+                else:
+                    assert c["SPLIT_K"] == 1
+    b = tiles.buckets(90, "w4a16_tiled", {"N": 4096, "K": 4096, "bits": 4, "group": 128})
+    assert b[0][:2] == (1, 16) and b[0][2]["BLOCK_M"] == 16 and b[0][2]["SPLIT_K"] == 4  # 32 tiles x 4 on 132 SMs
+    # INT8 / FP8 decode on Hopper: 16-token tiles with the weight as the wgmma's 128-row side, split-K
+    from lmfoundry.kernels import registry
+
+    for kernel, mma in (("w8a8_gemm", "IGMMA"), ("fp8_gemm", "QGMMA")):
+        lo, hi, c = tiles.buckets(90, kernel, {"N": 4096, "K": 4096})[0]
+        assert (lo, hi, c["BLOCK_M"], c["BLOCK_N"], c["SWAP_AB"]) == (1, 16, 16, 128, 1) and c["SPLIT_K"] > 1
+        assert registry.kernel(kernel).expect_sass(90, c, {}, {}) == (mma,)
+        assert all(c["SPLIT_K"] == 1 for lo, hi, c in tiles.buckets(90, kernel, {"N": 4096, "K": 4096}) if hi > 64)
 
 
 def test_w8a8_fuses_norm_with_quantization(make_checkpoint):

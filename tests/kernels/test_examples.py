@@ -14,6 +14,8 @@ CASES = {
                    {"M": 20, "N": 96, "K": 128, "bits": 4}),
     "w4a16_gemv": ({"act": F16, "scale": F16}, {"BITS": 8, "GROUP_SIZE": 0, "HAS_ZP": False, "HAS_GIDX": False, "HAS_BIAS": False},
                    {"M": 2, "N": 64, "K": 96, "bits": 8}),
+    "w4a16_tiled": ({"act": BF, "scale": BF}, {"BITS": 4, "GROUP_SIZE": 64, "HAS_ZP": True, "HAS_BIAS": True},
+                    {"M": 3, "N": 96, "K": 192, "bits": 4, "group": 64}),
     "w8a8_gemm": ({"a": "i8", "bscale": BF, "out": BF}, {"A_PER_TOKEN": True, "B_PER_CHANNEL": True, "HAS_BIAS": False,
                                                           "ACC_INT": True}, {"M": 9, "N": 64, "K": 128}),
     "fp8_gemm": ({"a": "fp8e4nv", "bscale": "fp32", "out": F16}, {"A_PER_TOKEN": False, "B_PER_CHANNEL": False,
@@ -27,6 +29,9 @@ CASES = {
                       {"B": 2, "ctx": 40, "q_len": 10}),
     "paged_decode": ({"act": BF, "kv": BF}, {"NUM_Q_HEADS": 2, "NUM_KV_HEADS": 1, "HEAD_DIM": 64, "PAGE": 16, "KV_QUANT": 0},
                      {"B": 3, "ctx": 50}),
+    "paged_decode_split": ({"act": F16, "kv": "i8"}, {"NUM_Q_HEADS": 6, "NUM_KV_HEADS": 2, "HEAD_DIM": 64, "PAGE": 16,
+                                                      "KV_QUANT": 1}, {"B": 2, "ctx": 70, "splits": 3}),
+    "paged_decode_reduce": ({"act": BF}, {"NUM_Q_HEADS": 4, "HEAD_DIM": 64}, {"B": 2, "ctx": 90, "splits": 4, "Hkv": 2}),
 }
 
 
@@ -42,7 +47,7 @@ def test_example_passes_its_own_check(kernel, device):
     examples.run_and_check(ex, JitExecutor())
 
 
-@pytest.mark.parametrize("kernel", ["w4a16_gemm", "paged_prefill", "rmsnorm_quant"])
+@pytest.mark.parametrize("kernel", ["w4a16_gemm", "w4a16_tiled", "paged_prefill", "rmsnorm_quant", "paged_decode_reduce"])
 def test_example_check_rejects_wrong_output(kernel, device):
     types, sem, shape = CASES[kernel]
     ex = examples.build(kernel, types, sem, shape, device)

@@ -1,4 +1,5 @@
-"""Store-KV (quantize on write) and paged attention (prefill + decode) over a block table."""
+"""Store-KV (quantize on write) and paged attention (prefill, and the unsplit decode kernel kept as
+the benchmark baseline) over a block table. FlashDecoding: test_paged_attention_decode.py."""
 
 from __future__ import annotations
 
@@ -109,13 +110,13 @@ def test_prefill(dtype, cache_dtype, hq, hkv, d, lens, q_lens, gen, device):
 @pytest.mark.parametrize("dtype,cache_dtype,hq,hkv,d,lens", [(torch.bfloat16, "model", 4, 2, 64, [70, 1, 33]),
                                                              (torch.float16, torch.int8, 6, 3, 64, [16, 100]),
                                                              (torch.bfloat16, E4M3, 2, 2, 128, [5])])
-def test_decode(dtype, cache_dtype, hq, hkv, d, lens, gen, device):
+def test_decode_unsplit(dtype, cache_dtype, hq, hkv, d, lens, gen, device):
     cdt = dtype if cache_dtype == "model" else cache_dtype
     cache, table, _, _, _ = build(lens, hkv, d, dtype, cdt, gen)
     ctx = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
     out = poisoned(tuple(q.shape), dtype, device)
-    paged_attention.paged_decode(q.to(device), to(cache, device), table.to(device), ctx.to(device), out=out)
+    paged_attention.paged_decode_unsplit(q.to(device), to(cache, device), table.to(device), ctx.to(device), out=out)
     assert_written(out, "decode")
     sm = 1 / math.sqrt(d)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)

@@ -33,7 +33,7 @@ def test_params_follow_the_kernel_signature(name):
 @pytest.mark.parametrize("name", sorted(registry.KERNELS))
 def test_grid_rules_evaluate(name):
     kd = registry.kernel(name)
-    names = {n: 7 for rule in kd.grid for n in ("M", "N", "T", "B", "max_q_len", "INTER")}
+    names = {n: 7 for rule in kd.grid for n in ("M", "N", "T", "B", "max_q_len", "INTER", "num_splits")}
     names.update({n: 16 for n in (*kd.semantics, *kd.tiles)})
     for rule in kd.grid:
         assert eval_grid_rule(rule, names) >= 1

@@ -228,3 +228,11 @@ def test_cascade_attention_over_a_shared_prefix_matches(model, monkeypatch) -> N
         got = torch.tensor([lp.logprob for lp in on.outputs[0].logprobs])
         want = torch.tensor([lp.logprob for lp in off.outputs[0].logprobs])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_refused_up_front(model) -> None:
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=50))
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        engine.check_request([5, 6], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+    engine.check_request([5, 6], SamplingParams(max_tokens=2, logit_bias={vocab - 1: 1.0}))

@@ -38,6 +38,8 @@ SCHEMES = {
     "fp8": ["--method", "fp8", "--scheme", "fp8-dynamic"],
     "w4a16-kv-fp8": ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "fp8"],
     "w4a16-kv-int8": ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "int8"],
+    # GPTQ act-order with g_idx: K permuted at compile time, down_proj's folded into gate/up's rows
+    "w4a16-actorder": ["--method", "gptq", "--scheme", "w4a16", "--group-size", "32", "--actorder", "dynamic"],
 }
 PROMPTS = [[1, 5, 9, 33, 70, 8], [1, 40, 41, 42], [1, *range(100, 130)]]
 U_BF16 = 2.0**-8
@@ -204,11 +206,28 @@ def test_w4a16_weights_stay_packed(bundles: Bundles) -> None:
     kmodel, _ = load_bundle(bundles.engine("w4a16"), "cpu", interpret=False)
     ref_model, _ = load_model(bundles.checkpoint("w4a16"), dtype=torch.bfloat16)
     layer = kmodel.layers[0]
-    assert len(layer.qkv) == 1 and layer.qkv[0].packed is not None  # fused and packed, never dequantized
-    assert layer.qkv[0].packed.weight_packed.dtype == torch.int32
+    assert len(layer.qkv) == 1 and layer.qkv[0].tiled is not None  # fused and tiled, never dequantized
+    assert layer.qkv[0].tiled.qweight.dtype == torch.int32 and layer.qkv[0].packed is None
     linears = sum(p.numel() * 2 for n, p in ref_model.named_parameters() if "layers." in n and p.ndim == 2)
     packed = sum(g.nbytes() for lw in kmodel.layers for g in (*lw.qkv, lw.o_proj, *lw.gate_up, lw.down))
     assert packed <= 0.3 * linears  # int4 codes + bf16 scales of g32: 0.25 + 1/32 of bf16
+
+
+def test_act_order_bundle_permutes_k_at_compile_time(bundles: Bundles) -> None:
+    """GPTQ act-order (g_idx) is resolved by compile: each GEMM's K is permuted so groups are
+    contiguous, and down_proj's permutation lives in the rows of gate/up, so only q/k/v and o_proj
+    gather their input at run time."""
+    from lmfoundry.compile.plan import ACT_ORDER_FOLD
+
+    manifest = json.loads((bundles.engine("w4a16-actorder") / "engine.json").read_text())
+    assert any(f["name"] == ACT_ORDER_FOLD and f["applied"] for f in manifest["fusions"])
+    assert {k["kernel"] for k in manifest["kernels"] if k["kernel"].startswith("w4a16")} == {"w4a16_tiled"}
+    kmodel, _ = load_bundle(bundles.engine("w4a16-actorder"), "cpu", interpret=False)
+    for layer in kmodel.layers:
+        down, gate_up, qkv = layer.down.tiled, layer.gate_up[0].tiled, layer.qkv[0].tiled
+        assert down.perm is not None and down.input_permuted
+        assert torch.equal(gate_up.out_perm[: down.in_features], down.perm)
+        assert qkv.perm is not None and not qkv.input_permuted
 
 
 def test_tampered_weights_are_refused(bundles: Bundles, tmp_path: Path) -> None:

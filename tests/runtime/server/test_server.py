@@ -16,10 +16,16 @@ from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
+    """The value of the one sample `name` of /metrics whose labels include `labels` (written
+    '{key="value",...}'); every series also carries model_name, the served name ("toy")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels))
     text = httpx.get(f"{url}/metrics").text
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
-    assert m, f"{name}{labels} not in /metrics"
-    return float(m.group(1))
+    found = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+             if s.name == name and want.items() <= s.labels.items()]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples in /metrics"
+    return float(found[0])
 
 
 def assert_healthy(url: str) -> None:

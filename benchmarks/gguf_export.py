@@ -1,0 +1,136 @@
+"""GGUF export quality: our calibrated int4 checkpoints exported to Q4_0 beside ggml's own Q4_0.
+
+On SmolLM2-135M, every row is a perplexity on the same held-out windows (wiki, never used for
+calibration), measured in this run:
+- float: the source model (our reference forward);
+- `ggml Q4_0`: what `llama-quantize ... Q4_0` produces for the decoder linears — the float weights
+  quantized by the `gguf` package's implementation of ggml's reference Q4_0 quantizer, dequantized
+  into the same reference model (embeddings stay float, as in our exports);
+- ours (RTN / GPTQ / AWQ, int4 symmetric group 32, fp16 scales) exported with `lmfoundry export
+  --format gguf`, the .gguf read back by transformers' GGUF loader (not our code), and beside it
+  our runtime on the checkpoint itself: the two must agree (the export is exact).
+Caveat from shared/RESOURCES.md: SmolLM2's "float" weights came from a Q4_1 (asymmetric g32)
+grid, so asymmetric g32 would reproduce them exactly; symmetric Q4_0 is a different grid for
+every row here, which keeps the comparison fair.
+
+    python benchmarks/gguf_export.py [--num-samples 32] [--seq-len 512] [--windows 40]
+        [--out benchmarks/results/gguf_export_smollm2.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def ppl_of(model, stream: torch.Tensor, ctx: int, windows: int) -> float:
+    from lmfoundry.evals.perplexity import perplexity
+
+    return perplexity(model, stream, ctx=ctx, max_windows=windows, progress=False).ppl
+
+
+class HFLogits(torch.nn.Module):
+    """A transformers model as the `ids -> logits` callable our perplexity takes."""
+
+    def __init__(self, hf) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(ids).logits.float()
+
+
+def ggml_q4_0_model(folder: Path):
+    """The float model with every decoder linear replaced by ggml's reference Q4_0 round trip."""
+    import gguf
+
+    from lmfoundry.model.config import LAYER_LINEARS
+    from lmfoundry.runtime.loader import load_model
+
+    model, _ = load_model(str(folder))
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for local in LAYER_LINEARS:
+                lin = layer.get_submodule(local)
+                w = lin.weight.detach().float().numpy()
+                lin.weight.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, q4), q4)))
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="rtn,gptq,awq")
+    ap.add_argument("--num-samples", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from lmfoundry.calibration.data import eval_token_stream
+    from lmfoundry.commands.quantize import run_quantize
+    from lmfoundry.gguf_export import export_gguf
+    from lmfoundry.models import resolve_model
+    from lmfoundry.recipe import apply_overrides, load_recipe
+    from lmfoundry.runtime.loader import load_model
+
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="lmf-gguf-"))
+    source = resolve_model("smollm2-135m")
+    float_model, tok = load_model(str(source))
+    stream, _, _ = eval_token_stream(None, tok)
+    rows = [{"model": "float", "ppl": ppl_of(float_model, stream, a.ctx, a.windows)}]
+    del float_model
+    rows.append({"model": "ggml Q4_0 (llama-quantize's algorithm)",
+                 "ppl": ppl_of(ggml_q4_0_model(source), stream, a.ctx, a.windows)})
+    for method in a.methods.split(","):
+        rec = load_recipe(None)
+        apply_overrides(rec, "quantize", method=method, scheme="w4a16", group_size=32, dtype="float16")
+        apply_overrides(rec, "calibration", num_samples=a.num_samples, seq_len=a.seq_len)
+        ckpt = work / f"{method}-g32"
+        t0 = time.time()
+        run_quantize("smollm2-135m", ckpt, rec, overwrite=True, progress=False)
+        quantize_s = time.time() - t0
+        gguf_dir = work / f"{method}-gguf"
+        report = export_gguf(ckpt, gguf_dir / "model.gguf", tokenizer_pre="smollm", progress=False)
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file="model.gguf", dtype=torch.float32).eval()
+        exported = ppl_of(HFLogits(hf), stream, a.ctx, a.windows)
+        del hf
+        ours, _ = load_model(str(ckpt))
+        direct = ppl_of(ours, stream, a.ctx, a.windows)
+        rows.append({"model": f"ours {method} g32 -> Q4_0 .gguf (read by transformers)", "ppl": exported,
+                     "runtime_ppl": direct, "quantize_s": round(quantize_s, 1),
+                     "gguf_mib": round(report.bytes / 2**20, 1), "scale_rounding": report.max_scale_rounding})
+    base = rows[0]["ppl"]
+    ggml = rows[1]["ppl"]
+    lines = [
+        f"SmolLM2-135M, {a.windows} held-out wiki windows x {a.ctx} tokens; calibration {a.num_samples} x "
+        f"{a.seq_len} c4 tokens; decoder linears int4 symmetric group 32 (Q4_0), embeddings float.",
+        "",
+        "| model | ppl | +ppl over float | vs ggml Q4_0 | our runtime on the checkpoint | export vs runtime |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rt = r.get("runtime_ppl")
+        runtime = "" if rt is None else f"{rt:.3f}"
+        agree = "" if rt is None else f"{(r['ppl'] - rt) / rt * 100:+.3f} %"
+        lines.append(f"| {r['model']} | {r['ppl']:.3f} | {r['ppl'] - base:+.3f} | {r['ppl'] - ggml:+.3f} | "
+                     f"{runtime} | {agree} |")
+    table = "\n".join(lines)
+    print(table)
+    if a.out:
+        out = Path(a.out)
+        out.write_text(f"# GGUF export (benchmarks/gguf_export.py)\n\n{table}\n")
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""/metrics labels every series with model_name and exports the KV-cache usage fraction; the
+Grafana dashboard (dashboards/lmfoundry.json) queries only what a started server exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .test_server import metric
+
+DASHBOARD = Path(__file__).resolve().parents[3] / "dashboards" / "lmfoundry.json"
+
+# PromQL words that are neither metric nor label names.
+KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
+            "group_right", "inf", "nan", "start", "end"}
+GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+
+
+def exported(url: str) -> dict[str, set[str]]:
+    """Sample name -> the label names it carries, from a live /metrics."""
+    out: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    return out
+
+
+def queries(node: Any) -> Iterator[str]:
+    """Every PromQL expression of a dashboard: panel targets' `expr`, and the metric queried by
+    a template variable's label_values()."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "expr" and isinstance(value, str):
+                yield value
+            elif key == "definition" and isinstance(value, str):
+                m = re.fullmatch(r"\s*label_values\(\s*([^,]+?)\s*,\s*(\w+)\s*\)\s*", value)
+                assert m, f"unexpected variable query {value!r}"
+                yield f"group by ({m.group(2)}) ({m.group(1)})"
+            else:
+                yield from queries(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from queries(item)
+
+
+def names_in(expr: str) -> tuple[set[str], set[str]]:
+    """(metric names, label names) an expression refers to. Grafana variables, strings and range
+    selectors are dropped; label names come from matchers and grouping clauses; what is left that
+    is not a function call or a keyword is a metric name."""
+    expr = re.sub(r"\$\{[^}]*\}|\$\w+", "", expr)
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)
+    labels: set[str] = set()
+    for matchers in re.findall(r"\{([^}]*)\}", expr):
+        labels.update(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
+    expr = re.sub(r"\{[^}]*\}", " ", expr)
+    for _, names in GROUPING.findall(expr):
+        labels.update(n.strip() for n in names.split(",") if n.strip())
+    expr = GROUPING.sub(" ", expr)
+    words = re.findall(r"(?<![\w.])([A-Za-z_:][\w:]*)(\s*\()?", expr)
+    metrics = {w for w, call in words if not call and w.lower() not in KEYWORDS}
+    return metrics, labels
+
+
+def test_names_in_reads_promql() -> None:
+    expr = ('histogram_quantile(0.95, sum by (le, model_name) (rate(foo_bucket{model_name=~"$model_name",'
+            'a!="x{y}"}[$__rate_interval]))) / on(model_name) group_left bar_total offset 5m')
+    assert names_in(expr) == ({"foo_bucket", "bar_total"}, {"le", "model_name", "a"})
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Any]:
+    from .conftest import live_server
+
+    with live_server() as live:
+        # Traffic of every kind the dashboard plots: finished requests, tokens, a prefix-cache hit,
+        # a rejected request.
+        for _ in range(2):
+            r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "a shared prompt prefix, long enough",
+                                                              "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+        assert httpx.post(f"{live.url}/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
+        yield live
+
+
+def test_every_series_has_model_name_and_kv_usage_is_a_fraction(live) -> None:
+    series = exported(live.url)
+    lmfoundry = {name: labels for name, labels in series.items() if name.startswith("lmfoundry_")}
+    assert len(lmfoundry) > 20
+    assert all("model_name" in labels for labels in lmfoundry.values()), lmfoundry
+    assert metric(live.url, "lmfoundry_requests_total", '{model_name="toy",finish_reason="length"}') == 2
+    assert metric(live.url, "lmfoundry_requests_total", '{model_name="toy",finish_reason="error"}') == 0
+    assert metric(live.url, "lmfoundry_requests_rejected_total", '{model_name="toy",status="400"}') == 1
+    assert metric(live.url, "lmfoundry_generation_tokens_total", '{model_name="toy"}') == 8
+    assert metric(live.url, "lmfoundry_kv_cache_usage_ratio", '{model_name="toy"}') == 0.0
+    step = live.engine.engine.step
+    used = []
+
+    def watched() -> Any:
+        events = step()
+        bm = live.engine.engine.block_manager
+        used.append((bm.num_used_blocks / bm.num_blocks, metric(live.url, "lmfoundry_kv_cache_usage_ratio")))
+        return events
+
+    live.engine.engine.step = watched
+    try:
+        r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "y" * 100, "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200
+    finally:
+        live.engine.engine.step = step
+    assert any(0 < ratio < 1 and ratio == seen for ratio, seen in used), used
+
+
+def test_dashboard_queries_only_exported_metrics(live) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    series = exported(live.url)
+    exprs = list(queries(dashboard))
+    assert len(exprs) >= 15
+    used: set[str] = set()
+    for expr in exprs:
+        metrics, labels = names_in(expr)
+        assert metrics, f"no metric in {expr!r}"
+        missing = metrics - series.keys()
+        assert not missing, f"{expr!r} queries {missing}, which /metrics does not export"
+        carried = set().union(*(series[m] for m in metrics))
+        assert labels <= carried, f"{expr!r} uses labels {labels - carried} that {metrics} do not carry"
+        used |= metrics
+    # the dashboard shows the series this issue added
+    assert {"lmfoundry_kv_cache_usage_ratio", "lmfoundry_requests_total", "lmfoundry_generation_tokens_total",
+            "lmfoundry_time_to_first_token_seconds_bucket"} <= used
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "model_name"]
