@@ -69,8 +69,8 @@ def ggml_type_of(args: Any) -> str:
 
 def _per_block(t: torch.Tensor, in_features: int) -> torch.Tensor:
     """A per-group (or per-channel) tensor [rows, groups] repeated to one entry per block of 32."""
-    blocks = in_features // BLOCK
-    return t.reshape(t.shape[0], -1).repeat_interleave(blocks // t.reshape(t.shape[0], -1).shape[1], dim=1)
+    per_row = t.reshape(t.shape[0], -1)
+    return per_row.repeat_interleave(in_features // BLOCK // per_row.shape[1], dim=1)
 
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
