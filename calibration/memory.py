@@ -7,10 +7,12 @@ by phase, because the peak is the larger of two phases that never overlap:
 
 - embeddings: the table in its stored dtype (rows are gathered before widening, so there is no
   float32 copy of it), plus the calibration hidden states being made;
-- layers: one decoder layer in float32 (plus its stored-dtype tensors while it is widened), the
-  codes and scales of its quantized linears, the largest linear's quantization temporaries, the
-  calibration activations the pass keeps, and the method's statistics (GPTQ: one Hessian per
-  distinct input and the inverse-Hessian factorization of the largest one).
+- layers: one decoder layer in float32 and the codes of its quantized linears, plus the larger
+  of what loading it needs (its stored-dtype tensors while they are widened) and what quantizing
+  it needs: the largest linear's quantization temporaries, or for GPTQ the statistics of the
+  group of linears being quantized (float64 sums while they accumulate; then the float32
+  Hessian, its reordered copy factored in place, and the factor), one group at a time;
+  plus the calibration activations the pass keeps.
 """
 
 from __future__ import annotations
@@ -48,13 +50,24 @@ def activation_bytes(config: ModelConfig, num_samples: int, seq_len: int, batch_
     return parts
 
 
+def gptq_statistics_bytes(config: ModelConfig) -> int:
+    """GPTQ's statistics at their peak: the group of linears sharing one input that needs most.
+    A group of width k with a accumulators (q/k/v has two: plain and attention-weighted) holds a
+    float64 sums (8k² each) plus one batch's float32 product (4k²) while it accumulates; reading
+    turns one sum at a time into a float32 Hessian, and factoring it adds one reordered copy and
+    the factor: (8a + 4)·k² bytes either way (quantizers/gptq.py)."""
+    h, i = config.hidden_size, config.intermediate_size
+    widths = {"qkv": (h, 2), "o": (config.num_heads * config.head_dim, 1), "gate_up": (h, 1), "down": (i, 1)}
+    return max((8 * a + 4) * k * k for k, a in widths.values())
+
+
 def calibration_bytes(config: ModelConfig, method: str | None, num_samples: int, seq_len: int,
                       batch_size: int, needs_data: bool, source_dtype: Any = "float32",
                       offloaded: bool = False) -> dict[str, int]:
     """Estimated peak memory of one pipeline process (host RAM on CPU): the two phases' parts,
     `embedding_phase`, `layer_phase` and their maximum, `total`. With `offloaded` (a GPU run whose
     activations live in host memory) the activations are left out: this is the device's share."""
-    h, i = config.hidden_size, config.intermediate_size
+    h = config.hidden_size
     sb = _dtype_bytes(source_dtype)
     shapes = config.linear_shapes.values()
     linear_params = sum(o * k for o, k in shapes)
@@ -64,21 +77,19 @@ def calibration_bytes(config: ModelConfig, method: str | None, num_samples: int,
     parts: dict[str, int] = {
         "embedding": config.vocab_size * h * sb,
         "layer_float32": layer_params * FLOAT,
-        # widening to float32 keeps the stored-dtype tensors until the layer is built
-        "layer_source": layer_params * sb if sb != FLOAT else 0,
         # int8 codes of every quantized linear of the layer, before packing
         "codes": linear_params,
+        # while the layer is built: the stored-dtype tensors being widened (before any codes exist)
+        "layer_source": layer_params * sb if sb != FLOAT else 0,
         # the largest linear: its float32 copy being quantized and its dequantized replacement
         "largest_linear": 2 * largest * FLOAT,
         **acts,
     }
     if method == "gptq" and needs_data:
-        inputs = {h, config.num_heads * config.head_dim, i}
-        parts["hessians"] = (sum(k * k for k in inputs) + h * h) * FLOAT  # + the K/V attention-weighted one
-        # factoring the largest Hessian: the damped copy, its Cholesky factor and the inverse factor
-        parts["inverse_hessian"] = 3 * max(inputs) ** 2 * FLOAT
+        parts["hessians"] = gptq_statistics_bytes(config)
+    work = max(parts["largest_linear"], parts.get("hessians", 0))
     embed_phase = parts["embedding"] + (acts.get("hidden_states", 0) // 3 if acts else 0)
-    layer_phase = sum(v for k, v in parts.items() if k != "embedding")
+    layer_phase = parts["layer_float32"] + max(parts["layer_source"], parts["codes"] + work) + sum(acts.values())
     parts["embedding_phase"] = embed_phase
     parts["layer_phase"] = layer_phase
     parts["total"] = max(embed_phase, layer_phase)

@@ -106,6 +106,7 @@ class HessianAccumulator:
         self.count = 0
         self.token_cap = token_cap
         self.reduced = False  # summed over data-parallel ranks (done once, when first read)
+        self._h: torch.Tensor | None = None  # the float32 Hessian, once read (the sums are freed)
 
     @torch.no_grad()
     def add(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> None:
@@ -120,7 +121,7 @@ class HessianAccumulator:
             factor = w if factor is None else factor * w
         if factor is not None:
             x = x * factor.unsqueeze(-1)
-        if self.reduced:
+        if self.reduced or self._h is not None:
             raise RuntimeError("HessianAccumulator.add after the Hessian was read")
         self.count += x.shape[0]
         if x.device.type != "cpu":  # on the accelerator: one matmul, no host round trip
@@ -135,9 +136,15 @@ class HessianAccumulator:
         self.sum += part
 
     def hessian(self) -> torch.Tensor:
-        """2·XᵀX/N over the tokens of every data-parallel rank (summed across ranks here, once)."""
+        """2·XᵀX/N over the tokens of every data-parallel rank (summed across ranks here, once).
+
+        Memory: the float64 sum becomes one float32 matrix (mirrored block by block, no second
+        copy) and is freed; the result is kept for later reads. A down_proj Hessian of an 8B model
+        is 0.8 GB in float32, so each extra copy here shows in the run's peak."""
         from lmfoundry.distributed import ranks
 
+        if self._h is not None:
+            return self._h
         if not self.reduced:
             self.reduced = True
             group = ranks()
@@ -149,11 +156,27 @@ class HessianAccumulator:
         if (self.sum is None and self.device_sum is None) or self.count == 0:
             raise RuntimeError("no calibration inputs reached this linear")
         if self.device_sum is not None:
-            return self.device_sum.float().mul_(2.0 / self.count)
-        upper = torch.triu(torch.from_numpy(self.sum).float())
-        full = upper + upper.t()
-        full.diagonal().mul_(0.5)
-        return full.mul_(2.0 / self.count)
+            h = self.device_sum.float().mul_(2.0 / self.count)
+        else:
+            h = torch.from_numpy(self.sum).float()  # Fortran-ordered like the sum; upper triangle valid
+            self.sum = None
+            mirror_upper_(h)
+            h = h.mul_(2.0 / self.count).t()  # symmetric: the transpose is the same matrix, C-contiguous
+        self.device_sum = None
+        self._h = h
+        return h
+
+
+def mirror_upper_(h: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Copy the upper triangle of square `h` onto its lower one, in place, `block` columns at a
+    time (a temporary of one block, not of the matrix)."""
+    n = h.shape[0]
+    for j0 in range(0, n, block):
+        j1 = min(j0 + block, n)
+        h[j0:j1, :j0] = h[:j0, j0:j1].t()
+        d = h[j0:j1, j0:j1]
+        d.copy_(torch.triu(d) + torch.triu(d, 1).t())
+    return h
 
 
 @dataclass
@@ -166,27 +189,42 @@ class InverseHessian:
     damping_frac: float
 
 
-def upper_cholesky_of_inverse(h_flipped: torch.Tensor) -> torch.Tensor | None:
+def all_finite(t: torch.Tensor, rows: int = 256) -> bool:
+    """No inf/NaN in `t`, checked `rows` rows at a time: `isfinite(t).all()` on a whole 14336²
+    Hessian allocates about twice its size in temporaries."""
+    return all(bool(torch.isfinite(t[i:i + rows]).all()) for i in range(0, t.shape[0], rows))
+
+
+def upper_cholesky_of_inverse(h_flipped: torch.Tensor, overwrite: bool = False) -> torch.Tensor | None:
     """U upper triangular with Uᵀ·U = H⁻¹, from J·H·J (H with rows and columns reversed); None
-    if H is not positive definite.
+    if H is not positive definite. With `overwrite` the factorization happens in `h_flipped`'s
+    memory (CPU), which is left holding garbage.
 
     Why this way: J·H·J = M·Mᵀ (M lower) gives H = R·Rᵀ with R = J·M·J upper, so
     H⁻¹ = R⁻ᵀ·R⁻¹ and U = R⁻¹ = J·M⁻¹·J — one Cholesky and one triangular inverse (LAPACK
-    strtri), about n³/3 each, instead of Cholesky, cholesky_inverse and a second Cholesky
-    (measured 0.47x the CPU time at n = 1536)."""
-    m, info = torch.linalg.cholesky_ex(h_flipped)
-    if info != 0:
-        return None
-    if m.device.type == "cpu":
-        from scipy.linalg.lapack import strtri
-
-        m_inv, info = strtri(m.numpy(), lower=1)
-        u = torch.from_numpy(m_inv).tril_().flip(0, 1)  # strtri leaves the other triangle as it found it
-    else:  # no LAPACK strtri on the accelerator: a triangular solve against I (same n³/3)
+    spotrf and strtri), about n³/3 each, instead of Cholesky, cholesky_inverse and a second
+    Cholesky (measured 0.47x the CPU time at n = 1536). On CPU both run in place on the (symmetric)
+    input seen in Fortran order, and U is the one new matrix: three matrices of H's size at the
+    peak with the caller's H, instead of six."""
+    if h_flipped.device.type != "cpu":  # no LAPACK strtri on the accelerator: a triangular solve against I
+        m, info = torch.linalg.cholesky_ex(h_flipped)
+        if info != 0:
+            return None
         eye = torch.eye(m.shape[0], device=m.device, dtype=m.dtype)
         u = torch.linalg.solve_triangular(m, eye, upper=False).flip(0, 1)
-        info = 0
-    if info != 0 or not torch.isfinite(u).all():
+    else:
+        from scipy.linalg.lapack import spotrf, strtri
+
+        a = (h_flipped if overwrite else h_flipped.clone()).float().contiguous()
+        m, info = spotrf(a.numpy().T, lower=1, clean=0, overwrite_a=1)  # symmetric: its transpose is itself
+        if info != 0:
+            return None
+        m, info = strtri(m, lower=1, overwrite_c=1)  # M⁻¹ in the lower triangle; the upper one is stale
+        if info != 0:
+            return None
+        u = torch.from_numpy(m[::-1, ::-1].copy(order="C")).triu_()
+        del m, a
+    if not all_finite(u):
         return None
     return u.contiguous()
 
@@ -195,26 +233,32 @@ def inverse_hessian(
     h: torch.Tensor, actorder: str | None, dampening_frac: float = 0.01, max_retries: int = 3, name: str = ""
 ) -> tuple[InverseHessian | None, list[str]]:
     """Damped inverse-Hessian factor and the warnings it produced; the factor is None if no
-    damping up to frac·10^max_retries makes H positive definite (the caller falls back to RTN)."""
-    h = h.clone().float()
+    damping up to frac·10^max_retries makes H positive definite (the caller falls back to RTN).
+
+    `h` is only read: one reordered copy (act-order permutation and the reversal J in one
+    gather) is damped and factored in place, so the caller can drop `h` as soon as this returns."""
     warnings: list[str] = []
-    diag = torch.diagonal(h)
+    h = h.float()
+    n = h.shape[0]
+    diag = torch.diagonal(h).clone()
     dead = diag == 0
-    h[dead, dead] = 1.0
+    diag[dead] = 1.0
     perm = None
     if actorder in ("static", "dynamic"):
-        perm = torch.argsort(torch.diagonal(h), descending=True)
-        h = h[perm][:, perm]
-    mean_diag = float(torch.diagonal(h).mean())
-    if not (torch.isfinite(h).all() and mean_diag > 0):
+        perm = torch.argsort(diag, descending=True)
+    order = perm if perm is not None else torch.arange(n, device=h.device)
+    mean_diag = float(diag[order].mean())
+    if not (mean_diag > 0 and all_finite(h)):
         warnings.append(f"{name}: Hessian is not finite/positive (mean diagonal {mean_diag})")
         return None, warnings
+    rev = order.flip(0)
+    base_diag = diag[rev]
     frac = dampening_frac
-    flipped = h.flip(0, 1)
     for attempt in range(max_retries + 1):
-        hd = flipped.clone()
-        torch.diagonal(hd).add_(frac * mean_diag)
-        u = upper_cholesky_of_inverse(hd)
+        hd = h[rev.unsqueeze(1), rev]  # J·P·H·Pᵀ·J: reordered and reversed, one new matrix
+        torch.diagonal(hd).copy_(base_diag).add_(frac * mean_diag)
+        u = upper_cholesky_of_inverse(hd, overwrite=True)
+        del hd
         if u is not None:
             return InverseHessian(u, perm, dead, frac), warnings
         if attempt < max_retries:
@@ -559,34 +603,43 @@ class GPTQQuantizer(Quantizer):
         by_key: dict[tuple[int, QuantArgs], list[str]] = {}
         for n in group:
             by_key.setdefault((id(self._hessians[n]), schemes[n].weights), []).append(n)
-        hessians = {id(self._hessians[n]): self._hessians[n] for n in group}
-        h_of = {key: acc.hessian() for key, acc in hessians.items()}
-        for n in group:  # the group's sums are read: free them before the next group's (peak = one group)
+        accumulators = {id(self._hessians[n]): self._hessians[n] for n in group}
+        for n in group:  # the group's statistics leave the quantizer: each is freed once its linears are swept
             del self._hessians[n]
-        del hessians
-        hinv_cache: dict[tuple[int, str | None], InverseHessian | None] = {}
-        for (hid, args), names in by_key.items():
-            label = f"model.layers.{layer_idx}.{'+'.join(n.split('.')[-1] for n in names)}"
-            if (hid, args.actorder) not in hinv_cache:
-                hinv_cache[hid, args.actorder], warns = inverse_hessian(
-                    h_of[hid], args.actorder, self.dampening_frac, self.max_retries, label)
-                result.warnings += warns
-            hinv = hinv_cache[hid, args.actorder]
-            weights = [layer.get_submodule(n).weight.data.float() for n in names]
-            if hinv is None:
-                result.warnings.append(f"{label}: fell back to RTN")
-                for n, w in zip(names, weights):
-                    qw = rtn_quantize_weight(w, args, self.scale_dtype)
-                    qw.metrics["rtn_fallback"] = 1.0
-                    result.weights[n] = qw
-                continue
-            stacked = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
-            out = gptq_sweep(stacked, hinv, args, self.scale_dtype, self.block_size)
-            r0 = 0
+        for hid in list(accumulators):
+            h = accumulators.pop(hid).hessian()  # its float64 sums are freed here
+            keys = [(args, names) for (kid, args), names in by_key.items() if kid == hid]
+            hinvs: dict[str | None, InverseHessian | None] = {}
+            for args, names in keys:
+                if args.actorder not in hinvs:
+                    label = f"model.layers.{layer_idx}.{'+'.join(n.split('.')[-1] for n in names)}"
+                    hinvs[args.actorder], warns = inverse_hessian(h, args.actorder, self.dampening_frac,
+                                                                  self.max_retries, label)
+                    result.warnings += warns
+            del h  # peak = one Hessian, its reordered copy being factored, and the factor
+            for args, names in keys:
+                self._sweep_linears(layer, names, args, hinvs[args.actorder], layer_idx, result)
+            del hinvs
+
+    def _sweep_linears(self, layer: nn.Module, names: list[str], args: QuantArgs, hinv: InverseHessian | None,
+                       layer_idx: int, result: LayerResult) -> None:
+        """GPTQ over the stacked rows of `names` (one Hessian, same args); RTN when it has no factor."""
+        label = f"model.layers.{layer_idx}.{'+'.join(n.split('.')[-1] for n in names)}"
+        weights = [layer.get_submodule(n).weight.data.float() for n in names]
+        if hinv is None:
+            result.warnings.append(f"{label}: fell back to RTN")
             for n, w in zip(names, weights):
-                r1 = r0 + w.shape[0]
-                part = GPTQOutput(out.q[r0:r1].clone(), out.scale[r0:r1].clone(),
-                                  out.zero_point[r0:r1].clone() if out.zero_point is not None else None,
-                                  out.g_idx.clone() if out.g_idx is not None else None, out.row_loss[r0:r1])
-                result.weights[n] = _to_quantized_weight(w, part, args, hinv)
-                r0 = r1
+                qw = rtn_quantize_weight(w, args, self.scale_dtype)
+                qw.metrics["rtn_fallback"] = 1.0
+                result.weights[n] = qw
+            return
+        stacked = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
+        out = gptq_sweep(stacked, hinv, args, self.scale_dtype, self.block_size)
+        r0 = 0
+        for n, w in zip(names, weights):
+            r1 = r0 + w.shape[0]
+            part = GPTQOutput(out.q[r0:r1].clone(), out.scale[r0:r1].clone(),
+                              out.zero_point[r0:r1].clone() if out.zero_point is not None else None,
+                              out.g_idx.clone() if out.g_idx is not None else None, out.row_loss[r0:r1])
+            result.weights[n] = _to_quantized_weight(w, part, args, hinv)
+            r0 = r1

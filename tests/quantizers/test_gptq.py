@@ -194,6 +194,42 @@ def test_upper_cholesky_of_inverse_matches_the_three_step_reference(n):
     torch.testing.assert_close(u.double().t() @ u.double(), torch.linalg.inv(h), rtol=1e-3, atol=1e-3 * float(ref.abs().max()) ** 2)
 
 
+@pytest.mark.parametrize("n", [5, 1030])
+def test_mirror_upper_fills_the_lower_triangle_in_place(n):
+    """Block-wise mirroring (1024 columns a block) copies the upper triangle onto the lower one in
+    the tensor's own memory, whatever the lower triangle held, across block boundaries."""
+    from lmfoundry.quantizers.gptq import mirror_upper_
+
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
+    ref = torch.triu(a) + torch.triu(a, 1).t()
+    f = a.t().contiguous().t()  # Fortran-ordered, as the accumulator's float64 sum arrives
+    out = mirror_upper_(f)
+    assert out.data_ptr() == f.data_ptr() and torch.equal(out, ref)
+
+
+def test_hessian_is_read_once_and_kept_and_inverse_leaves_it_unchanged():
+    """The float64 sums are freed at the first read (later reads return the same float32
+    matrix; adding after it is refused), and the inverse factor is made from a reordered copy
+    factored in place: the caller's H is untouched, the in-place factor equals the copying one."""
+    from lmfoundry.quantizers.gptq import upper_cholesky_of_inverse
+
+    x = correlated_inputs(600, 48)
+    acc = HessianAccumulator()
+    acc.add(x)
+    h = acc.hessian()
+    assert acc.sum is None and acc.hessian() is h and h.is_contiguous()
+    with pytest.raises(RuntimeError, match="after the Hessian was read"):
+        acc.add(x)
+    before = h.clone()
+    for actorder in (None, "static"):
+        hinv, warnings = inverse_hessian(h, actorder)
+        assert hinv is not None and not warnings and torch.equal(h, before)
+    flipped = (h + 0.01 * h.diagonal().mean() * torch.eye(48)).flip(0, 1).contiguous()
+    copied = upper_cholesky_of_inverse(flipped)
+    assert copied is not None
+    assert torch.equal(upper_cholesky_of_inverse(flipped.clone(), overwrite=True), copied)
+
+
 def test_upper_cholesky_of_inverse_refuses_an_indefinite_matrix():
     from lmfoundry.quantizers.gptq import upper_cholesky_of_inverse
 
