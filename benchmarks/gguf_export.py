@@ -13,8 +13,13 @@ Caveat from shared/RESOURCES.md: SmolLM2's "float" weights came from a Q4_1 (asy
 grid, so asymmetric g32 would reproduce them exactly; symmetric Q4_0 is a different grid for
 every row here, which keeps the comparison fair.
 
+With `--llama-perplexity PATH` (llama.cpp's binary), each exported .gguf is also scored by
+llama.cpp itself on the same text, beside our runtime on the checkpoint scored the way
+llama-perplexity scores (its own tokenization of the text, chunks of --ctx tokens, BOS first when
+the vocabulary asks for it, the second half of each chunk counted).
+
     python benchmarks/gguf_export.py [--num-samples 32] [--seq-len 512] [--windows 40]
-        [--out benchmarks/results/gguf_export_smollm2.md]
+        [--llama-perplexity build/bin/llama-perplexity] [--out benchmarks/results/gguf_export_smollm2.md]
 """
 
 from __future__ import annotations
@@ -45,6 +50,37 @@ class HFLogits(torch.nn.Module):
         return self.hf(ids).logits.float()
 
 
+def llama_cpp_ppl(binary: str, gguf_file: Path, text_file: Path, ctx: int, chunks: int) -> float:
+    """llama.cpp's own perplexity of `gguf_file` on the text (its "Final estimate")."""
+    import re
+    import subprocess
+
+    proc = subprocess.run([binary, "-m", str(gguf_file), "-f", str(text_file), "-c", str(ctx), "--chunks", str(chunks),
+                           "-t", str(torch.get_num_threads()), "-b", str(ctx)], capture_output=True, text=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"llama-perplexity failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return float(found.group(1))
+
+
+def ppl_like_llama_cpp(model, ids: list[int], bos: int | None, ctx: int, chunks: int) -> float:
+    """llama-perplexity's measure on our runtime: chunks of `ctx` tokens (the first replaced by
+    BOS when the vocabulary adds one), only the predictions of the second half of each chunk
+    counted (every one of them sees at least ctx/2 tokens of context)."""
+    nll, count = 0.0, 0
+    first = ctx // 2
+    for c in range(min(chunks, len(ids) // ctx)):
+        chunk = torch.tensor(ids[c * ctx:(c + 1) * ctx]).unsqueeze(0)
+        if bos is not None:
+            chunk[0, 0] = bos
+        with torch.no_grad():
+            logp = torch.log_softmax(model(chunk)[0].double(), -1)
+        target = chunk[0, first + 1:]
+        nll -= float(logp[first:ctx - 1].gather(1, target[:, None]).sum())
+        count += target.numel()
+    return float(torch.exp(torch.tensor(nll / count)))
+
+
 def ggml_q4_0_model(folder: Path):
     """The float model with every decoder linear replaced by ggml's reference Q4_0 round trip."""
     import gguf
@@ -71,6 +107,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--llama-perplexity", default=None, help="llama.cpp's llama-perplexity binary")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -87,6 +124,10 @@ def main() -> None:
     source = resolve_model("smollm2-135m")
     float_model, tok = load_model(str(source))
     stream, _, _ = eval_token_stream(None, tok)
+    text_file = work / "eval.txt"  # the same held-out text for llama.cpp, as text
+    text_file.write_text(tok.decode(stream[: (a.windows + 1) * a.ctx].tolist()))
+    text_ids = tok(text_file.read_text(), add_special_tokens=False)["input_ids"]
+    bos = tok.bos_token_id if getattr(tok, "add_bos_token", False) else None
     rows = [{"model": "float", "ppl": ppl_of(float_model, stream, a.ctx, a.windows)}]
     del float_model
     rows.append({"model": "ggml Q4_0 (llama-quantize's algorithm)",
@@ -106,9 +147,14 @@ def main() -> None:
         del hf
         ours, _ = load_model(str(ckpt))
         direct = ppl_of(ours, stream, a.ctx, a.windows)
-        rows.append({"model": f"ours {method} g32 -> Q4_0 .gguf (read by transformers)", "ppl": exported,
-                     "runtime_ppl": direct, "quantize_s": round(quantize_s, 1),
-                     "gguf_mib": round(report.bytes / 2**20, 1), "scale_rounding": report.max_scale_rounding})
+        row = {"model": f"ours {method} g32 -> Q4_0 .gguf (read by transformers)", "ppl": exported,
+               "runtime_ppl": direct, "quantize_s": round(quantize_s, 1),
+               "gguf_mib": round(report.bytes / 2**20, 1), "scale_rounding": report.max_scale_rounding}
+        if a.llama_perplexity:
+            row["llama_cpp_ppl"] = llama_cpp_ppl(a.llama_perplexity, gguf_dir / "model.gguf", text_file, a.ctx,
+                                                 a.windows)
+            row["runtime_ppl_llama_cpp_way"] = ppl_like_llama_cpp(ours, text_ids, bos, a.ctx, a.windows)
+        rows.append(row)
     base = rows[0]["ppl"]
     ggml = rows[1]["ppl"]
     lines = [
@@ -124,6 +170,16 @@ def main() -> None:
         agree = "" if rt is None else f"{(r['ppl'] - rt) / rt * 100:+.3f} %"
         lines.append(f"| {r['model']} | {r['ppl']:.3f} | {r['ppl'] - base:+.3f} | {r['ppl'] - ggml:+.3f} | "
                      f"{runtime} | {agree} |")
+    if a.llama_perplexity:
+        lines += ["", f"llama.cpp ({a.llama_perplexity}) on the same text, its own tokenizer and measure "
+                  f"({a.windows} chunks x {a.ctx}, second half of each chunk scored), beside our runtime on the "
+                  "checkpoint scored the same way:", "",
+                  "| model | llama-perplexity on the .gguf | our runtime, same measure | difference |",
+                  "|---|---|---|---|"]
+        for r in rows:
+            if "llama_cpp_ppl" in r:
+                lc, rt = r["llama_cpp_ppl"], r["runtime_ppl_llama_cpp_way"]
+                lines.append(f"| {r['model'].split(' .gguf')[0]} | {lc:.3f} | {rt:.3f} | {(lc - rt) / rt * 100:+.2f} % |")
     table = "\n".join(lines)
     print(table)
     if a.out:

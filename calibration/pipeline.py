@@ -32,7 +32,7 @@ from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, 
 from lmfoundry.quantizers.qmath import check_group_size
 from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.model.reference import DecoderLayer, RotaryEmbedding
+from lmfoundry.model.reference import DecoderLayer, RotaryEmbedding, embed as embed_rows
 
 Propagate = Literal["quantized", "float"]
 
@@ -246,7 +246,8 @@ def run_pipeline(
         if writer is not None:
             writer.write_shard(_shard(0, config), {"model.embed_tokens.weight": embed.to(out_dtype)})
         if needs_data:  # rows gathered in the stored dtype, then widened (exact): no float32 copy of the table
-            inputs = [torch.nn.functional.embedding(b, embed).to(work_dtype)
+            # (Gemma's sqrt(hidden) factor applied in the stored dtype too, as the served model does)
+            inputs = [embed_rows(config, embed, b).to(work_dtype)
                       for b in calibration_batches(calib_ids, batch_size)]
         del embed
     if needs_data:

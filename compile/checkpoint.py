@@ -129,6 +129,9 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint:
     if not folder.is_dir():
         raise UserError(f"{folder}: not a folder (expected a Hugging Face checkpoint folder)")
     config = ModelConfig.from_file(folder)
+    refusal = config.kernel_path_refusal()  # Gemma: the kernels implement the Llama layer only
+    if refusal is not None:
+        raise UserError(f"{folder}: {refusal}")
     cfg_bytes = (folder / "config.json").read_bytes()
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     files: dict[str, str] = {}

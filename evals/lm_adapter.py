@@ -26,7 +26,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from lmfoundry.errors import UserError
-from lmfoundry.model.reference import CausalLM
+from lmfoundry.model.reference import AttentionSpec, CausalLM
 
 BOS_CHOICES = ("tokenizer", "true", "false")
 
@@ -84,15 +84,18 @@ class PrefixCache:
         self.rows = torch.tensor(rows, dtype=torch.long, device=device)
         self.lengths = torch.tensor(prefix_lengths, dtype=torch.long, device=device)[self.rows]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from lmfoundry.model.reference import causal_attention
+    supports_attention_spec = True  # honours Gemma's AttentionSpec (scale, soft-cap, window)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
+        from lmfoundry.model.reference import causal_attention, spec_attention
 
         round_trip = self.model.model.layers[layer_idx].self_attn.kv_round_trip
         if round_trip is not None:
             k, v = round_trip(k, v)
         if self.rows is None:  # prefix pass: plain causal attention, keep K/V
             self.kv[layer_idx] = (k, v)
-            return causal_attention(q, k, v)
+            return causal_attention(q, k, v) if spec is None else spec_attention(q, k, v, spec)
         kp, vp = self.kv[layer_idx]
         keys = torch.cat([kp[self.rows], k], dim=1)
         values = torch.cat([vp[self.rows], v], dim=1)
@@ -101,6 +104,10 @@ class PrefixCache:
             (torch.arange(tp, device=q.device)[None, :] < self.lengths[:, None])[:, None, :].expand(-1, te, -1),
             torch.ones(te, te, dtype=torch.bool, device=q.device).tril()[None].expand(q.shape[0], -1, -1),
         ], dim=2)
+        if spec is not None:  # absolute positions: row r's extension follows its prefix of lengths[r]
+            q_pos = self.lengths[:, None] + torch.arange(te, device=q.device)[None, :]  # [B, te]
+            k_pos = torch.cat([torch.arange(tp, device=q.device).expand(q.shape[0], -1), q_pos], dim=1)
+            return spec_attention(q, keys, values, spec, q_pos, k_pos, mask)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=mask[:, None], enable_gqa=True)
         return out.transpose(1, 2)

@@ -112,6 +112,20 @@ def rope_interleave_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.index_select(0, index)
 
 
+def rope_freq_factors(config: Any) -> torch.Tensor | None:
+    """Per-frequency divisors of the base rotary frequencies for a scaled rope (Llama 3.1's
+    `llama3` type): llama.cpp reads them from the `rope_freqs` tensor. None for the default rope;
+    rope types that also scale the attention (YaRN, LongRoPE) have no such form and are refused."""
+    theta, rope_type = config.rope
+    if rope_type == "default":
+        return None
+    scaled, attention_scale = config.rope_inv_freq()
+    if attention_scale != 1.0:
+        raise UserError(f"rope type {rope_type!r} scales attention by {attention_scale:g}; GGUF export does not carry it")
+    exponent = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    return ((1.0 / theta**exponent) / scaled).float()
+
+
 def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "default",
                 progress: bool = True) -> ExportReport:
     """Write `checkpoint` (ours, compressed-tensors) as one GGUF file at `output` (written to a
@@ -152,6 +166,11 @@ def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "defa
     writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
     try:
         _write_metadata(writer, reader, config, plan, kinds, tokenizer_pre)
+        factors = rope_freq_factors(config)
+        if factors is not None:  # llama.cpp divides each base frequency by its factor
+            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.numpy())
+            report.tensors += 1
+            report.types["F32"] = report.types.get("F32", 0) + 1
         linear_names = {f"model.layers.{i}.{local}" for i in range(config.num_layers) for local in LAYER_LINEARS}
         if not config.tie_word_embeddings and plan.scheme_for("lm_head") is not None:
             linear_names.add("lm_head")
@@ -221,7 +240,8 @@ def _write_metadata(writer: Any, reader: Any, config: Any, plan: Any, kinds: dic
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    theta, _ = config.rope  # transformers 5 configs keep it under rope_parameters
+    writer.add_rope_freq_base(theta)
     writer.add_rope_dimension_count(config.head_dim)
     if config.head_dim * config.num_heads != config.hidden_size:
         writer.add_key_length(config.head_dim)

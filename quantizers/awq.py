@@ -11,7 +11,8 @@ How this implementation searches, and why:
   number of tokens (no repeated forward passes). Candidates: s = mean|x|^α (the paper) and
   s = mean|x|^α / mean|w|^(1−α) (the "duo" variant llm-compressor uses), α on a grid of `n_grid`
   (20) values; the best of both families wins.
-- Folding: input_layernorm → q/k/v, post_attention_layernorm → gate/up, up_proj → down_proj, and
+- Folding: input_layernorm → q/k/v, the MLP's input norm (post_attention_layernorm; Gemma's
+  pre_feedforward_layernorm) → gate/up, up_proj → down_proj, and
   v_proj → o_proj. The last one also works with grouped-query attention: a v channel feeds the
   same channel of every query head sharing its KV head, so o_proj's columns take the v scale
   repeated per head.
@@ -107,8 +108,9 @@ class Mapping:
     stats_of: str
 
 
-def layer_mappings(schemes: dict[str, Scheme]) -> list[Mapping]:
-    """The smoothings that apply to the quantized linears present (in layer order)."""
+def layer_mappings(schemes: dict[str, Scheme], mlp_norm: str = "post_attention_layernorm") -> list[Mapping]:
+    """The smoothings that apply to the quantized linears present (in layer order); `mlp_norm`
+    names the norm feeding gate/up (`DecoderLayer.mlp_norm_name`)."""
     have = set(schemes)
     out = []
     qkv = tuple(n for n in QKV if n in have)
@@ -118,7 +120,7 @@ def layer_mappings(schemes: dict[str, Scheme]) -> list[Mapping]:
         out.append(Mapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"))
     gu = tuple(n for n in GATE_UP if n in have)
     if gu:
-        out.append(Mapping("post_attention_layernorm", gu, gu[0]))
+        out.append(Mapping(mlp_norm, gu, gu[0]))
     if "mlp.down_proj" in have:
         out.append(Mapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"))
     return out
@@ -240,7 +242,7 @@ class AWQQuantizer(Quantizer):
         per-mapping metrics. The stored statistics are rescaled to the smoothed inputs."""
         metrics: dict[str, dict[str, float]] = {}
         attn = layer.self_attn
-        for m in layer_mappings(schemes):
+        for m in layer_mappings(schemes, layer.mlp_norm_name):
             st = self._stats[m.stats_of]
             x_mean = st.mean_abs()
             h = [self._stats[n].hessian() for n in m.linears]
@@ -254,8 +256,8 @@ class AWQQuantizer(Quantizer):
             weights = [layer.get_submodule(n).weight.data.float() for n in m.linears]
             args = [schemes[n].weights for n in m.linears]
             s, info = search_scales(weights, args, h, x_mean, self.scale_dtype, self.n_grid, self.duo, expand)
+            s = self._fold(layer, m.prev, s, self.scale_dtype)  # the factor the stored tensors realize
             cols = s[expand] if expand is not None else s
-            self._fold(layer, m.prev, s)
             for n in m.linears:
                 lin = layer.get_submodule(n)
                 lin.weight.data = (lin.weight.data.float() * cols).to(lin.weight.dtype)
@@ -267,15 +269,17 @@ class AWQQuantizer(Quantizer):
         return metrics
 
     @staticmethod
-    def _fold(layer: nn.Module, prev: str, s: torch.Tensor) -> None:
-        """Divide the output channels of `prev` (a norm or a linear) by s."""
+    def _fold(layer: nn.Module, prev: str, s: torch.Tensor, storage_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Divide the output channels of `prev` (a norm or a linear) by s; returns the factor
+        really applied (a Gemma norm stored in `storage_dtype` realizes a rounded one)."""
         mod = layer.get_submodule(prev)
         if isinstance(mod, nn.Linear):
             mod.weight.data = (mod.weight.data.float() / s[:, None]).to(mod.weight.dtype)
             if mod.bias is not None:
                 mod.bias.data = (mod.bias.data.float() / s).to(mod.bias.dtype)
-        else:  # RMSNorm: y = weight * normalized(x)
-            mod.weight.data = (mod.weight.data.float() / s).to(mod.weight.dtype)
+            return s
+        # RMSNorm: y = gain * normalized(x), gain w (or Gemma's 1 + w)
+        return mod.divide_gain_(s, storage_dtype)
 
     def quantize_layer(self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None,
                        layer_idx: int) -> LayerResult:

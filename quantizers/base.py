@@ -143,10 +143,11 @@ class LayerCalibration:
         normed = [store(layer.input_layernorm(load(x))) for x in hs]
         heads = step(QKV, normed,
                      lambda i, x: store(attn.heads_output(x, self.cos, self.sin)))
-        step(("self_attn.o_proj",), heads, lambda i, a: hs[i].add_(store(attn.o_proj(a))))
-        normed = [store(layer.post_attention_layernorm(load(h))) for h in hs]
+        # attn_residual/mlp_residual: the identity, or Gemma's norm on the branch output
+        step(("self_attn.o_proj",), heads, lambda i, a: hs[i].add_(store(layer.attn_residual(attn.o_proj(a)))))
+        normed = [store(layer.mlp_norm(load(h))) for h in hs]
         mids = step(GATE_UP, normed, lambda i, x: store(mlp.hidden(x)))
-        step(("mlp.down_proj",), mids, lambda i, m: hs[i].add_(store(mlp.down_proj(m))))
+        step(("mlp.down_proj",), mids, lambda i, m: hs[i].add_(store(layer.mlp_residual(mlp.down_proj(m)))))
         return hs
 
 

@@ -497,8 +497,10 @@ def received_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin:
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     rep = hq // hkv
+    spec = getattr(attn, "spec", None)  # Gemma: its own scale, score soft-cap and sliding window
+    scale = spec.scale if spec is not None else d**-0.5
     # [B, Hkv, rep, T, D]: the query heads that share one KV head, side by side
-    qg = (q.float() * d**-0.5).to(dtype).permute(0, 2, 1, 3).reshape(b, hkv, rep, t, d)
+    qg = (q.float() * scale).to(dtype).permute(0, 2, 1, 3).reshape(b, hkv, rep, t, d)
     kg = k.to(dtype).permute(0, 2, 1, 3)  # [B, Hkv, T, D]
     future = torch.full((chunk, chunk), float("-inf")).triu_(1)
     received = torch.zeros(b, t)
@@ -507,7 +509,12 @@ def received_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin:
         n = c1 - c0
         scores = torch.matmul(qg[:, :, :, c0:c1].reshape(b, hkv, rep * n, d), kg[:, :, :c1].transpose(-1, -2))
         scores = scores.float().view(b, hkv, rep, n, c1)
+        if spec is not None and spec.softcap is not None:
+            scores = torch.tanh(scores / spec.softcap) * spec.softcap
         scores[..., c0:c1] += future[:n, :n]
+        if spec is not None and spec.window is not None:  # keys more than window-1 back are unseen
+            old = torch.arange(c1)[None, :] <= torch.arange(c0, c1)[:, None] - spec.window
+            scores.masked_fill_(old, float("-inf"))
         received[:, :c1] += scores.softmax(-1).sum((1, 2, 3))
     return received.div_(hq).reshape(-1)
 

@@ -7,7 +7,8 @@ into whatever produces it) and the weight columns multiplied by s, so the float 
 unchanged while both operands become easier to quantize.
 
 Where s is folded (each is exact in float arithmetic):
-- input_layernorm → q/k/v and post_attention_layernorm → gate/up (the norm weight is divided by s);
+- input_layernorm → q/k/v and the MLP's input norm → gate/up (post_attention_layernorm; Gemma's
+  pre_feedforward_layernorm): the norm's applied gain is divided by s (`RMSNorm.divide_gain_`);
 - v_proj → o_proj: attention output channel (head h, dim j) is a weighted sum of V's channel
   (kv(h), j), so dividing v_proj's output row by s divides that channel. With grouped-query
   attention several query heads read one KV head, so the factor is shared by the group (statistics
@@ -66,17 +67,21 @@ class Mapping:
 
     name: str
     balance: list[str]
-    fold: Callable[[torch.Tensor], None]
+    fold: Callable[[torch.Tensor], torch.Tensor | None]  # may return the factor really folded
     expand: Callable[[torch.Tensor], torch.Tensor] = lambda s: s
     reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
 
 
-def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool) -> list[Mapping]:
+def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool,
+                   storage_dtype: torch.dtype | None = None) -> list[Mapping]:
+    """The smoothing sites of one layer. `storage_dtype` (the checkpoint's) lets a norm fold
+    report the factor its stored gain really realizes (`RMSNorm.divide_gain_`)."""
     attn, mlp = layer.self_attn, layer.mlp
 
-    def fold_norm(norm: nn.Module) -> Callable[[torch.Tensor], None]:
-        def fold(s: torch.Tensor) -> None:
-            norm.weight.data = (norm.weight.data.float() / s).to(norm.weight.dtype)
+    def fold_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        def fold(s: torch.Tensor) -> torch.Tensor:
+            # gain w, or Gemma's (1 + w), divided by s; the factor the stored gain realizes
+            return norm.divide_gain_(s, storage_dtype)
         return fold
 
     def fold_rows(linear: nn.Linear) -> Callable[[torch.Tensor], None]:
@@ -89,8 +94,8 @@ def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool) -> list
     maps = [
         Mapping("input_layernorm", list(QKV),
                 fold_norm(layer.input_layernorm)),
-        Mapping("post_attention_layernorm", list(GATE_UP),
-                fold_norm(layer.post_attention_layernorm)),
+        Mapping(layer.mlp_norm_name, list(GATE_UP),
+                fold_norm(layer.mlp_norm)),
     ]
     if smooth_vo:
         hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -177,7 +182,7 @@ class SmoothQuantQuantizer(Quantizer):
         recorders = self._recorders
         metrics: dict[str, Any] = {"smoothing": {}}
         divisors: dict[str, torch.Tensor] = {}
-        for m in layer_mappings(layer, self.smooth_vo, self.smooth_down):
+        for m in layer_mappings(layer, self.smooth_vo, self.smooth_down, self.scale_dtype):
             balance = [layer.get_submodule(n) for n in m.balance]
             act = m.reduce(recorders[m.balance[0]].absmax)
             wmax = m.reduce(column_absmax(balance))
@@ -185,8 +190,9 @@ class SmoothQuantQuantizer(Quantizer):
             if self.alpha_search:
                 alpha = self._search_alpha(m, balance, recorders[m.balance[0]], act, wmax, schemes)
             s = smoothing_factors(act, wmax, alpha)
+            realized = m.fold(s)
+            s = realized if realized is not None else s
             s_in = m.expand(s)
-            m.fold(s)
             for lin in balance:
                 lin.weight.data = (lin.weight.data.float() * s_in[None, :]).to(lin.weight.dtype)
             for n in m.balance:

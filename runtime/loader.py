@@ -76,6 +76,9 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     engine = Path(path)
     verify_weights(engine, read_manifest(engine))
+    refusal = ModelConfig.from_file(engine / "weights").kernel_path_refusal()
+    if refusal is not None:  # before any kernel is loaded (Gemma: see ModelConfig.kernel_path_refusal)
+        raise UserError(f"{engine}: {refusal}")
     kernels = load_engine(engine, device, interpret=interpret)
     model = load_kernel_model(engine, kernels, device)
     weights = engine / "weights"

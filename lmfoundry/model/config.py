@@ -3,6 +3,14 @@
 Llama-family decoders (Llama, Mistral, Qwen2, Qwen3 dense, Phi-3) differ only in a few switches
 (q/k/v bias, q/k RMSNorm, head_dim, rope scaling, which linears the checkpoint stores fused); this
 dataclass names them so the rest of the code never looks at `model_type`.
+
+Gemma 2 and Gemma 3 (text) are the same q/k/v/o + gated-MLP layer with more switches: RMSNorm
+gains stored as `w` and applied as `1 + w`, the embedding scaled by sqrt(hidden_size), a norm after
+attention and after the MLP as well as before each (`sandwich_norms`), a tanh-GELU MLP, the
+attention scale from `query_pre_attn_scalar`, tanh soft-capping of attention scores (Gemma 2) and
+of the final logits, sliding-window attention on some layers (`layer_types`), and for Gemma 3 a
+second rope base for the sliding layers. Their defaults below are transformers' (a config.json
+may leave out a field equal to it).
 """
 
 from __future__ import annotations
@@ -14,7 +22,23 @@ from typing import Any
 
 from lmfoundry.errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
+
+# transformers' Gemma2Config / Gemma3TextConfig defaults, for fields a config.json may omit. Soft-caps
+# are looked up with `in`, not `.get`: an explicit null switches them off.
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rms_norm_eps": 1e-6,
+               "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "max_position_embeddings": 8192},
+    "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rms_norm_eps": 1e-6,
+                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "max_position_embeddings": 131072},
+}
+# MLP activations by config name -> the `approximate` argument of torch's GELU (silu is the Llama one).
+GELU_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 # The linears of one decoder layer, in execution order, and the groups of them that read the same
 # input tensor, named by the fused module runtimes make of each group (vLLM's qkv_proj and
@@ -70,18 +94,36 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    # --- Gemma switches (their defaults are the Llama behaviour)
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0  # RMSNorm applies (norm_offset + weight): Gemma stores w of (1 + w)
+    embed_scale: float | None = None  # embeddings multiplied by this (in the model dtype): Gemma's sqrt(H)
+    sandwich_norms: bool = False  # post_attention/post_feedforward norms on the branch outputs (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # keys within this many positions of the query (itself included)
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; empty: every layer full attention
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "?")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = ",".join(cfg.get("architectures") or []) or model_type
+            if model_type == "gemma3":  # the image-text wrapper whose text_config is a gemma3_text
+                raise UserError(f"unsupported architecture {archs} (model_type 'gemma3': Gemma 3 with its vision "
+                                "tower); text-only Gemma 3 checkpoints (Gemma3ForCausalLM, model_type "
+                                "'gemma3_text', e.g. gemma-3-1b) are supported")
             raise UserError(
                 f"unsupported architecture {archs} (model_type {model_type!r}); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (dense Llama-family decoders)"
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (dense Llama-family and Gemma 2/3 text decoders)"
             )
         if model_type == "phi3":
             _check_phi3(cfg)
+        gemma: dict[str, Any] = {}
+        if model_type in GEMMA_ARCHITECTURES:
+            cfg = {**_GEMMA_DEFAULTS[model_type], **cfg}
+            gemma = _gemma_switches(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -103,12 +145,55 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             torch_dtype=str(dtype).replace("torch.", ""),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             raw=dict(cfg),
+            **gemma,
         )
+
+    # ------------------------------------------------------------------ per-layer attention
+    @property
+    def attention_scale(self) -> float:
+        """Multiplier of q·k: query_pre_attn_scalar^-1/2 (Gemma), else head_dim^-1/2."""
+        return float(self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def layer_window(self, idx: int) -> int | None:
+        """The sliding window of layer `idx` (None: full causal attention)."""
+        if self.layer_types and self.layer_types[idx] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def rope_kinds(self) -> tuple[str, ...]:
+        """The rotary tables the model uses, in the order `RotaryEmbedding` concatenates them:
+        Gemma 3 has one for full-attention layers and one (its local base) for sliding layers;
+        every other model one table for all layers."""
+        return (FULL, SLIDING) if self.model_type == "gemma3_text" else (FULL,)
+
+    def layer_rope(self, idx: int) -> int:
+        """Index in `rope_kinds` of the rotary table layer `idx` reads."""
+        if len(self.rope_kinds) == 1:
+            return 0
+        return self.rope_kinds.index(self.layer_types[idx] if self.layer_types else FULL)
+
+    @property
+    def needs_attention_spec(self) -> bool:
+        """Whether attention differs from plain causal softmax(q·k / sqrt(head_dim)) anywhere: then
+        every attention context must honour the layer's `AttentionSpec` (scale, soft-cap, window)."""
+        return (self.query_pre_attn_scalar is not None or self.attn_logit_softcapping is not None
+                or any(self.layer_window(i) is not None for i in range(self.num_layers)))
+
+    def kernel_path_refusal(self) -> str | None:
+        """Why the compiled-kernel path (engine bundles, `KernelModel`) cannot run this model, or
+        None. Its fused kernels implement the Llama layer only: RMSNorm gains without the +1,
+        SiLU, no sandwich norms, plain causal paged attention without soft-capping or windows."""
+        if self.model_type in GEMMA_ARCHITECTURES:
+            return (f"{self.model_type} (Gemma) has no compiled-kernel path: its (1 + w) norms, post-branch "
+                    "norms, GELU MLP, attention soft-capping and sliding windows are not in the kernels; "
+                    "serve the checkpoint folder itself (the PyTorch reference engine) instead of a bundle")
+        return None
 
     @property
     def checkpoint_fused(self) -> dict[str, tuple[str, ...]]:
@@ -145,16 +230,31 @@ class ModelConfig:
             "mlp.down_proj": (h, i),
         }
 
-    def rope_inv_freq(self):
-        """Inverse rotary frequencies and attention scaling, honouring the config's rope type."""
-        import torch
-
+    @property
+    def rope(self) -> tuple[float, str]:
+        """(base theta, rope type) from either config style: transformers 5's `rope_parameters`
+        or the older top-level `rope_theta` with `rope_scaling`. Gemma 3: its full-attention
+        layers' (the sliding layers' table is `rope_inv_freq("sliding_attention")`)."""
+        if self.model_type == "gemma3_text":
+            full = _gemma3_rope_parameters(self.raw)[FULL]
+            return float(full["rope_theta"]), str(full.get("rope_type", full.get("type")) or "default")
         params = dict(self.raw.get("rope_parameters") or {})
         scaling = self.raw.get("rope_scaling") or {}
         params.update({k: v for k, v in scaling.items() if v is not None})
         theta = float(params.get("rope_theta", self.raw.get("rope_theta", 10000.0)))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type in (None, "default"):
+        return theta, str(params.get("rope_type", params.get("type")) or "default")
+
+    def rope_inv_freq(self, kind: str = FULL):
+        """Inverse rotary frequencies and attention scaling of the rotary table `kind` (one of
+        `rope_kinds`: Gemma 3's sliding layers have their own base), honouring the rope type."""
+        import torch
+
+        if kind == FULL:
+            theta, rope_type = self.rope
+        else:
+            params = _gemma3_rope_parameters(self.raw)[kind]
+            theta, rope_type = float(params["rope_theta"]), str(params.get("rope_type", params.get("type")) or "default")
+        if rope_type == "default":
             exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
             return 1.0 / (theta**exponent), 1.0
         from transformers import AutoConfig
@@ -163,7 +263,12 @@ class ModelConfig:
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise UserError(f"unsupported rope type {rope_type!r}")
         hf_cfg = AutoConfig.for_model(**self.raw)
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu")
+        # real tensors even where the model is being built on the meta device (the loader does)
+        with torch.device("cpu"):
+            if self.model_type == "gemma3_text":  # rope parameters per layer type
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu", layer_type=kind)
+            else:
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu")
         return inv_freq.float(), float(scale)
 
 
@@ -177,3 +282,71 @@ def _check_phi3(cfg: dict[str, Any]) -> None:
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind not in (None, "default"):
         raise UserError(f"phi3 with rope_scaling {kind!r} (the long-context variants) is not supported")
+
+
+def _gemma_switches(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma fields of `ModelConfig` from a Gemma 2 / Gemma 3 text config (defaults merged in),
+    refusing by name the variants whose execution differs from what the reference implements."""
+    model_type = cfg["model_type"]
+    if cfg.get("use_bidirectional_attention"):
+        raise UserError(f"{model_type} with use_bidirectional_attention (EmbeddingGemma-style encoders) is not "
+                        "supported: lmfoundry runs causal decoders")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GELU_ACTIVATIONS:
+        raise UserError(f"{model_type} with hidden_activation {act!r} is not supported "
+                        f"(supported: {', '.join(GELU_ACTIVATIONS)})")
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        # transformers' defaults: Gemma 2 alternates (sliding first), Gemma 3 has one full layer
+        # per `sliding_window_pattern` (6) layers
+        pattern = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    layer_types = tuple(layer_types)
+    unknown = sorted(set(layer_types) - {SLIDING, FULL})
+    if unknown or len(layer_types) != num_layers:
+        raise UserError(f"{model_type}: layer_types must list {num_layers} entries of {SLIDING}/{FULL} "
+                        f"(got {len(layer_types)}{', unknown ' + ', '.join(map(str, unknown)) if unknown else ''})")
+    window = cfg.get("sliding_window")
+    if SLIDING in layer_types and (window is None or int(window) < 1):
+        raise UserError(f"{model_type}: sliding_attention layers need a positive sliding_window (got {window!r})")
+
+    def cap(key: str) -> float | None:
+        value = cfg.get(key)
+        if value is not None and float(value) <= 0:
+            raise UserError(f"{model_type}: {key} must be positive or null (got {value!r})")
+        return float(value) if value is not None else None
+
+    if model_type == "gemma3_text":
+        _gemma3_rope_parameters(cfg)  # refuse a rope layout we do not read before any work
+    return {
+        "hidden_act": act,
+        "norm_offset": 1.0,
+        "embed_scale": float(cfg["hidden_size"]) ** 0.5,
+        "sandwich_norms": True,
+        "query_pre_attn_scalar": float(cfg["query_pre_attn_scalar"]),
+        # transformers' Gemma 3 attention never applies attn_logit_softcapping (the field exists in
+        # its config but is not passed to attention; every released Gemma 3 has it null): match it
+        "attn_logit_softcapping": cap("attn_logit_softcapping") if model_type == "gemma2" else None,
+        "final_logit_softcapping": cap("final_logit_softcapping"),
+        "sliding_window": int(window) if window is not None else None,
+        "layer_types": layer_types,
+    }
+
+
+def _gemma3_rope_parameters(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Gemma 3's rope parameters per layer type, as transformers' Gemma3TextConfig reads them: the
+    new layout `rope_parameters = {full_attention: {...}, sliding_attention: {...}}`, or the legacy
+    keys `rope_theta` (+ `rope_scaling`) for full layers and `rope_local_base_freq` for sliding ones."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params and not ({FULL, SLIDING} & set(params)):
+        raise UserError("gemma3_text: rope_parameters must be keyed by full_attention/sliding_attention "
+                        f"(got keys {sorted(params)})")
+    params = params if isinstance(params, dict) else {}
+    full = dict(params.get(FULL) or {"rope_type": "default"})
+    local = dict(params.get(SLIDING) or {"rope_type": "default"})
+    if not params.get(FULL) and isinstance(raw.get("rope_scaling"), dict):
+        full.update({k: v for k, v in raw["rope_scaling"].items() if v is not None})
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    return {FULL: full, SLIDING: local}

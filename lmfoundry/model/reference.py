@@ -1,4 +1,4 @@
-"""The reference execution of a Llama-family decoder, as plain `nn.Module`s (gpt-fast style).
+"""The reference execution of a Llama-family or Gemma 2/3 decoder, as plain `nn.Module`s (gpt-fast style).
 
 This one implementation is used everywhere a model runs: by the layer-wise calibration pipeline
 (one `DecoderLayer` at a time), by perplexity and eval-gate, and by the serving runtime (which
@@ -7,10 +7,17 @@ Hugging Face names, so checkpoints load without a renaming table.
 
 Quantized linears are swapped in by `lmfoundry.runtime.loader` (the runtime module swap is a
 separate, explicit step from the offline artifact).
+
+Gemma's differences are switches of `ModelConfig` read here: (1 + w) norm gains, the scaled
+embedding, the post-branch ("sandwich") norms, the GELU MLP, and an `AttentionSpec` per layer
+(scale, score soft-cap, sliding window) that every attention path must honour. Gemma 3's two rope
+bases travel as one table of 2 * head_dim columns (`RotaryEmbedding`), of which each layer reads
+its half: that keeps the (cos, sin) pair every caller already passes layer by layer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -21,33 +28,80 @@ from lmfoundry.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as Hugging Face's Llama does."""
+    """RMSNorm computed in float32 and cast back, as Hugging Face's Llama does.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    With `offset` 1 it is Gemma's: the stored weight w is applied as (1 + w), in float32 before the
+    cast back ("(x * w).to(dtype)", where Llama casts first and multiplies in the model dtype)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (self.offset + self.weight.float())).to(x.dtype)
         if x.dtype == self.weight.dtype == torch.float32:  # one fused op, same float32 result
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
 
+    @torch.no_grad()
+    def divide_gain_(self, s: torch.Tensor, storage_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Divide the applied gain (offset + weight) by s, per channel: how SmoothQuant and AWQ fold
+        a smoothing factor into the norm that feeds the smoothed linears. Returns the factor really
+        applied, which the caller multiplies into the linears' columns.
+
+        For a Gemma norm the stored weight becomes (1 + w) / s - 1. Stored in bfloat16 that loses
+        the small gains a large s makes: (1 + w) / s = 0.05 is stored as -0.95 to within 2^-9,
+        a 4 % error of the gain (plain gains keep 2^-9 relative whatever s is). So with a
+        `storage_dtype` the new weight is rounded to it here, and the factor returned is the one
+        that rounded weight realizes (old gain / new gain), so the layer's function is preserved
+        exactly by what the checkpoint will hold. A gain that would round to 0 keeps the smallest
+        representable magnitude instead (that channel is then divided by less than s)."""
+        w = self.weight.data
+        old = self.offset + w.float()
+        new_w = old / s - self.offset
+        if not self.offset or storage_dtype is None:
+            self.weight.data = new_w.to(w.dtype)
+            return s
+        stored = new_w.to(storage_dtype).float()
+        gain = self.offset + stored
+        lost = (gain == 0) & (old != 0)  # a gain rounded to zero would erase its channel
+        if bool(lost.any()):  # keep the smallest gain -offset ± one ulp of offset represents
+            tiny = self.offset * torch.finfo(storage_dtype).eps
+            stored = torch.where(lost, (torch.sign(old) * tiny - self.offset).to(storage_dtype).float(), stored)
+            gain = self.offset + stored
+        self.weight.data = stored.to(w.dtype)
+        return torch.where(old == 0, torch.ones_like(old), old / gain)  # a dead channel stays as it is
+
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding: cos/sin tables from positions (any rope type of the config)."""
+    """Rotary position embedding: cos/sin tables from positions (any rope type of the config).
+
+    A model with several rotary tables (Gemma 3: `config.rope_kinds`) gets them side by side,
+    [..., T, head_dim * kinds]; `Attention` reads the head_dim columns of its layer's kind."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv_freq, scale = config.rope_inv_freq()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.attention_scaling = scale
+        tables = [config.rope_inv_freq(kind) for kind in config.rope_kinds]
+        freqs = [f for f, _ in tables]
+        if any(f.is_meta for f in freqs):  # built on meta (the loader rebuilds this module on CPU)
+            freqs = [f.to("meta") for f in freqs]
+        self.register_buffer("inv_freq", torch.stack(freqs), persistent=False)
+        self.attention_scaling = [scale for _, scale in tables]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        cos, sin = [], []
+        for inv_freq, scale in zip(self.inv_freq, self.attention_scaling):
+            freqs = positions.float()[..., None] * inv_freq.float()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos.append((emb.cos() * scale).to(dtype))
+            sin.append((emb.sin() * scale).to(dtype))
+        if len(cos) == 1:
+            return cos[0], sin[0]
+        return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,8 +118,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer's attention differs from causal softmax(q·kᵀ / sqrt(head_dim)) · v (Gemma):
+    scores are q·kᵀ · `scale`, then `softcap` · tanh(scores / `softcap`) when set, then masked
+    causally and, with `window`, to the keys at positions > query position - window."""
+
+    scale: float
+    softcap: float | None = None
+    window: int | None = None
+
+    def allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Boolean mask [..., Tq, Tk]: key positions a query position may attend to."""
+        ok = k_pos[..., None, :] <= q_pos[..., :, None]
+        if self.window is not None:
+            ok &= k_pos[..., None, :] > q_pos[..., :, None] - self.window
+        return ok
+
+
 class AttentionContext(Protocol):
-    """What the serving runtime passes to run attention over its own (paged) KV cache."""
+    """What the serving runtime passes to run attention over its own (paged) KV cache.
+
+    A context that sets `supports_attention_spec = True` takes the layer's `AttentionSpec` as a
+    fifth argument and must honour it; a model whose attention needs one (`ModelConfig.
+    needs_attention_spec`) refuses a context without it rather than attend the Llama way."""
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq, D]."""
@@ -82,14 +158,21 @@ class Attention(nn.Module):
         super().__init__()
         d = config.head_dim
         self.layer_idx = layer_idx
+        # None: plain causal attention at head_dim^-1/2 (the SDPA fast path); else Gemma's
+        self.spec: AttentionSpec | None = None
+        if config.needs_attention_spec:
+            self.spec = AttentionSpec(config.attention_scale, config.attn_logit_softcapping,
+                                      config.layer_window(layer_idx))
+        self.model_type = config.model_type
+        self.rope_index = config.layer_rope(layer_idx)  # which head_dim columns of the rotary table
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * d, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * d, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset)
         self.kv_round_trip: KVRoundTrip | None = None
 
     def project_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +182,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        if cos.shape[-1] != self.head_dim:  # several rotary tables side by side: this layer's
+            d, i = self.head_dim, self.rope_index
+            cos, sin = cos[..., i * d:(i + 1) * d], sin[..., i * d:(i + 1) * d]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def project_qkv(
@@ -118,11 +204,20 @@ class Attention(nn.Module):
         """Everything before o_proj: the attention output [..., T, Hq * D] (o_proj's input)."""
         q, k, v = self.project_qkv(x, cos, sin)
         if context is not None:
-            out = context.attend(self.layer_idx, q, k, v)
+            if self.spec is None:
+                out = context.attend(self.layer_idx, q, k, v)
+            elif getattr(context, "supports_attention_spec", False):
+                out = context.attend(self.layer_idx, q, k, v, self.spec)  # type: ignore[call-arg]
+            else:
+                from lmfoundry.errors import UserError
+
+                raise UserError(f"{type(context).__name__} runs plain causal attention, but {self.model_type} "
+                                f"attention needs scale {self.spec.scale:.4g}, soft-cap {self.spec.softcap} and "
+                                f"window {self.spec.window}: this path does not support {self.model_type} yet")
         else:
             if self.kv_round_trip is not None:
                 k, v = self.kv_round_trip(k, v)
-            out = causal_attention(q, k, v)
+            out = causal_attention(q, k, v) if self.spec is None else spec_attention(q, k, v, self.spec)
         return out.reshape(*x.shape[:-1], self.num_heads * self.head_dim)
 
     def forward(
@@ -143,17 +238,58 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(-3, -2)
 
 
+def spec_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+                   q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                   allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention under `spec`. q: [..., Tq, Hq, D], k/v: [..., Tk, Hkv, D]; returns [..., Tq, Hq, D].
+
+    Positions default to 0..T-1 (whole sequences); `allowed` ([..., Tq, Tk], True where a key is
+    real) further restricts what the serving runtime's padded caches hold. Without a soft-cap this
+    is one SDPA call with the scale and a window mask; with one (Gemma 2) the scores are formed
+    explicitly in float32, capped, masked and softmaxed (transformers' eager order), since SDPA
+    has no soft-cap. Query heads are grouped by KV head, so GQA needs no K/V repeat."""
+    tq, hq, d = q.shape[-3:]
+    tk, hkv = k.shape[-3], k.shape[-2]
+    if q_pos is None:
+        q_pos = torch.arange(tk - tq, tk, device=q.device)
+    if k_pos is None:
+        k_pos = torch.arange(tk, device=q.device)
+    mask = spec.allowed(q_pos, k_pos)  # [..., Tq, Tk]
+    if allowed is not None:
+        mask = mask & allowed
+    mask = mask.unsqueeze(-3)  # broadcast over heads
+    if spec.softcap is None:
+        out = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
+                                             attn_mask=mask, scale=spec.scale, enable_gqa=True)
+        return out.transpose(-3, -2)
+    g = hq // hkv
+    lead = q.shape[:-3]
+    qg = q.float().reshape(*lead, tq, hkv, g, d).movedim(-4, -2)  # [..., Hkv, G, Tq, D]
+    kt = k.float().movedim(-3, -1).unsqueeze(-3)  # [..., Hkv, 1, D, Tk]
+    scores = torch.matmul(qg, kt) * spec.scale  # [..., Hkv, G, Tq, Tk]
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float().movedim(-3, -2).unsqueeze(-3))  # [..., Hkv, G, Tq, D]
+    return out.movedim(-2, -4).reshape(*lead, tq, hq, d).to(q.dtype)
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        from lmfoundry.model.config import GELU_ACTIVATIONS
+
         h, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
+        self.gelu = GELU_ACTIVATIONS.get(config.hidden_act)  # None: SiLU (Llama); "tanh"/"none": Gemma
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """down_proj's input: silu(gate(x)) * up(x), in place on gate's output (no third
+        """down_proj's input: act(gate(x)) * up(x), in place on gate's output (no third
         intermediate-sized tensor: measured 2.7x less CPU time for the elementwise part)."""
+        if self.gelu is not None:
+            return F.gelu(self.gate_proj(x), approximate=self.gelu).mul_(self.up_proj(x))
         return F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,12 +297,37 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)). Gemma ("sandwich") also normalizes each branch's
+    output: x + post_attention_layernorm(attn(input_layernorm(x))), then
+    x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))) — so in Gemma the norm
+    feeding the MLP is `pre_feedforward_layernorm`, and `post_attention_layernorm` is not an input
+    norm at all. Code that needs "the norm feeding gate/up" uses `mlp_norm` / `MLP_NORM`."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(h, eps, offset)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset)
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
+        self.mlp_norm_name = "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm"
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm whose output gate_proj/up_proj read (where MLP smoothing factors fold)."""
+        return self.get_submodule(self.mlp_norm_name)
+
+    def attn_residual(self, y: torch.Tensor) -> torch.Tensor:
+        """What o_proj's output adds to the residual stream (normalized first in Gemma)."""
+        return self.post_attention_layernorm(y) if self.sandwich else y
+
+    def mlp_residual(self, y: torch.Tensor) -> torch.Tensor:
+        """What down_proj's output adds to the residual stream (normalized first in Gemma)."""
+        return self.post_feedforward_layernorm(y) if self.sandwich else y
 
     def forward(
         self,
@@ -175,8 +336,8 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         context: AttentionContext | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attn_residual(self.self_attn(self.input_layernorm(x), cos, sin, context))
+        return x + self.mlp_residual(self.mlp(self.mlp_norm(x)))
 
 
 class DecoderModel(nn.Module):
@@ -184,18 +345,50 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.rotary_emb = RotaryEmbedding(config)
 
 
+def embed(config: ModelConfig, table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Embedding rows of `input_ids`, times Gemma's sqrt(hidden_size) where the config has one.
+    The factor is rounded to the table's dtype first and multiplied in it, as transformers does
+    (sqrt(3072) = 55.43 becomes 55.5 in bfloat16): the model was trained with that product."""
+    x = F.embedding(input_ids, table)
+    if config.embed_scale is None:
+        return x
+    return x * torch.tensor(config.embed_scale, dtype=torch.float32).to(table.dtype)
+
+
+class LogitSoftcap:
+    """A forward hook turning an LM head's logits into cap * tanh(logits / cap) (Gemma), in the
+    logits' dtype as transformers does. A class, not a closure, so a model stays picklable."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(out / self.cap) * self.cap
+
+
 class CausalLM(nn.Module):
-    """Decoder + LM head. `forward(ids)` returns float32 logits for whole causal sequences."""
+    """Decoder + LM head. `forward(ids)` returns float32 logits for whole causal sequences.
+
+    Gemma's final-logit soft-cap is a forward hook on `lm_head`, attached again whenever the
+    module is replaced (the loader swaps in the stored linear): the serving runtime calls
+    `model.lm_head(hidden)` itself, so a cap applied only in `forward` would be skipped there."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        cap = self.config.final_logit_softcapping if name == "lm_head" else None
+        if cap is not None and isinstance(value, nn.Module) and not getattr(value, "_logit_softcap", None):
+            value.register_forward_hook(LogitSoftcap(cap))
+            value._logit_softcap = cap  # once per module, however often it is assigned
 
     @property
     def dtype(self) -> torch.dtype:
@@ -210,7 +403,7 @@ class CausalLM(nn.Module):
         """Final-norm hidden states. input_ids: [B, T] (or [T] with a context)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-        x = self.model.embed_tokens(input_ids)
+        x = embed(self.config, self.model.embed_tokens.weight, input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, context)

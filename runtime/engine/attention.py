@@ -8,6 +8,12 @@ into one [T, heads, head_dim] batch. We write the new K/V into their slots, then
 - each multi-token chunk (a prefill or a prefill chunk) on its own, causally, with its earlier
   tokens (prefix-cache hits or previous chunks) read back from the cache.
 The gather indices and masks are built once per step and shared by every layer.
+
+A layer whose attention is not the plain causal one (Gemma: its own scale, soft-capped scores,
+sliding windows) passes its `AttentionSpec`; then every group goes through `spec_attention`, the
+reference's own implementation, with absolute query and key positions recovered from the step's
+masks (a decode's query is its last real key; a chunk's queries follow its cached context). That
+path reads whole block tables (no cascade split): correctness over the shared-prefix saving.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from lmfoundry.model.reference import AttentionSpec, spec_attention
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers
 
 KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -41,6 +48,8 @@ class Chunk:
 
 
 class PagedAttention:
+    supports_attention_spec = True  # `attend` honours a layer's AttentionSpec (see the reference)
+
     def __init__(
         self,
         cache: KVCacheLayers,
@@ -55,11 +64,14 @@ class PagedAttention:
         self.decode = decode
         self.chunks = chunks
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
         round_trip = self.round_trips[layer_idx]
         if round_trip is not None:
             k, v = round_trip(k, v)
         self.cache.write(layer_idx, self.slot_mapping, k, v)
+        if spec is not None:
+            return self._attend_spec(layer_idx, q, k, v, spec)
         d, only_decode = self.decode, not self.chunks
         if only_decode and d is not None and d.rows is None:
             return self._decode(layer_idx, q, d)
@@ -68,6 +80,31 @@ class PagedAttention:
             out[d.rows] = self._decode(layer_idx, q[d.rows], d)
         for c in self.chunks:
             out[c.start : c.end] = self._chunk(layer_idx, q[c.start : c.end], k, v, c)
+        return out
+
+    def _attend_spec(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     spec: AttentionSpec) -> torch.Tensor:
+        """Every group of the step under `spec` (scale, soft-cap, window), at absolute positions."""
+        out = torch.empty_like(q)
+        d = self.decode
+        if d is not None:
+            b = d.blocks.shape[0]
+            rows = d.rows if d.rows is not None else torch.arange(b, device=q.device)
+            kk, vv = self.cache.read(layer_idx, d.blocks)  # [B, L, Hkv, D]
+            real = d.mask[:, 0, 0, :]  # [B, L]: a prefix of each table, ending at the new token
+            q_pos = real.sum(-1, keepdim=True) - 1  # [B, 1]
+            k_pos = torch.arange(real.shape[1], device=q.device).expand_as(real)
+            out[rows] = spec_attention(q[rows].unsqueeze(1), kk, vv, spec, q_pos, k_pos, real[:, None, :])[:, 0]
+        for c in self.chunks:
+            n = c.end - c.start
+            if c.blocks is None:  # a whole prompt in this step: its keys are the new ones
+                kk, vv = k[c.start : c.end], v[c.start : c.end]
+            else:
+                kk, vv = self.cache.read(layer_idx, c.blocks)
+                kk, vv = kk[: c.context + n], vv[: c.context + n]
+            q_pos = c.context + torch.arange(n, device=q.device)
+            k_pos = torch.arange(kk.shape[0], device=q.device)
+            out[c.start : c.end] = spec_attention(q[c.start : c.end], kk, vv, spec, q_pos, k_pos)
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor, d: DecodeGroup) -> torch.Tensor:

@@ -312,6 +312,9 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
     manifest = kernels.manifest
     reader = CheckpointReader(engine / "weights")
     cfg = ModelConfig.from_dict(reader.config)
+    refusal = cfg.kernel_path_refusal()  # e.g. Gemma: the fused kernels would compute another model
+    if refusal is not None:
+        raise UserError(f"{engine}: {refusal}")
     dtype = DTYPES[manifest["model"]["dtype"]]
     applied = {f["name"] for f in manifest["fusions"] if f["applied"]}
     fold_act_order = ACT_ORDER_FOLD in applied

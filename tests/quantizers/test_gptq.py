@@ -413,6 +413,35 @@ def test_received_attention_matches_explicit_softmax(chunk):
     assert got.view(2, 10)[:, 0].min() >= 1.0  # the first token is attended by every query
 
 
+@pytest.mark.parametrize("chunk", [64, 3])
+def test_received_attention_honours_a_gemma_attention_spec(chunk):
+    """With a layer's AttentionSpec (Gemma), the weights are the softmax the layer computes: its
+    own scale, tanh soft-cap of the scores, and keys within the sliding window only; checked
+    against an explicit float64 softmax per head."""
+    from lmfoundry.model.reference import AttentionSpec
+    from lmfoundry.quantizers.gptq import received_attention
+
+    layer, cos, sin, config = tiny_decoder_layer()
+    spec = AttentionSpec(scale=0.3, softcap=2.0, window=4)
+    layer.self_attn.spec = spec
+    x = torch.randn(2, 10, config.hidden_size)
+    got = received_attention(layer.self_attn, x, cos, sin, chunk=chunk, low_precision=False)
+    q, k, _ = layer.self_attn.project_qkv(x, cos, sin)
+    q, k = q.double(), k.double().repeat_interleave(q.shape[2] // k.shape[2], 2)
+    pos = torch.arange(10)
+    blocked = ~spec.allowed(pos, pos)
+    ref = []
+    for b in range(2):
+        per_head = []
+        for h in range(q.shape[2]):
+            scores = q[b, :, h] @ k[b, :, h].t() * spec.scale
+            scores = torch.tanh(scores / spec.softcap) * spec.softcap
+            per_head.append(torch.softmax(scores.masked_fill(blocked, float("-inf")), -1).sum(0))
+        ref.append(torch.stack(per_head).mean(0))
+    torch.testing.assert_close(got.double(), torch.cat(ref), rtol=1e-5, atol=1e-6)
+    assert got.view(2, 10)[:, 0].max() < 4.0  # outside the window of later queries, unlike plain causal
+
+
 def test_received_attention_in_bf16_is_close_to_float32():
     """The bf16 scores move each token's weight by a few bf16 roundings of the logits (relative
     2⁻⁸ of |qk|/√d ≲ 4 here, so ≲ 2-3 % of a probability); the total stays exactly T per sequence."""
