@@ -142,6 +142,32 @@ def wait_for_url(proc: Any, timeout: float = 120) -> str:
     raise AssertionError("no URL printed:\n" + "".join(seen))
 
 
+def start_serve(args: list[str]) -> Any:
+    """`lmfoundry serve ARGS` as a user runs it: a one-thread subprocess whose output is readable
+    line by line (see `wait_for_url`)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "lmfoundry.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def stop_serve(proc: Any) -> None:
+    """Stop a `start_serve` process the way a user does (Ctrl-C); failing the test if it does
+    not exit within 30 s."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("serve did not stop on SIGINT") from None
+
+
 def w4a16_checkpoint() -> Path:
     """RTN W4A16 (group 64: 576 is not a multiple of 128) of the default model, built once."""
     import os

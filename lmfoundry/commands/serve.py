@@ -85,6 +85,24 @@ def _note_capped_context(engine: LLMEngine, max_model_len: int | None, kv_cache_
 @click.option("--enforce-eager", is_flag=True,
               help="On a GPU, run every decode step eagerly instead of replaying CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
+@click.option("--speculative", type=click.Choice(["ngram", "draft"]), default=None,
+              help="Speculative decoding: guess each decoding sequence's next tokens cheaply and check them all in "
+                   "one forward of the model. ngram: prompt lookup, the tokens that followed the sequence's last "
+                   "n-gram earlier in its prompt or output (no extra model; pays off when outputs quote or edit "
+                   "their input). draft: a smaller model with the same tokenizer (--draft-model) decodes the "
+                   "guesses. Outputs are those of plain decoding, at any temperature: greedy requests give the same "
+                   "tokens, sampled ones keep the model's distribution (standard speculative sampling) and a seeded "
+                   "request draws the same tokens (up to float rounding between a multi-token and a one-token "
+                   "forward, which can only matter at exact near-ties). Drafts spend the --max-num-batched-tokens "
+                   "budget; it pays when a forward over a few tokens costs about what one token costs (small "
+                   "batches), and when drafts are accepted (/metrics lmfoundry_spec_decode_acceptance_rate).")
+@click.option("--num-speculative-tokens", type=int, default=4, show_default=True,
+              help="Draft tokens proposed per sequence and step (with --speculative); a step yields 1 to K+1 tokens.")
+@click.option("--draft-model", default=None,
+              help="Draft model for --speculative draft: a checkpoint folder, known model name or engine bundle, "
+                   "loaded like MODEL (same --dtype and --device) with its own KV cache sized like MODEL's.")
+@click.option("--ngram-max", type=int, default=3, show_default=True,
+              help="Longest n-gram looked up for --speculative ngram (shorter ones down to 1 are tried next).")
 @click.option("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS or all cores).")
 @click.option("--max-request-mb", type=float, default=8.0, show_default=True,
               help="Largest request body in MiB (larger: HTTP 413).")
@@ -98,8 +116,8 @@ def _note_capped_context(engine: LLMEngine, max_model_len: int | None, kv_cache_
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int,
           kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, enforce_eager: bool,
-          no_prefix_caching: bool,
-          threads: int | None, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
+          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
+          ngram_max: int, threads: int | None, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
           log_level: str) -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device."""
@@ -118,18 +136,22 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     if block_size is None:
         block_size = _bundle_block_size(model) if is_engine_bundle(model) else 16
     for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
-                        ("--block-size", block_size)):
+                        ("--block-size", block_size), ("--num-speculative-tokens", num_speculative_tokens),
+                        ("--ngram-max", ngram_max)):
         if value < 1:
             raise UserError(f"{name} must be at least 1")
+    if (speculative == "draft") != (draft_model is not None):
+        raise UserError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     config = EngineConfig(
         block_size=block_size, kv_cache_memory_gb=kv_cache_gb, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_waiting_requests=max_waiting, enable_prefix_caching=not no_prefix_caching,
-        kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager, num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or None)
+        kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager, num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or None,
+        speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max)
     engine = LLMEngine.from_pretrained(model, None if dtype == "auto" else getattr(torch, dtype), config,
-                                       device=device)
+                                       device=device, draft_model=draft_model)
     _note_capped_context(engine, max_model_len, kv_cache_gb)
     name = served_model_name or os.path.basename(os.path.normpath(model))
     async_engine = AsyncLLMEngine(engine)

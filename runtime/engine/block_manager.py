@@ -131,6 +131,24 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Release seq's blocks past the first `num_tokens` tokens; returns how many. Speculative
+        decoding grows a table for the draft tokens it scores, and the blocks that only held
+        rejected drafts come back here. They hold no computed token (never published in the prefix
+        cache), so they go to the front of the free list: reused before any block still holding a
+        cached prefix."""
+        keep = self.blocks_for(num_tokens)
+        assert keep >= self.blocks_for(seq.num_computed_tokens), (seq, num_tokens)  # computed K/V stays
+        released = seq.block_table[keep:]
+        for block_id in reversed(released):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, block  # private, never published
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+        return len(released)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish seq's full, computed blocks in the prefix cache (after their K/V are written)."""
         if not self.enable_prefix_caching:

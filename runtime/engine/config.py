@@ -1,4 +1,4 @@
-"""Engine sizing knobs: KV block size and count, batch limits, queue bound, KV storage dtype."""
+"""Engine knobs: KV block size and count, batch limits, queue bound, KV storage dtype, speculative decoding."""
 
 from __future__ import annotations
 
@@ -29,3 +29,21 @@ class EngineConfig:
     # Decode steps of an engine bundle on a GPU replay a CUDA graph per batch-size bucket (no
     # per-kernel launch or argument packing cost); False runs every step eagerly.
     cuda_graphs: bool = True
+    # Speculative decoding (see speculative.py): None (off), "ngram" (prompt lookup: the tokens that
+    # followed the last n-gram's earlier occurrence) or "draft" (a smaller model's greedy tokens;
+    # LLMEngine then needs a draft_model). Each decoding sequence gets up to
+    # num_speculative_tokens draft tokens, which the target scores in one forward and accepts while
+    # they match what it samples itself, so outputs are those of plain decoding.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_max: int = 3  # longest n-gram looked up (prompt lookup); shorter ones are tried next
+    ngram_min: int = 1
+
+    def check_speculative(self) -> None:
+        """Refuse speculative settings that cannot work, in one line (the CLI turns it into an error)."""
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")
+        if self.speculative is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}..{self.ngram_max}")

@@ -7,6 +7,10 @@ Offline use (batch generation, scoring):
     scores = engine.loglikelihood([(context_ids, continuation_ids)])  # [(logprob_sum, is_greedy)]
 
 Online use goes through `AsyncLLMEngine`, which drives `step()` from a background thread.
+
+Speculative decoding (`EngineConfig.speculative`, see speculative.py) proposes draft tokens for
+the running decodes before each step; the step scores them and keeps those the target's own
+sampling agrees with, so outputs are unchanged and a step can yield several tokens per sequence.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from lmfoundry.runtime.engine.sampler import Sampler
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.scheduler import Scheduler
 from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
+from lmfoundry.runtime.engine.speculative import DraftModelProposer, NgramProposer, Speculator, verify
 
 Prompt = str | list[int]
 
@@ -39,8 +44,15 @@ def _as_set(value: Any) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, model: nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any = None, config: EngineConfig | None = None,
+                 draft_model: nn.Module | None = None) -> None:
         self.config = config = config or EngineConfig()
+        try:
+            config.check_speculative()
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if (config.speculative == "draft") != (draft_model is not None):
+            raise UserError("speculative='draft' needs a draft model, and a draft model needs speculative='draft'")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model = model
@@ -62,16 +74,25 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_requests_total = 0
+        self.speculator: Speculator | None = None
+        if config.speculative == "ngram":
+            self.speculator = Speculator(config, NgramProposer(config.ngram_max, config.ngram_min))
+        elif config.speculative == "draft":
+            proposer = DraftModelProposer(draft_model, config, model.config.vocab_size, self.runner.num_blocks,
+                                          self.max_model_len)
+            self.speculator = Speculator(config, proposer)
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, dtype: torch.dtype | None = None,
-                        config: EngineConfig | None = None, device: str | torch.device = "cpu") -> "LLMEngine":
+                        config: EngineConfig | None = None, device: str | torch.device = "cpu",
+                        draft_model: str | None = None) -> "LLMEngine":
         """An engine for a checkpoint (reference executor, CPU) or an engine bundle (its kernels
-        on `device`)."""
+        on `device`); `draft_model` (same forms) is loaded the same way for speculative='draft'."""
         from lmfoundry.runtime.loader import load_model
 
         model, tokenizer = load_model(path_or_name, dtype=dtype, device=device)
-        return cls(model, tokenizer, config)
+        draft = load_model(draft_model, dtype=dtype, device=device)[0] if draft_model is not None else None
+        return cls(model, tokenizer, config, draft)
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -133,6 +154,8 @@ class LLMEngine:
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         return True
 
     def abort_all(self) -> list[str]:
@@ -156,41 +179,56 @@ class LLMEngine:
         A failure is contained to the requests it belongs to: a sampling or detokenizing error fails
         that request alone; a failed forward pass (shared by the batch) fails the requests in the
         batch, and waiting ones still get their turn. A failed request gets one event with
-        finish_reason "error" and `error` set, and its blocks are freed."""
+        finish_reason "error" and `error` set, and its blocks are freed. With speculative decoding a
+        sequence can get several tokens in a step, still in one event."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch:
             return []
         try:
             result = self.runner.execute(batch)
         except Exception as exc:  # noqa: BLE001 - reported per request below
+            for seq, _ in batch:
+                seq.draft_token_ids = []
             return [self._fail(rid, exc) for rid in dict.fromkeys(seq.request_id for seq, _ in batch)]
         for seq, n in batch:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
             self.block_manager.cache_full_blocks(seq)
             for pos, lp in result.prompt_logprobs.get(seq.seq_id, ()):
                 seq.prompt_logprobs[pos] = lp
         if result.logits is None:
             return []
-        sampled = self.sampler(result.logits, result.sample_seqs)
-        events: list[StepEvent] = []
+        first = {seq.seq_id: seq.num_output_tokens == 0 for seq in result.sample_seqs}
+        reasons: dict[int, str | None] = {}
         errors: dict[str, Exception] = {}
-        for i, seq in enumerate(result.sample_seqs):
+
+        def accept(seq: Sequence, token: int, logprob: TokenLogprob | None) -> bool:
+            reasons[seq.seq_id] = reason = self._accept_token(seq, token, logprob)
+            return reason is not None
+
+        def on_error(seq: Sequence, exc: Exception) -> None:
+            errors.setdefault(seq.request_id, exc)
+
+        verify(self.sampler, result.logits, result.sample_seqs, result.num_rows, accept, on_error, self.speculator)
+        events: list[StepEvent] = []
+        for seq, rows in zip(result.sample_seqs, result.num_rows):
             if seq.request_id in errors:
                 continue
-            exc = sampled.errors.get(i)
-            if exc is None:
-                try:
-                    events.append(self._append(seq, sampled.tokens[i], sampled.logprobs[i]))
-                    continue
-                except Exception as append_exc:  # noqa: BLE001 - fails this request only
-                    exc = append_exc
-            errors[seq.request_id] = exc
+            if rows > 1 and not seq.is_finished:
+                assert seq.num_computed_tokens == len(seq) - 1, seq  # the accepted drafts, not the new token
+                self.block_manager.trim(seq, len(seq))  # blocks that only held rejected drafts
+                self.block_manager.cache_full_blocks(seq)
+            events.append(self._event(seq, reasons.get(seq.seq_id), first[seq.seq_id]))
+        self._mark_finished_requests(events)
         events.extend(self._fail(rid, exc) for rid, exc in errors.items())
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         return events
 
     def _fail(self, request_id: str, exc: Exception) -> StepEvent:
         """Finish every sequence of a request with finish_reason "error" and free its blocks. The
-        event is returned even if the request already left `_requests` (an `_append` that raised
+        event is returned even if the request already left `_requests` (an `_accept_token` that raised
         after finishing it), since its caller has not been told it ended."""
         seqs = self._requests.pop(request_id, [])
         for seq in seqs:
@@ -200,9 +238,11 @@ class LLMEngine:
                          finish_reason="error", request_finished=True,
                          num_prompt_tokens=seqs[0].num_prompt_tokens if seqs else 0, num_cached_tokens=0, error=exc)
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> StepEvent:
+    def _accept_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> str | None:
+        """Append one sampled token; returns the finish reason (the sequence is then finished and
+        its blocks freed) or None. Stop strings are checked after every token, so a speculative
+        step that accepts several tokens stops exactly where plain decoding would."""
         p = seq.params
-        first = seq.num_output_tokens == 0
         seq.token_ids.append(token)
         self.num_generation_tokens_total += 1
         if logprob is not None:
@@ -223,13 +263,14 @@ class LLMEngine:
             self.detokenizer.flush(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+        return reason
+
+    def _event(self, seq: Sequence, reason: str | None, first: bool) -> StepEvent:
+        """The step's new output of seq (all tokens appended since its last event)."""
+        p = seq.params
         new_ids = seq.output_token_ids[seq.num_emitted_tokens :]
         new_lps = seq.logprobs[seq.num_emitted_tokens :] if p.logprobs is not None else None
         seq.num_emitted_tokens = seq.num_output_tokens
-        seqs = self._requests.get(seq.request_id, [])
-        done = reason is not None and all(s.is_finished for s in seqs)
-        if done:
-            self._requests.pop(seq.request_id, None)
         return StepEvent(
             request_id=seq.request_id,
             index=seq.index,
@@ -237,11 +278,21 @@ class LLMEngine:
             text=Detokenizer.take_new_text(seq),
             logprobs=new_lps,
             finish_reason=reason,
-            request_finished=done,
+            request_finished=False,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=seq.prompt_logprobs if first else None,
         )
+
+    def _mark_finished_requests(self, events: list[StepEvent]) -> None:
+        """Set request_finished on the last event of each request whose sequences are all
+        finished, and forget the request. Only the last: a stream ends at that flag, so an earlier
+        one would drop the step's later events of the same request (n > 1)."""
+        for ev in reversed(events):
+            seqs = self._requests.get(ev.request_id)
+            if seqs is not None and all(s.is_finished for s in seqs):
+                ev.request_finished = True
+                del self._requests[ev.request_id]
 
     # ---- offline API ------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -317,4 +368,7 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generation_tokens_total,
             "preemptions": self.scheduler.num_preemptions,
+            "spec_draft_tokens": self.speculator.num_draft_tokens if self.speculator else 0,
+            "spec_accepted_tokens": self.speculator.num_accepted_tokens if self.speculator else 0,
+            "spec_acceptance_rate": self.speculator.acceptance_rate if self.speculator else 0.0,
         }

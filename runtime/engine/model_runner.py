@@ -5,6 +5,10 @@ the flat step inputs (decode rows first, then prefill chunks) and which rows nee
 rows that need logits go through the LM head: the last token of each sequence whose prompt (or
 chunk series) is complete, plus every prompt row of sequences that asked for prompt logprobs. For
 a 512-token prefill that skips 511 of 512 vocab projections.
+
+A speculative decode (a sequence carrying draft tokens) runs as a chunk of its last token and its
+drafts, and every row of it needs logits: row j scores draft j (the last row gives the token after
+all drafts). Its rows come out consecutively in `logits`, `num_rows` of them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ PROMPT_LOGPROB_ROWS = 128  # vocab projections done at once for prompt logprobs 
 @dataclass
 class StepResult:
     sample_seqs: list[Sequence]  # sequences that get a new token, in row order of `logits`
-    logits: torch.Tensor | None  # [len(sample_seqs), vocab] float32
+    logits: torch.Tensor | None  # [sum(num_rows), vocab] float32
+    num_rows: list[int] = field(default_factory=list)  # logits rows per sample seq: 1 + its drafts
     prompt_logprobs: dict[int, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)  # seq_id -> (position, lp)
 
 
@@ -67,7 +72,7 @@ class ModelRunner:
         for seq, n in ordered:
             c = seq.num_computed_tokens
             offsets.append(len(ids))
-            ids.extend(seq.token_ids[c : c + n])
+            ids.extend(seq.scheduled_token_ids(c, c + n))
             positions.extend(range(c, c + n))
             slots.extend(self._slots(seq, c, c + n))
             items.append((c, n, seq.block_table))
@@ -78,12 +83,15 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         ordered, step = self.inputs(batch)
         hidden = self.executor.forward(step)
-        sample_seqs, sample_rows = [], []
+        sample_seqs: list[Sequence] = []
+        sample_rows: list[int] = []
         result = StepResult([], None)
         for (seq, n), row in zip(ordered, step.offsets):
-            if seq.num_computed_tokens + n == len(seq):
+            drafts = len(seq.draft_token_ids)
+            if seq.num_computed_tokens + n == len(seq) + drafts:
                 sample_seqs.append(seq)
-                sample_rows.append(row + n - 1)
+                sample_rows.extend(range(row + n - 1 - drafts, row + n))
+                result.num_rows.append(1 + drafts)
             if seq.prompt_logprobs is not None:
                 self._prompt_logprobs(seq, hidden[row : row + n], seq.num_computed_tokens, result)
         result.sample_seqs = sample_seqs

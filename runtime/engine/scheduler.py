@@ -8,6 +8,12 @@ Every step is planned afresh under a token budget (`max_num_batched_tokens`):
 When a running sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are released and it goes back to the head of the queue to be recomputed (its full
 blocks usually survive in the prefix cache, so recompute is mostly a cache hit).
+
+Speculative decoding: a decode whose sequence carries draft tokens is scheduled as 1 + drafts
+tokens (the last token and its drafts, scored in one pass). Drafts take budget like any token and
+are cut to what the budget leaves; when the blocks for them would leave too few for the other
+running sequences, the drafts are dropped (the sequence decodes one token) rather than preempting
+anybody for a guess.
 """
 
 from __future__ import annotations
@@ -47,6 +53,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq.draft_token_ids:
+                if n == 1:
+                    del seq.draft_token_ids[budget - 1 :]
+                    want = bm.blocks_for(seq.num_computed_tokens + 1 + len(seq.draft_token_ids))
+                    # Leave a block for each running sequence after this one, which may need one.
+                    spare = bm.num_free_blocks - (len(self.running) - i - 1)
+                    if want - len(seq.block_table) > spare:
+                        seq.draft_token_ids = []
+                    n += len(seq.draft_token_ids)
+                else:
+                    seq.draft_token_ids = []  # only a decode can verify drafts
             while not bm.grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -75,6 +92,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         self.block_manager.free_seq(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -88,5 +106,6 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free_seq(seq)
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

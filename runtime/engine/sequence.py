@@ -64,6 +64,10 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the leading full blocks (memo)
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at last admission
         self.num_preemptions = 0
+        # Speculative decoding: tokens proposed to follow token_ids, set before a step and scored
+        # by the target in that step (their K/V go to slots past token_ids; only the accepted ones
+        # are ever counted as computed). Empty outside a speculative step.
+        self.draft_token_ids: list[int] = []
 
         # Outputs.
         self.logprobs: list[TokenLogprob] = []
@@ -113,6 +117,13 @@ class Sequence:
                                                                     dtype=torch.int64)
             self._id_buffer_len = n
         return self._id_buffer[:n]
+
+    def scheduled_token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of token_ids followed by the draft tokens: what a step
+        feeds the model (a speculative decode runs the last token and its drafts together)."""
+        if end <= len(self.token_ids):
+            return self.token_ids[start:end]
+        return (self.token_ids + self.draft_token_ids)[start:end]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,6 +1,6 @@
 """Prometheus metrics: request latency histograms observed by the server, engine state (queue
-lengths, KV blocks and their usage fraction, prefix-cache hit rate, token and preemption counts)
-read at scrape time.
+lengths, KV blocks and their usage fraction, prefix-cache hit rate, token and preemption counts,
+speculative decoding's draft and accepted tokens and their ratio) read at scrape time.
 
 Every series carries a `model_name` label (the served model name), as vLLM's do, so that one
 Prometheus and one dashboard (`dashboards/lmfoundry.json`) can tell several servers apart.
@@ -42,6 +42,8 @@ class EngineCollector:
                                      s["kv_blocks_used"] / total if total else 0.0),
             "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens admitted",
                                       s["prefix_cache_hit_rate"]),
+            "spec_decode_acceptance_rate": ("Speculative draft tokens accepted / draft tokens scored, since start "
+                                            "(0 without --speculative)", s["spec_acceptance_rate"]),
         }
         for name, (doc, value) in gauges.items():
             gauge = GaugeMetricFamily(f"lmfoundry_{name}", doc, labels=["model_name"])
@@ -53,6 +55,10 @@ class EngineCollector:
             "num_preemptions": ("Sequences preempted (recomputed) for lack of KV blocks", s["preemptions"]),
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", s["prefix_cache_queries_tokens"]),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", s["prefix_cache_hits_tokens"]),
+            "spec_decode_draft_tokens": ("Speculative draft tokens proposed and scored by the model",
+                                         s["spec_draft_tokens"]),
+            "spec_decode_accepted_tokens": ("Speculative draft tokens accepted (output as if decoded one by one)",
+                                            s["spec_accepted_tokens"]),
         }
         for name, (doc, value) in counters.items():
             counter = CounterMetricFamily(f"lmfoundry_{name}", doc, labels=["model_name"])

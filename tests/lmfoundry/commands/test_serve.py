@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 
 import openai
-import pytest
 
+from helpers import start_serve, stop_serve
 from helpers import wait_for_url as _wait_for_url
 
 from lmfoundry.runtime.engine.toy import save_toy_checkpoint
 
 
-def _serve(args: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "lmfoundry.cli", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+_serve = start_serve
 
 
 def test_serve_cli_prints_url_and_streams_chat(tmp_path) -> None:
@@ -34,12 +27,7 @@ def test_serve_cli_prints_url_and_streams_chat(tmp_path) -> None:
         chunks = list(stream)
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("serve did not stop on SIGINT")
+        stop_serve(proc)
 
 
 def test_serve_cli_missing_model_is_one_line_error(tmp_path) -> None:
