@@ -93,22 +93,7 @@ def time_ms(ex, executor) -> float:
     if not TIME_WITH_GRAPH:
         return examples.time_ms(ex, executor)
     call = ex.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        executor.run(call)  # compile / load outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_REPEAT):
-                executor.run(call)
-    except Exception as exc:  # noqa: BLE001 - an executor that syncs cannot be captured: say so, time plainly
-        print(f"    (graph capture failed, timing with dispatch: {type(exc).__name__}: {str(exc)[:120]})")
-        torch.cuda.synchronize()
-        return examples.time_ms(ex, executor)
-    return bench(graph.replay) / GRAPH_REPEAT
+    return graph_ms(lambda: executor.run(call), fallback=lambda: examples.time_ms(ex, executor))
 
 
 def dense_ms(shape: dict) -> float:
@@ -412,13 +397,14 @@ def decode_inputs(case: dict, seed: int = 0):
     return cache, table, ctx, q, dense(cache.key_cache, cache.k_scale), dense(cache.value_cache, cache.v_scale)
 
 
-def graph_ms(fn) -> float:
+def graph_ms(fn, fallback=None) -> float:
     """GPU ms of one `fn()` by replaying GRAPH_REPEAT calls captured in one CUDA graph (so two
-    kernel launches are not charged Python dispatch); plain do_bench when capture fails."""
+    kernel launches are not charged Python dispatch); `fallback()` (default: plain do_bench of
+    `fn`) when capture fails, e.g. for an executor that synchronizes."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
+        fn()  # compile / load outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -429,7 +415,7 @@ def graph_ms(fn) -> float:
     except Exception as exc:  # noqa: BLE001 - report and time with dispatch instead
         print(f"    (graph capture failed, timing with dispatch: {type(exc).__name__}: {str(exc)[:120]})")
         torch.cuda.synchronize()
-        return bench(fn)
+        return fallback() if fallback is not None else bench(fn)
     return bench(graph.replay) / GRAPH_REPEAT
 
 

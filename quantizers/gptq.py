@@ -121,7 +121,7 @@ class HessianAccumulator:
             factor = w if factor is None else factor * w
         if factor is not None:
             x = x * factor.unsqueeze(-1)
-        if self.reduced or self._h is not None:
+        if self.reduced:  # set by the first read
             raise RuntimeError("HessianAccumulator.add after the Hessian was read")
         self.count += x.shape[0]
         if x.device.type != "cpu":  # on the accelerator: one matmul, no host round trip
