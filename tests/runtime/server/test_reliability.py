@@ -188,6 +188,22 @@ def test_oversized_bodies_get_413(server) -> None:
     assert_healthy(server.url)
 
 
+def test_refused_upload_is_drained_not_reset(server) -> None:
+    """The server answers 413 from the declared length while the client is still uploading: with
+    unread bytes in its socket an outright close is a reset, which the client can see before the
+    413. The server half-closes and discards the rest instead, so the client's upload completes
+    and it reads the whole response and a clean end of stream (lingering close)."""
+    declared = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100000000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as sock:
+        sock.sendall(declared + b"a" * 2**23)  # more than the socket buffers hold: arrives after the 413
+        received = []
+        while chunk := sock.recv(65536):
+            received.append(chunk)
+    _assert_413(b"".join(received))
+    assert_healthy(server.url)
+
+
 def test_body_limit_is_configurable() -> None:
     with own_server(max_body_bytes=2000) as url:
         under = httpx.post(f"{url}/v1/completions", json={"prompt": "a" * 100, "max_tokens": 2, "pad": "b" * 1500})
