@@ -25,14 +25,14 @@ import torch
 from tqdm.auto import tqdm
 
 from lmfoundry.calibration.journal import LayerJournal
-from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, encode_linear, fuse_checkpoint_linears
+from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, checkpoint_names, encode_linear
 from lmfoundry.distributed import ranks
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
 from lmfoundry.quantizers.qmath import check_group_size
 from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.model.reference import DecoderLayer, RotaryEmbedding, embed as embed_rows
+from lmfoundry.model.reference import DecoderLayer, ExpertCalibration, RotaryEmbedding, SparseMoE, embed as embed_rows
 
 Propagate = Literal["quantized", "float"]
 
@@ -123,9 +123,10 @@ def check_plan(plan: QuantizationPlan, config: ModelConfig) -> None:
 
 
 def load_layer(reader: CheckpointReader, config: ModelConfig, idx: int, dtype: torch.dtype,
-               device: torch.device | None = None) -> DecoderLayer:
+               device: torch.device | None = None, experts: ExpertCalibration = "all") -> DecoderLayer:
     """Build decoder layer `idx` with its weights on `device` (moved in the stored dtype, then
-    widened there: half the transfer of widening first), nothing else of the model."""
+    widened there: half the transfer of widening first), nothing else of the model. An MoE layer
+    runs its experts on the calibration tokens as `experts` says (`SparseMoE.calibrate_experts`)."""
     with torch.device("meta"):
         layer = DecoderLayer(config, idx)
     state = {k: v.to(device).to(dtype) for k, v in reader.prefixed(f"model.layers.{idx}").items()}
@@ -133,6 +134,8 @@ def load_layer(reader: CheckpointReader, config: ModelConfig, idx: int, dtype: t
     if missing:
         raise UserError(f"{reader.folder}: layer {idx} lacks {sorted(missing)[:3]}")
     layer.load_state_dict(state, assign=True, strict=False)
+    if isinstance(layer.mlp, SparseMoE):
+        layer.mlp.calibrate_experts = experts
     return layer.eval()
 
 
@@ -213,6 +216,7 @@ def run_pipeline(
     journal: LayerJournal | None = None,
     device: torch.device | None = None,
     offload: bool = False,
+    experts: ExpertCalibration = "all",
 ) -> PipelineReport:
     """Quantize every decoder layer of `reader`'s model into `writer`; returns per-layer metrics.
 
@@ -224,7 +228,8 @@ def run_pipeline(
     `device` is where layers, activations and statistics live (default CPU); with `offload` the
     activations stay in host memory between uses (see `LayerCalibration`). Under torchrun every
     rank runs this on its share of the batches (`calibration_batches`) and only the writer rank
-    passes a `writer` (the others pass None and write nothing).
+    passes a `writer` (the others pass None and write nothing). `experts` says which calibration
+    tokens an MoE layer's experts see ("all" of them, or the "routed" ones; see `SparseMoE`).
     """
     t0 = time.time()
     device = torch.device(device or "cpu")
@@ -267,7 +272,7 @@ def run_pipeline(
         # factory calls of quantizers and observers land on `device` too (CPU is already the default,
         # and the mode would add a Python hook to every op)
         with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
-            layer = load_layer(reader, config, idx, work_dtype, device)
+            layer = load_layer(reader, config, idx, work_dtype, device, experts)
             schemes = layer_schemes(plan, config, idx)
             if sequential:  # one pass, group by group; no float outputs, so no layer output error
                 result = _sequential_layer(layer, schemes, quantizer, calib, idx, work_dtype)
@@ -282,8 +287,7 @@ def run_pipeline(
             # a temporary, not a name: the shard's tensors, allocated last, would pin the heap's top
             # through the next layer and keep glibc from reusing what this layer freed (+350 MB peak)
             writer.write_shard(_shard(idx + 1, config),
-                               fuse_checkpoint_linears(_layer_tensors(layer, idx, result, schemes, out_dtype),
-                                                       config.checkpoint_fused))
+                               checkpoint_names(_layer_tensors(layer, idx, result, schemes, out_dtype), config))
         report.layers[f"model.layers.{idx}"] = layer_metrics
         report.layer_seconds[f"model.layers.{idx}"] = round(time.time() - t_layer, 3)
         del layer, result

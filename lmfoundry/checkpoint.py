@@ -171,6 +171,10 @@ class CheckpointReader:
             self.index[name] = self.index[fused]
         for fused in {v[0] for v in self.virtual.values()}:
             del self.index[fused]
+        # tensors an architecture names otherwise (Mixtral's block_sparse_moe.experts.E.w1) under ours
+        self.stored: dict[str, str] = _renamed_names(self.index, self.config)
+        for ours, stored in self.stored.items():
+            self.index[ours] = self.index.pop(stored)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -199,7 +203,7 @@ class CheckpointReader:
                             fused[source] = st.get_tensor(source)
                         out[k] = _fused_part(fused[source], k.rsplit(".", 1)[1], start, end, rows)
                     else:
-                        out[k] = st.get_tensor(k)
+                        out[k] = st.get_tensor(self.stored.get(k, k))
         return out
 
     def prefixed(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -213,15 +217,40 @@ class CheckpointReader:
 _SHARED_LEAVES = ("weight_g_idx", "input_scale")
 
 
-def _split_fused_names(index: dict[str, Path], config: dict[str, Any]) -> dict[str, tuple[str, int, int, int]]:
-    """Virtual name -> (fused tensor name, first row, end row, rows of the fused linear) for every
-    tensor of a fused linear in a checkpoint whose architecture stores them fused."""
+def _model_config(config: dict[str, Any]) -> Any:
+    """The `ModelConfig` of a checkpoint's config.json, or None for a model we do not run (the
+    caller's own checks say why)."""
     from lmfoundry.model.config import ModelConfig
 
     try:
-        model = ModelConfig.from_dict(config)
+        return ModelConfig.from_dict(config)
     except (UserError, KeyError, TypeError, ValueError):
-        return {}  # not a model we run: no splitting (the caller's own checks will say why)
+        return None
+
+
+def _renamed_names(index: dict[str, Path], config: dict[str, Any]) -> dict[str, str]:
+    """Our name -> the stored name, for every tensor the architecture names otherwise."""
+    model = _model_config(config)
+    if model is None or not model.checkpoint_renames:
+        return {}
+    return {ours: name for name in index if (ours := model.our_name(name)) != name}
+
+
+def checkpoint_names(tensors: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """Tensors in our naming as `config`'s architecture stores them: fused where it stores linears
+    fused (Phi-3), renamed where it names them otherwise (Mixtral)."""
+    tensors = fuse_checkpoint_linears(tensors, config.checkpoint_fused)
+    if not config.checkpoint_renames:
+        return tensors
+    return {config.stored_name(k): v for k, v in tensors.items()}
+
+
+def _split_fused_names(index: dict[str, Path], config: dict[str, Any]) -> dict[str, tuple[str, int, int, int]]:
+    """Virtual name -> (fused tensor name, first row, end row, rows of the fused linear) for every
+    tensor of a fused linear in a checkpoint whose architecture stores them fused."""
+    model = _model_config(config)
+    if model is None:
+        return {}
     fused_map = model.checkpoint_fused
     if not fused_map:
         return {}

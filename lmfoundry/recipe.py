@@ -50,6 +50,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "seed": 0,
         "propagate": "quantized",
         "batch_size": 8,
+        "moe_experts": "all",  # the tokens an MoE expert calibrates on: all, or those routed to it
     },
 }
 SECTIONS = ("name", "description", "quantize", "calibration", "gate")
@@ -132,6 +133,7 @@ CHECKS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "seed": _seed,
         "propagate": _one_of("quantized", "float"),
         "batch_size": _positive_int,
+        "moe_experts": _one_of("all", "routed"),
     },
 }
 

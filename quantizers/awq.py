@@ -12,8 +12,9 @@ How this implementation searches, and why:
   s = mean|x|^α / mean|w|^(1−α) (the "duo" variant llm-compressor uses), α on a grid of `n_grid`
   (20) values; the best of both families wins.
 - Folding: input_layernorm → q/k/v, the MLP's input norm (post_attention_layernorm; Gemma's
-  pre_feedforward_layernorm) → gate/up, up_proj → down_proj, and
-  v_proj → o_proj. The last one also works with grouped-query attention: a v channel feeds the
+  pre_feedforward_layernorm) → gate/up (in an MoE layer: every expert's gate/up, one scale,
+  searched on their pooled statistics, and the float router's columns scaled alike),
+  up_proj → down_proj (per expert), and v_proj → o_proj. The last one also works with grouped-query attention: a v channel feeds the
   same channel of every query head sharing its KV head, so o_proj's columns take the v scale
   repeated per head.
 - Clipping: per (row, group), shrink the range by p ∈ [0.5, 1] (n_grid steps) and keep the one
@@ -39,7 +40,8 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.model.config import GATE_UP, QKV
+from lmfoundry.model.config import QKV, ROUTER
+from lmfoundry.model.reference import SparseMoE
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
@@ -101,29 +103,43 @@ class InputStats:
 @dataclass
 class Mapping:
     """One smoothing: scales over `prev`'s output channels, folded into `prev`, multiplied into
-    the input columns of `linears`; `stats_of` names the linear whose input statistics apply."""
+    the input columns of `linears`; `stats_of` names the linear(s) whose input statistics apply
+    (an MoE norm feeds every expert, each with its own tokens: their statistics are pooled).
+    `carry` are float linears reading the same input (the MoE router): their columns take the
+    scale too, so the function is unchanged, but they do not steer the search."""
 
     prev: str
     linears: tuple[str, ...]
-    stats_of: str
+    stats_of: tuple[str, ...]
+    carry: tuple[str, ...] = ()
 
 
-def layer_mappings(schemes: dict[str, Scheme], mlp_norm: str = "post_attention_layernorm") -> list[Mapping]:
+def layer_mappings(schemes: dict[str, Scheme], mlp_norm: str = "post_attention_layernorm",
+                   num_experts: int = 0) -> list[Mapping]:
     """The smoothings that apply to the quantized linears present (in layer order); `mlp_norm`
-    names the norm feeding gate/up (`DecoderLayer.mlp_norm_name`)."""
+    names the norm feeding gate/up (`DecoderLayer.mlp_norm_name`). In a sparse MoE layer
+    (`num_experts`) that norm feeds the router and every expert's gate/up, and each expert's
+    up_proj feeds its down_proj."""
     have = set(schemes)
     out = []
     qkv = tuple(n for n in QKV if n in have)
     if qkv:
-        out.append(Mapping("input_layernorm", qkv, qkv[0]))
+        out.append(Mapping("input_layernorm", qkv, qkv[:1]))
     if "self_attn.o_proj" in have:
-        out.append(Mapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"))
-    gu = tuple(n for n in GATE_UP if n in have)
+        out.append(Mapping("self_attn.v_proj", ("self_attn.o_proj",), ("self_attn.o_proj",)))
+    experts = [f"mlp.experts.{e}." for e in range(num_experts)] if num_experts else ["mlp."]
+    gu = tuple(p + n for p in experts for n in ("gate_proj", "up_proj") if p + n in have)
     if gu:
-        out.append(Mapping(mlp_norm, gu, gu[0]))
-    if "mlp.down_proj" in have:
-        out.append(Mapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"))
+        out.append(Mapping(mlp_norm, gu, gu, (ROUTER,) if num_experts else ()))
+    out += [Mapping(p + "up_proj", (p + "down_proj",), (p + "down_proj",)) for p in experts if p + "down_proj" in have]
     return out
+
+
+def pooled_mean_abs(stats: list[InputStats]) -> torch.Tensor:
+    """Mean |x| per channel over the tokens of several statistics (each counted once)."""
+    distinct = list({id(st): st for st in stats}.values())
+    total = sum(st.mean_abs() * st.count for st in distinct)
+    return total / max(sum(st.count for st in distinct), 1)
 
 
 def _fake_quant(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> torch.Tensor:
@@ -242,9 +258,9 @@ class AWQQuantizer(Quantizer):
         per-mapping metrics. The stored statistics are rescaled to the smoothed inputs."""
         metrics: dict[str, dict[str, float]] = {}
         attn = layer.self_attn
-        for m in layer_mappings(schemes, layer.mlp_norm_name):
-            st = self._stats[m.stats_of]
-            x_mean = st.mean_abs()
+        experts = len(layer.mlp.experts) if isinstance(layer.mlp, SparseMoE) else 0
+        for m in layer_mappings(schemes, layer.mlp_norm_name, experts):
+            x_mean = pooled_mean_abs([self._stats[n] for n in m.stats_of])
             h = [self._stats[n].hessian() for n in m.linears]
             expand = None
             if m.prev == "self_attn.v_proj":
@@ -258,7 +274,7 @@ class AWQQuantizer(Quantizer):
             s, info = search_scales(weights, args, h, x_mean, self.scale_dtype, self.n_grid, self.duo, expand)
             s = self._fold(layer, m.prev, s, self.scale_dtype)  # the factor the stored tensors realize
             cols = s[expand] if expand is not None else s
-            for n in m.linears:
+            for n in m.linears + m.carry:
                 lin = layer.get_submodule(n)
                 lin.weight.data = (lin.weight.data.float() * cols).to(lin.weight.dtype)
             # the linears now read x / s: rescale the statistics they share

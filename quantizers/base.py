@@ -17,6 +17,7 @@ from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import GATE_UP, QKV
+from lmfoundry.model.reference import SparseMoE
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
@@ -146,9 +147,37 @@ class LayerCalibration:
         # attn_residual/mlp_residual: the identity, or Gemma's norm on the branch output
         step(("self_attn.o_proj",), heads, lambda i, a: hs[i].add_(store(layer.attn_residual(attn.o_proj(a)))))
         normed = [store(layer.mlp_norm(load(h))) for h in hs]
+        if isinstance(mlp, SparseMoE):
+            self._experts_sequential(mlp, normed, hs, step)
+            return hs
         mids = step(GATE_UP, normed, lambda i, x: store(mlp.hidden(x)))
         step(("mlp.down_proj",), mids, lambda i, m: hs[i].add_(store(layer.mlp_residual(mlp.down_proj(m)))))
         return hs
+
+    def _experts_sequential(self, moe: SparseMoE, normed: list[torch.Tensor], hs: list[torch.Tensor],
+                            step: Callable) -> None:
+        """The sequential pass through a sparse MoE block: the router (float) picks each token's
+        experts once, then expert by expert its gate/up group sees that expert's tokens (every
+        token under `calibrate_experts`), is quantized, runs, and likewise its down_proj; the
+        routed outputs, weighted, add into the residual stream."""
+        load, store = self.load, self.store
+        routes = [moe.route(load(x).reshape(-1, x.shape[-1])) for x in normed]
+        for e, expert in enumerate(moe.experts):
+            picked = [moe.expert_tokens(chosen, e) for chosen, _ in routes]
+            tokens = [(load(x).reshape(-1, x.shape[-1]) if every else load(x).reshape(-1, x.shape[-1])[rows])
+                      for x, (rows, _, every) in zip(normed, picked)]
+            prefix = f"mlp.experts.{e}."
+            mids = step((prefix + "gate_proj", prefix + "up_proj"), tokens, lambda i, x: expert.hidden(x))
+
+            def add(i: int, m: torch.Tensor) -> torch.Tensor:
+                rows, slots, every = picked[i]
+                y = expert.down_proj(m)
+                y = y[rows] if every else y
+                flat = hs[i].view(-1, hs[i].shape[-1])
+                flat.index_add_(0, rows.to(flat.device), store((y * routes[i][1][rows, slots, None]).to(flat.dtype)))
+                return m.new_empty(0)  # this expert's intermediate is freed batch by batch
+
+            step((prefix + "down_proj",), mids, add)
 
 
 class Quantizer(ABC):

@@ -9,11 +9,12 @@ unchanged while both operands become easier to quantize.
 Where s is folded (each is exact in float arithmetic):
 - input_layernorm → q/k/v and the MLP's input norm → gate/up (post_attention_layernorm; Gemma's
   pre_feedforward_layernorm): the norm's applied gain is divided by s (`RMSNorm.divide_gain_`);
+  in an MoE layer that norm feeds every expert's gate/up and the float router, all scaled alike;
 - v_proj → o_proj: attention output channel (head h, dim j) is a weighted sum of V's channel
   (kv(h), j), so dividing v_proj's output row by s divides that channel. With grouped-query
   attention several query heads read one KV head, so the factor is shared by the group (statistics
   are reduced over it) — that is the "where shapes allow" of the paper, generalised to GQA;
-- up_proj → down_proj: down's input is silu(gate) * up, linear in up's output channel.
+- up_proj → down_proj (each expert's): down's input is silu(gate) * up, linear in up's output channel.
 
 Then W8A8-INT8: int8 weights per output channel (RTN or GPTQ, option `weight_method`), int8
 activations dynamic per token or static per tensor (scale calibrated on the smoothed input).
@@ -25,14 +26,15 @@ quantized output error on a subsample of the calibration inputs), smooth_vo (tru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.model.config import GATE_UP, LAYER_LINEARS, QKV
+from lmfoundry.model.config import QKV, ROUTER
+from lmfoundry.model.reference import SparseMoE
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.activations import InputRecorder, input_recorders, static_input_scales
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, get_quantizer
@@ -70,6 +72,7 @@ class Mapping:
     fold: Callable[[torch.Tensor], torch.Tensor | None]  # may return the factor really folded
     expand: Callable[[torch.Tensor], torch.Tensor] = lambda s: s
     reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    carry: list[str] = field(default_factory=list)  # float linears scaled alike, not in the statistics (router)
 
 
 def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool,
@@ -91,11 +94,15 @@ def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool,
                 linear.bias.data = (linear.bias.data.float() / s).to(linear.bias.dtype)
         return fold
 
+    moe = isinstance(mlp, SparseMoE)
+    # the MLP's linears by expert prefix ("mlp." for a dense layer)
+    prefixes = [f"mlp.experts.{e}." for e in range(len(mlp.experts))] if moe else ["mlp."]
     maps = [
         Mapping("input_layernorm", list(QKV),
                 fold_norm(layer.input_layernorm)),
-        Mapping(layer.mlp_norm_name, list(GATE_UP),
-                fold_norm(layer.mlp_norm)),
+        # an MoE norm feeds the router and every expert's gate/up: one factor for all of them
+        Mapping(layer.mlp_norm_name, [p + n for p in prefixes for n in ("gate_proj", "up_proj")],
+                fold_norm(layer.mlp_norm), carry=[ROUTER] if moe else []),
     ]
     if smooth_vo:
         hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -109,7 +116,8 @@ def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool,
 
         maps.append(Mapping("v_proj", ["self_attn.o_proj"], fold_rows(attn.v_proj), expand, reduce))
     if smooth_down:
-        maps.append(Mapping("up_proj", ["mlp.down_proj"], fold_rows(mlp.up_proj)))
+        maps += [Mapping(p + "up_proj", [p + "down_proj"], fold_rows(layer.get_submodule(p + "up_proj")))
+                 for p in prefixes]
     return maps
 
 
@@ -168,7 +176,7 @@ class SmoothQuantQuantizer(Quantizer):
     def calibration_hooks(self, layer: nn.Module, schemes: dict[str, Scheme], layer_idx: int
                           ) -> dict[str, Callable[[torch.Tensor], None]]:
         rows = self.rows_per_batch if self.alpha_search else 0
-        self._recorders, hooks = input_recorders(list(LAYER_LINEARS), rows)
+        self._recorders, hooks = input_recorders(list(layer.linear_names), rows)
         return hooks
 
     @torch.no_grad()
@@ -184,7 +192,8 @@ class SmoothQuantQuantizer(Quantizer):
         divisors: dict[str, torch.Tensor] = {}
         for m in layer_mappings(layer, self.smooth_vo, self.smooth_down, self.scale_dtype):
             balance = [layer.get_submodule(n) for n in m.balance]
-            act = m.reduce(recorders[m.balance[0]].absmax)
+            # max over the recorders of the balance linears: MoE experts each record their own tokens
+            act = m.reduce(torch.stack([recorders[n].absmax for n in m.balance]).amax(0))
             wmax = m.reduce(column_absmax(balance))
             alpha = self.alpha
             if self.alpha_search:
@@ -193,7 +202,7 @@ class SmoothQuantQuantizer(Quantizer):
             realized = m.fold(s)
             s = realized if realized is not None else s
             s_in = m.expand(s)
-            for lin in balance:
+            for lin in balance + [layer.get_submodule(n) for n in m.carry]:
                 lin.weight.data = (lin.weight.data.float() * s_in[None, :]).to(lin.weight.dtype)
             for n in m.balance:
                 divisors[n] = s_in

@@ -67,6 +67,9 @@ RECIPE_OPTIONS = [
     click.option("--seed", type=WholeNumber(0, 2**64 - 1), default=None, help="Sampling seed. [0]"),
     click.option("--propagate", type=click.Choice(["quantized", "float"]), default=None,
                  help="Feed the next layer the quantized (default) or the float layer's outputs."),
+    click.option("--moe-experts", type=click.Choice(["all", "routed"]), default=None,
+                 help="MoE models: every expert calibrates on all tokens (default; rarely chosen experts get "
+                      "statistics) or on the tokens routed to it (an expert no token chose still sees all)."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
                  help="Storage dtype of scales and unquantized tensors (auto = the source's)."),
     click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
@@ -87,7 +90,7 @@ def recipe_from_cli(recipe: str | None, method: str | None = None, scheme: str |
                     observer: str | None = None, actorder: str | None = None, kv_cache: str | None = None,
                     calib: str | None = None, num_samples: int | None = None, seq_len: int | None = None,
                     seed: int | None = None, propagate: str | None = None, dtype: str | None = None,
-                    options: tuple[str, ...] = (), **_: Any) -> dict[str, Any]:
+                    options: tuple[str, ...] = (), moe_experts: str | None = None, **_: Any) -> dict[str, Any]:
     """The recipe as applied: the YAML (or defaults) with every given flag overriding it, checked
     again after the overrides (a `--option` value or a flag may be what makes it invalid)."""
     from lmfoundry.recipe import apply_overrides, check_recipe, load_recipe
@@ -99,7 +102,7 @@ def recipe_from_cli(recipe: str | None, method: str | None = None, scheme: str |
     if options:
         rec["quantize"]["options"] = {**rec["quantize"]["options"], **parse_options(options)}
     apply_overrides(rec, "calibration", source=calib, num_samples=num_samples, seq_len=seq_len,
-                    seed=seed, propagate=propagate)
+                    seed=seed, propagate=propagate, moe_experts=moe_experts)
     return check_recipe(rec, "recipe (with the command-line flags)")
 
 
@@ -346,7 +349,7 @@ def _quantize_into(model: str, out: Path | None, staging: Path | None, rec: dict
     from lmfoundry.manifest import sha256_file, tool_versions
     from lmfoundry.models import resolve_model, safetensors_files
     from lmfoundry.quantizers.base import get_quantizer
-    from lmfoundry.model.config import ModelConfig
+    from lmfoundry.model.config import ROUTER_IGNORE, ModelConfig
     from lmfoundry.runtime.loader import load_tokenizer
 
     # loaded before the baseline: start-up, not model work (compressed-tensors, which the doctor
@@ -366,6 +369,8 @@ def _quantize_into(model: str, out: Path | None, staging: Path | None, rec: dict
     if reader.plan is not None:
         raise UserError(f"{folder}: already quantized; quantize a float model")
     config = ModelConfig.from_dict(reader.config)
+    if config.is_moe:  # the router stays float, and every loader is told so
+        plan.ignore += [p for p in ROUTER_IGNORE if p not in plan.ignore]
     check_plan(plan, config)
     if doctor:
         _preflight(str(folder), rec)  # the resolved folder: no second conversion or opt-in
@@ -391,7 +396,7 @@ def _quantize_into(model: str, out: Path | None, staging: Path | None, rec: dict
     move_out = needs_data and activations_offload(config, -(-int(c["num_samples"]) // group.world_size),
                                                   int(c["seq_len"]), batch_size, device, offload, q["method"])
     pipeline_args = dict(propagate=c["propagate"], batch_size=batch_size, extra_layer_passes=extra,
-                         device=device, offload=move_out)
+                         device=device, offload=move_out, experts=c.get("moe_experts", "all"))
     calib_ids = calib.token_ids if needs_data else None
     if out is None:  # a data-parallel rank other than 0: rank 0's work folder and journal position
         work_name, done = group.broadcast(None)

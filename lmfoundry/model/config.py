@@ -4,6 +4,12 @@ Llama-family decoders (Llama, Mistral, Qwen2, Qwen3 dense, Phi-3) differ only in
 (q/k/v bias, q/k RMSNorm, head_dim, rope scaling, which linears the checkpoint stores fused); this
 dataclass names them so the rest of the code never looks at `model_type`.
 
+Mixtral and Qwen3-MoE replace the MLP by a sparse mixture of experts: a float router picks the
+top-k of `num_experts` gated MLPs (each `moe_intermediate_size` wide) per token and sums their
+outputs weighted by the renormalized router probabilities. Every expert's linears are linears of
+the layer (`mlp.experts.E.gate_proj`, ...); Mixtral's checkpoint names (`block_sparse_moe`,
+w1/w3/w2) are read and written through `checkpoint_renames`.
+
 Gemma 2 and Gemma 3 (text) are the same q/k/v/o + gated-MLP layer with more switches: RMSNorm
 gains stored as `w` and applied as `1 + w`, the embedding scaled by sqrt(hidden_size), a norm after
 attention and after the MLP as well as before each (`sandwich_norms`), a tanh-GELU MLP, the
@@ -22,8 +28,19 @@ from typing import Any
 
 from lmfoundry.errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
+                           "qwen3_moe")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
+# The router of a sparse MoE block: a linear over the hidden state, kept in float (its top-k
+# choice is discontinuous: a rounding error there swaps experts, not a few ulps of the output).
+ROUTER = "mlp.gate"
+# Written to the checkpoint's `ignore` for MoE models, in both namings (Mixtral's checkpoints and
+# vLLM say `block_sparse_moe.gate`, transformers and Qwen3-MoE `mlp.gate`), so no loader quantizes it.
+ROUTER_IGNORE = ("re:.*mlp[.]gate$", "re:.*block_sparse_moe[.]gate$")
+# Mixtral's checkpoint names -> ours (Qwen3-MoE's, which are the dense MLP's under `experts.E`).
+MIXTRAL_RENAMES = (("block_sparse_moe.", "mlp."), ("experts.{e}.w1.", "experts.{e}.gate_proj."),
+                   ("experts.{e}.w3.", "experts.{e}.up_proj."), ("experts.{e}.w2.", "experts.{e}.down_proj."))
 
 # transformers' Gemma2Config / Gemma3TextConfig defaults, for fields a config.json may omit. Soft-caps
 # are looked up with `in`, not `.get`: an explicit null switches them off.
@@ -59,15 +76,19 @@ QKV, GATE_UP = FUSED_LINEARS["self_attn.qkv_proj"], FUSED_LINEARS["mlp.gate_up_p
 def input_groups(names: list[str] | tuple[str, ...]) -> list[tuple[str, ...]]:
     """Partition `names` (local linear names) into groups sharing one input, in layer order; a
     linear that reads its own input is its own group. The first name of each group is the one
-    whose input calibration hooks."""
+    whose input calibration hooks. The fused groups apply under any parent module, so each MoE
+    expert's gate/up (`mlp.experts.E.gate_proj`, `.up_proj`) is a group of its own: an expert
+    reads only the tokens routed to it."""
     remaining = list(names)
     groups: list[tuple[str, ...]] = []
-    for shared in FUSED_LINEARS.values():
-        members = tuple(n for n in shared if n in remaining)
-        if members:
-            groups.append(members)
-            for n in members:
-                remaining.remove(n)
+    parents = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))
+    for parent in parents:
+        for shared in FUSED_LINEARS.values():
+            members = tuple(m for m in (f"{parent}.{n.rsplit('.', 1)[1]}" for n in shared) if m in remaining)
+            if members:
+                groups.append(members)
+                for n in members:
+                    remaining.remove(n)
     groups += [(n,) for n in remaining]
     order = {n: i for i, n in enumerate(names)}
     return sorted(groups, key=lambda g: min(order[n] for n in g))
@@ -104,6 +125,11 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     sliding_window: int | None = None  # keys within this many positions of the query (itself included)
     layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; empty: every layer full attention
+    # --- sparse MoE (Mixtral, Qwen3-MoE): 0 experts is a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k router probabilities to sum to 1
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -120,10 +146,12 @@ class ModelConfig:
             )
         if model_type == "phi3":
             _check_phi3(cfg)
-        gemma: dict[str, Any] = {}
+        switches: dict[str, Any] = {}  # the fields of a family beyond the Llama layer
+        if model_type in MOE_ARCHITECTURES:
+            switches = _moe_switches(cfg)
         if model_type in GEMMA_ARCHITECTURES:
             cfg = {**_GEMMA_DEFAULTS[model_type], **cfg}
-            gemma = _gemma_switches(cfg)
+            switches = _gemma_switches(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -145,12 +173,12 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             torch_dtype=str(dtype).replace("torch.", ""),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             raw=dict(cfg),
-            **gemma,
+            **switches,
         )
 
     # ------------------------------------------------------------------ per-layer attention
@@ -189,6 +217,10 @@ class ModelConfig:
         """Why the compiled-kernel path (engine bundles, `KernelModel`) cannot run this model, or
         None. Its fused kernels implement the Llama layer only: RMSNorm gains without the +1,
         SiLU, no sandwich norms, plain causal paged attention without soft-capping or windows."""
+        if self.is_moe:
+            return (f"{self.model_type} (mixture of experts) has no compiled-kernel path: the kernels have no "
+                    "router or grouped expert GEMM; serve the checkpoint folder itself (the PyTorch reference "
+                    "engine) instead of a bundle")
         if self.model_type in GEMMA_ARCHITECTURES:
             return (f"{self.model_type} (Gemma) has no compiled-kernel path: its (1 + w) norms, post-branch "
                     "norms, GELU MLP, attention soft-capping and sliding windows are not in the kernels; "
@@ -202,6 +234,24 @@ class ModelConfig:
         linears; `CheckpointReader` splits such tensors on read and `fuse_checkpoint_linears`
         joins them on write, so vLLM and transformers find the names they expect."""
         return dict(FUSED_LINEARS) if self.model_type == "phi3" else {}
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def checkpoint_renames(self) -> tuple[tuple[str, str], ...]:
+        """(checkpoint infix, our infix) pairs, "{e}" standing for an expert index: what
+        `CheckpointReader` renames on read and `checkpoint_names` renames back on write."""
+        return MIXTRAL_RENAMES if self.model_type == "mixtral" else ()
+
+    def our_name(self, stored: str) -> str:
+        """A checkpoint tensor name in our naming (`checkpoint_renames`)."""
+        return _rename(stored, [(a, b) for a, b in self.checkpoint_renames])
+
+    def stored_name(self, ours: str) -> str:
+        """One of our tensor names as this architecture's checkpoints spell it."""
+        return _rename(ours, [(b, a) for a, b in reversed(self.checkpoint_renames)])
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -218,17 +268,23 @@ class ModelConfig:
 
     @property
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of each linear in one decoder layer, by local name."""
+        """(out_features, in_features) of each quantizable linear in one decoder layer, by local
+        name, in execution order: an MoE layer lists every expert's gate/up/down (the router,
+        kept in float, is not among them)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        return {
+        shapes = {
             "self_attn.q_proj": (self.num_heads * d, h),
             "self_attn.k_proj": (self.num_kv_heads * d, h),
             "self_attn.v_proj": (self.num_kv_heads * d, h),
             "self_attn.o_proj": (h, self.num_heads * d),
-            "mlp.gate_proj": (i, h),
-            "mlp.up_proj": (i, h),
-            "mlp.down_proj": (h, i),
         }
+        if not self.is_moe:
+            return {**shapes, "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+        m = self.moe_intermediate_size
+        for e in range(self.num_experts):
+            shapes.update({f"mlp.experts.{e}.gate_proj": (m, h), f"mlp.experts.{e}.up_proj": (m, h),
+                           f"mlp.experts.{e}.down_proj": (h, m)})
+        return shapes
 
     @property
     def rope(self) -> tuple[float, str]:
@@ -282,6 +338,42 @@ def _check_phi3(cfg: dict[str, Any]) -> None:
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind not in (None, "default"):
         raise UserError(f"phi3 with rope_scaling {kind!r} (the long-context variants) is not supported")
+
+
+def _rename(name: str, pairs: list[tuple[str, str]]) -> str:
+    """Apply each (from, to) infix replacement in turn; "{e}" matches and keeps an expert index.
+    A module name (no tensor leaf after it) is renamed like its tensors."""
+    import re
+
+    name += "."
+    for src, dst in pairs:
+        pattern = re.escape(src).replace(re.escape("{e}"), r"(\d+)")
+        name = re.sub(pattern, lambda m: dst.replace("{e}", m.group(1)) if m.groups() else dst, name)
+    return name[:-1]
+
+
+def _moe_switches(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of `ModelConfig` (Mixtral: always renormalized top-k; Qwen3-MoE: its
+    `norm_topk_prob`), refusing by name the layouts the reference does not run."""
+    model_type = cfg["model_type"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not experts or not top_k or not 0 < int(top_k) <= int(experts):
+        raise UserError(f"{model_type}: needs num_local_experts/num_experts >= num_experts_per_tok >= 1 "
+                        f"(got {experts!r} and {top_k!r})")
+    if model_type == "qwen3_moe":
+        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
+            raise UserError("qwen3_moe with dense layers among the MoE ones (mlp_only_layers / decoder_sparse_step "
+                            "!= 1) is not supported: every layer must be a sparse MoE block")
+        width = cfg.get("moe_intermediate_size")
+        norm = bool(cfg.get("norm_topk_prob", False))
+    else:
+        width = cfg.get("intermediate_size")
+        norm = True
+    if not width:
+        raise UserError(f"{model_type}: the experts' width (moe_intermediate_size) is missing")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(top_k), "moe_intermediate_size": int(width),
+            "norm_topk_prob": norm}
 
 
 def _gemma_switches(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The reference execution of a Llama-family or Gemma 2/3 decoder, as plain `nn.Module`s (gpt-fast style).
+"""The reference execution of a Llama-family, Gemma 2/3 or sparse-MoE (Mixtral, Qwen3-MoE)
+decoder, as plain `nn.Module`s (gpt-fast style).
 
 This one implementation is used everywhere a model runs: by the layer-wise calibration pipeline
 (one `DecoderLayer` at a time), by perplexity and eval-gate, and by the serving runtime (which
@@ -18,7 +19,7 @@ its half: that keeps the (cos, sin) pair every caller already passes layer by la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -275,11 +276,11 @@ def spec_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atte
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         from lmfoundry.model.config import GELU_ACTIVATIONS
 
-        h, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, b = config.hidden_size, intermediate_size or config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
@@ -296,6 +297,62 @@ class MLP(nn.Module):
         return self.down_proj(self.hidden(x))
 
 
+ExpertCalibration = Literal["all", "routed"]
+
+
+class SparseMoE(nn.Module):
+    """Mixtral's / Qwen3-MoE's sparse block: a float router (`gate`) scores the experts per
+    token, the top-k probabilities (renormalized where the model does) weight the outputs of
+    those k gated MLPs, which are summed. Each expert runs only its own tokens.
+
+    `calibrate_experts` is set by the calibration pipeline only (serving leaves it None): with
+    "all" every expert also runs every token, so its linears' input statistics come from the
+    whole calibration set (an expert the router rarely picks would otherwise have a handful of
+    tokens); with "routed" an expert sees its routed tokens, and one that no token picked runs
+    every token rather than none (no statistics means no scales). Either way only routed tokens
+    reach the output, so the layer's function is the served one."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weights_in_model_dtype = config.model_type == "qwen3_moe"  # transformers' Qwen3-MoE casts them
+        self.calibrate_experts: ExpertCalibration | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token of x [N, H]: the k chosen experts [N, k] and their weights [N, k]. Softmax
+        in float32 over the router logits, top-k, renormalized (transformers' order)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(x.dtype) if self.weights_in_model_dtype else weights
+
+    def expert_tokens(self, chosen: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(token rows, top-k slots) routed to expert `e`, and whether it runs every token this
+        time (the calibration modes above)."""
+        rows, slots = torch.where(chosen == e)
+        mode = self.calibrate_experts
+        return rows, slots, mode == "all" or (mode == "routed" and rows.numel() == 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        chosen, weights = self.route(flat)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slots, every = self.expert_tokens(chosen, e)
+            if every:
+                y = expert(flat)[rows]
+            elif rows.numel():
+                y = expert(flat[rows])
+            else:
+                continue
+            out.index_add_(0, rows, (y * weights[rows, slots, None]).to(out.dtype))
+        return out.reshape(x.shape)
+
+
 class DecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(x)). Gemma ("sandwich") also normalizes each branch's
     output: x + post_attention_layernorm(attn(input_layernorm(x))), then
@@ -309,7 +366,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, offset)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(h, eps, offset)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoE = SparseMoE(config) if config.is_moe else MLP(config)
+        self.linear_names = tuple(config.linear_shapes)  # the quantizable linears, in execution order
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import reference_greedy, tiny_tokenizer
+from helpers import assert_engine_serves_like_reference, tiny_tokenizer
 
 from lmfoundry.commands.quantize import run_quantize
 from lmfoundry.errors import UserError
@@ -92,17 +92,11 @@ def test_every_method_writes_fused_tensors_transformers_loads(phi3: Path, tmp_pa
 
 
 def test_engine_serves_quantized_phi3(phi3: Path, tmp_path: Path) -> None:
-    from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-
     rec = load_recipe(None)
     apply_overrides(rec, "quantize", method="rtn", scheme="w4a16", group_size=32)
     run_quantize(str(phi3), tmp_path / "q", rec, progress=False)
     model, _ = load_model(str(tmp_path / "q"))
-    prompts = [IDS[0, :7].tolist(), IDS[1, :13].tolist()]
-    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
-    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == reference_greedy(model, p, 12)
+    assert_engine_serves_like_reference(model, [IDS[0, :7].tolist(), IDS[1, :13].tolist()])
 
 
 def test_refuses_what_a_fused_checkpoint_cannot_hold(phi3: Path, tmp_path: Path) -> None:
