@@ -274,6 +274,17 @@ def test_engine_serves_quantized_moe(moe: Path, tmp_path: Path) -> None:
     assert_engine_serves_like_reference(model, [IDS[0, :7].tolist(), IDS[1, :13].tolist()])
 
 
+def test_doctor_splits_each_expert_for_tensor_parallel(tmp_path: Path) -> None:
+    """vLLM's fused MoE splits every expert's intermediate (32 wide here; the config's dense 128 is
+    not used by any layer): at tp 2 each rank holds 2 x 16 gate/up rows of each expert."""
+    from lmfoundry.doctor import WARN, diagnose
+
+    src = build("qwen3_moe", tmp_path / "src")
+    report = diagnose(str(src), recipe("rtn", {"scheme": "w4a16", "group_size": 32}), tp=2)
+    check = next(c for c in report.checks if c.name == "tensor parallel 2")
+    assert check.status == WARN and "gate_up_proj: 32 x 64 per rank" in check.detail, check.detail
+
+
 def test_refuses_moe_layouts_it_does_not_run(moe: Path) -> None:
     cfg = json.loads((moe / "config.json").read_text())
     if cfg["model_type"] == "qwen3_moe":
