@@ -92,7 +92,8 @@ def _summary(path: Path, m: dict[str, Any]) -> dict[str, Any]:
                        f"{_text(Path(_text(cal.get('source', '?'))).name)} (token sha256 "
                        f"{_text(cal.get('token_ids_sha256', ''))[:16]}, used={_text(cal.get('used'))})",
         "mean weight rel error": f"{sum(errs) / len(errs):.4f} over {len(errs)} linears" if errs else "n/a",
-        "mean layer out error": f"{sum(out_errs) / len(out_errs):.4f}" if out_errs else "n/a (data-free method)",
+        "mean layer out error": f"{sum(out_errs) / len(out_errs):.4f}" if out_errs else
+                                "n/a (not measured: a data-free method, or GPTQ's one-pass calibration)",
         "warnings": len(warnings) if isinstance(warnings, list) else 0,
         "peak RSS": f"{peak / 2**20:.0f} MiB" if peak is not None else "?",
         "tools": _text(", ".join(f"{_text(k)} {_text(v)}" for k, v in tools.items() if v != "not installed"), 400),
