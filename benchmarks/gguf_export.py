@@ -13,13 +13,16 @@ Caveat from shared/RESOURCES.md: SmolLM2's "float" weights came from a Q4_1 (asy
 grid, so asymmetric g32 would reproduce them exactly; symmetric Q4_0 is a different grid for
 every row here, which keeps the comparison fair.
 
-With `--llama-perplexity PATH` (llama.cpp's binary), each exported .gguf is also scored by
-llama.cpp itself on the same text, beside our runtime on the checkpoint scored the way
-llama-perplexity scores (its own tokenization of the text, chunks of --ctx tokens, BOS first when
-the vocabulary asks for it, the second half of each chunk counted).
+With `--llama-cpp DIR` (a llama.cpp source tree whose `build/bin` holds `llama-perplexity` and
+`llama-quantize`), each exported .gguf is also scored by llama.cpp itself on the same text, beside
+our runtime on the checkpoint scored the way llama-perplexity scores (its own tokenization of the
+text, chunks of --ctx tokens, BOS first when the vocabulary asks for it, the second half of each
+chunk counted); and llama.cpp's own Q4_0 of the model (`convert_hf_to_gguf.py --outtype f32`, then
+`llama-quantize ... Q4_0` with the token embedding kept f16, as in our exports) is scored by it too
+(the converter imports `sentencepiece`: `pip install sentencepiece` beside the project's packages).
 
     python benchmarks/gguf_export.py [--num-samples 32] [--seq-len 512] [--windows 40]
-        [--llama-perplexity build/bin/llama-perplexity] [--out benchmarks/results/gguf_export_smollm2.md]
+        [--llama-cpp path/to/llama.cpp] [--out benchmarks/results/gguf_export_smollm2.md]
 """
 
 from __future__ import annotations
@@ -61,6 +64,25 @@ def llama_cpp_ppl(binary: str, gguf_file: Path, text_file: Path, ctx: int, chunk
     if proc.returncode != 0 or not found:
         raise RuntimeError(f"llama-perplexity failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
     return float(found.group(1))
+
+
+def llama_cpp_q4_0(llama_cpp: Path, source: Path, work: Path) -> Path:
+    """llama.cpp's own Q4_0 of the float model: converted to an f32 .gguf by its script, then
+    quantized by llama-quantize (token embedding kept f16)."""
+    import subprocess
+    import sys
+
+    f32 = work / "llama-cpp-f32.gguf"
+    q4 = work / "llama-cpp-q4_0.gguf"
+    for cmd in ([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(source), "--outtype", "f32",
+                 "--outfile", str(f32)],
+                [str(llama_cpp / "build/bin/llama-quantize"), "--token-embedding-type", "f16", str(f32), str(q4),
+                 "Q4_0"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cmd[1] if cmd[0] == sys.executable else cmd[0]} failed:\n"
+                               f"{(proc.stdout + proc.stderr)[-2000:]}")
+    return q4
 
 
 def ppl_like_llama_cpp(model, ids: list[int], bos: int | None, ctx: int, chunks: int) -> float:
@@ -107,7 +129,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--llama-perplexity", default=None, help="llama.cpp's llama-perplexity binary")
+    ap.add_argument("--llama-cpp", default=None, help="llama.cpp source tree with build/bin/llama-perplexity "
+                                                       "and llama-quantize")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -129,6 +152,11 @@ def main() -> None:
     text_ids = tok(text_file.read_text(), add_special_tokens=False)["input_ids"]
     bos = tok.bos_token_id if getattr(tok, "add_bos_token", False) else None
     rows = [{"model": "float", "ppl": ppl_of(float_model, stream, a.ctx, a.windows)}]
+    perplexity = str(Path(a.llama_cpp) / "build/bin/llama-perplexity") if a.llama_cpp else ""
+    if a.llama_cpp:
+        own = llama_cpp_q4_0(Path(a.llama_cpp), source, work)
+        llama_own = llama_cpp_ppl(perplexity, own, text_file, a.ctx, a.windows)
+        float_llama_way = ppl_like_llama_cpp(float_model, text_ids, bos, a.ctx, a.windows)
     del float_model
     rows.append({"model": "ggml Q4_0 (llama-quantize's algorithm)",
                  "ppl": ppl_of(ggml_q4_0_model(source), stream, a.ctx, a.windows)})
@@ -150,9 +178,8 @@ def main() -> None:
         row = {"model": f"ours {method} g32 -> Q4_0 .gguf (read by transformers)", "ppl": exported,
                "runtime_ppl": direct, "quantize_s": round(quantize_s, 1),
                "gguf_mib": round(report.bytes / 2**20, 1), "scale_rounding": report.max_scale_rounding}
-        if a.llama_perplexity:
-            row["llama_cpp_ppl"] = llama_cpp_ppl(a.llama_perplexity, gguf_dir / "model.gguf", text_file, a.ctx,
-                                                 a.windows)
+        if a.llama_cpp:
+            row["llama_cpp_ppl"] = llama_cpp_ppl(perplexity, gguf_dir / "model.gguf", text_file, a.ctx, a.windows)
             row["runtime_ppl_llama_cpp_way"] = ppl_like_llama_cpp(ours, text_ids, bos, a.ctx, a.windows)
         rows.append(row)
     base = rows[0]["ppl"]
@@ -170,8 +197,8 @@ def main() -> None:
         agree = "" if rt is None else f"{(r['ppl'] - rt) / rt * 100:+.3f} %"
         lines.append(f"| {r['model']} | {r['ppl']:.3f} | {r['ppl'] - base:+.3f} | {r['ppl'] - ggml:+.3f} | "
                      f"{runtime} | {agree} |")
-    if a.llama_perplexity:
-        lines += ["", f"llama.cpp ({a.llama_perplexity}) on the same text, its own tokenizer and measure "
+    if a.llama_cpp:
+        lines += ["", f"llama.cpp ({perplexity}) on the same text, its own tokenizer and measure "
                   f"({a.windows} chunks x {a.ctx}, second half of each chunk scored), beside our runtime on the "
                   "checkpoint scored the same way:", "",
                   "| model | llama-perplexity on the .gguf | our runtime, same measure | difference |",
@@ -180,6 +207,16 @@ def main() -> None:
             if "llama_cpp_ppl" in r:
                 lc, rt = r["llama_cpp_ppl"], r["runtime_ppl_llama_cpp_way"]
                 lines.append(f"| {r['model'].split(' .gguf')[0]} | {lc:.3f} | {rt:.3f} | {(lc - rt) / rt * 100:+.2f} % |")
+        lines += ["", f"llama.cpp's own Q4_0 (convert_hf_to_gguf.py f32, llama-quantize Q4_0, token embedding f16) "
+                  f"scored by llama-perplexity: {llama_own:.3f}; the float model, our runtime, same measure: "
+                  f"{float_llama_way:.3f}.", "",
+                  "| ours, scored by llama-perplexity | ppl | vs llama.cpp's own Q4_0 |", "|---|---|---|"]
+        for r in rows:
+            if "llama_cpp_ppl" in r:
+                lc = r["llama_cpp_ppl"]
+                lines.append(f"| {r['model'].split(' .gguf')[0]} | {lc:.3f} | {lc - llama_own:+.3f} |")
+        rows.append({"model": "llama.cpp's own Q4_0 (llama-quantize)", "llama_cpp_ppl": llama_own,
+                     "float_runtime_ppl_llama_cpp_way": float_llama_way})
     table = "\n".join(lines)
     print(table)
     if a.out:
