@@ -181,8 +181,8 @@ def tp_partitions(config: ModelConfig, tp: int) -> list[tuple[str, str, int, int
     replicated when tp exceeds them), o_proj and down_proj row-parallel (inputs split)."""
     d, h = config.head_dim, config.hidden_size
     kv_per_rank = max(1, config.num_kv_heads // tp)
-    i = mlp_width(config)
-    mlp = "mlp.experts.0." if config.is_moe else "mlp."  # vLLM's fused MoE splits every expert alike
+    i = config.mlp_width
+    mlp = config.mlp_prefixes[0]  # vLLM's fused MoE splits every expert alike
     return [
         ("qkv_proj", "self_attn.q_proj", (config.num_heads // tp + 2 * kv_per_rank) * d, h, h),
         ("o_proj", "self_attn.o_proj", h, config.num_heads * d // tp, config.num_heads * d),
@@ -190,10 +190,6 @@ def tp_partitions(config: ModelConfig, tp: int) -> list[tuple[str, str, int, int
         ("down_proj", mlp + "down_proj", h, i // tp, i),
     ]
 
-
-def mlp_width(config: ModelConfig) -> int:
-    """The intermediate width tensor parallelism splits: each expert's in an MoE model."""
-    return config.moe_intermediate_size if config.is_moe else config.intermediate_size
 
 
 def check_tensor_parallel(report: DoctorReport, plan: QuantizationPlan, config: ModelConfig, tp: int | None) -> None:
@@ -208,8 +204,8 @@ def check_tensor_parallel(report: DoctorReport, plan: QuantizationPlan, config: 
         heads.append(f"{config.num_heads} attention heads are not divisible by {tp}")
     if config.num_kv_heads % tp and tp % config.num_kv_heads:
         heads.append(f"{config.num_kv_heads} KV heads neither divide by {tp} nor divide it (no replication)")
-    if mlp_width(config) % tp:
-        heads.append(f"intermediate size {mlp_width(config)} is not divisible by {tp}")
+    if config.mlp_width % tp:
+        heads.append(f"intermediate size {config.mlp_width} is not divisible by {tp}")
     if heads:
         report.add(name, FAIL, "; ".join(heads))
         return

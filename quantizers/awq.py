@@ -41,7 +41,6 @@ from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import QKV, ROUTER
-from lmfoundry.model.reference import SparseMoE
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
@@ -115,11 +114,11 @@ class Mapping:
 
 
 def layer_mappings(schemes: dict[str, Scheme], mlp_norm: str = "post_attention_layernorm",
-                   num_experts: int = 0) -> list[Mapping]:
+                   mlp_prefixes: tuple[str, ...] = ("mlp.",)) -> list[Mapping]:
     """The smoothings that apply to the quantized linears present (in layer order); `mlp_norm`
     names the norm feeding gate/up (`DecoderLayer.mlp_norm_name`). In a sparse MoE layer
-    (`num_experts`) that norm feeds the router and every expert's gate/up, and each expert's
-    up_proj feeds its down_proj."""
+    (`mlp_prefixes`: one per expert) that norm feeds the router and every expert's gate/up, and
+    each expert's up_proj feeds its down_proj."""
     have = set(schemes)
     out = []
     qkv = tuple(n for n in QKV if n in have)
@@ -127,11 +126,12 @@ def layer_mappings(schemes: dict[str, Scheme], mlp_norm: str = "post_attention_l
         out.append(Mapping("input_layernorm", qkv, qkv[:1]))
     if "self_attn.o_proj" in have:
         out.append(Mapping("self_attn.v_proj", ("self_attn.o_proj",), ("self_attn.o_proj",)))
-    experts = [f"mlp.experts.{e}." for e in range(num_experts)] if num_experts else ["mlp."]
-    gu = tuple(p + n for p in experts for n in ("gate_proj", "up_proj") if p + n in have)
+    moe = mlp_prefixes != ("mlp.",)
+    gu = tuple(p + n for p in mlp_prefixes for n in ("gate_proj", "up_proj") if p + n in have)
     if gu:
-        out.append(Mapping(mlp_norm, gu, gu, (ROUTER,) if num_experts else ()))
-    out += [Mapping(p + "up_proj", (p + "down_proj",), (p + "down_proj",)) for p in experts if p + "down_proj" in have]
+        out.append(Mapping(mlp_norm, gu, gu, (ROUTER,) if moe else ()))
+    out += [Mapping(p + "up_proj", (p + "down_proj",), (p + "down_proj",)) for p in mlp_prefixes
+            if p + "down_proj" in have]
     return out
 
 
@@ -258,8 +258,7 @@ class AWQQuantizer(Quantizer):
         per-mapping metrics. The stored statistics are rescaled to the smoothed inputs."""
         metrics: dict[str, dict[str, float]] = {}
         attn = layer.self_attn
-        experts = len(layer.mlp.experts) if isinstance(layer.mlp, SparseMoE) else 0
-        for m in layer_mappings(schemes, layer.mlp_norm_name, experts):
+        for m in layer_mappings(schemes, layer.mlp_norm_name, layer.mlp_prefixes):
             x_mean = pooled_mean_abs([self._stats[n] for n in m.stats_of])
             h = [self._stats[n].hessian() for n in m.linears]
             expand = None

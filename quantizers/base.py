@@ -148,14 +148,14 @@ class LayerCalibration:
         step(("self_attn.o_proj",), heads, lambda i, a: hs[i].add_(store(layer.attn_residual(attn.o_proj(a)))))
         normed = [store(layer.mlp_norm(load(h))) for h in hs]
         if isinstance(mlp, SparseMoE):
-            self._experts_sequential(mlp, normed, hs, step)
+            self._experts_sequential(mlp, layer.mlp_prefixes, normed, hs, step)
             return hs
         mids = step(GATE_UP, normed, lambda i, x: store(mlp.hidden(x)))
         step(("mlp.down_proj",), mids, lambda i, m: hs[i].add_(store(layer.mlp_residual(mlp.down_proj(m)))))
         return hs
 
-    def _experts_sequential(self, moe: SparseMoE, normed: list[torch.Tensor], hs: list[torch.Tensor],
-                            step: Callable) -> None:
+    def _experts_sequential(self, moe: SparseMoE, layer_prefixes: tuple[str, ...], normed: list[torch.Tensor],
+                            hs: list[torch.Tensor], step: Callable) -> None:
         """The sequential pass through a sparse MoE block: the router (float) picks each token's
         experts once, then expert by expert its gate/up group sees that expert's tokens (every
         token under `calibrate_experts`), is quantized, runs, and likewise its down_proj; the
@@ -164,9 +164,10 @@ class LayerCalibration:
         routes = [moe.route(load(x).reshape(-1, x.shape[-1])) for x in normed]
         for e, expert in enumerate(moe.experts):
             picked = [moe.expert_tokens(chosen, e) for chosen, _ in routes]
-            tokens = [(load(x).reshape(-1, x.shape[-1]) if every else load(x).reshape(-1, x.shape[-1])[rows])
-                      for x, (rows, _, every) in zip(normed, picked)]
-            prefix = f"mlp.experts.{e}."
+            flats = [load(x).reshape(-1, x.shape[-1]) for x in normed]
+            tokens = [flat if every else flat[rows] for flat, (rows, _, every) in zip(flats, picked)]
+            del flats
+            prefix = layer_prefixes[e]
             mids = step((prefix + "gate_proj", prefix + "up_proj"), tokens, lambda i, x: expert.hidden(x))
 
             def add(i: int, m: torch.Tensor) -> torch.Tensor:

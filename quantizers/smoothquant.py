@@ -95,8 +95,7 @@ def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool,
         return fold
 
     moe = isinstance(mlp, SparseMoE)
-    # the MLP's linears by expert prefix ("mlp." for a dense layer)
-    prefixes = [f"mlp.experts.{e}." for e in range(len(mlp.experts))] if moe else ["mlp."]
+    prefixes = layer.mlp_prefixes  # "mlp.", or each expert's
     maps = [
         Mapping("input_layernorm", list(QKV),
                 fold_norm(layer.input_layernorm)),

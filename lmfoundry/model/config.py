@@ -240,6 +240,17 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
+    def mlp_prefixes(self) -> tuple[str, ...]:
+        """The local prefix of each gated MLP of a layer: every expert's in an MoE layer
+        (`mlp.experts.E.`), else the one `mlp.`. Each has gate_proj, up_proj and down_proj."""
+        return tuple(f"mlp.experts.{e}." for e in range(self.num_experts)) if self.is_moe else ("mlp.",)
+
+    @property
+    def mlp_width(self) -> int:
+        """The intermediate width of each of those MLPs (an expert's in an MoE layer)."""
+        return self.moe_intermediate_size if self.is_moe else self.intermediate_size
+
+    @property
     def checkpoint_renames(self) -> tuple[tuple[str, str], ...]:
         """(checkpoint infix, our infix) pairs, "{e}" standing for an expert index: what
         `CheckpointReader` renames on read and `checkpoint_names` renames back on write."""
@@ -271,19 +282,15 @@ class ModelConfig:
         """(out_features, in_features) of each quantizable linear in one decoder layer, by local
         name, in execution order: an MoE layer lists every expert's gate/up/down (the router,
         kept in float, is not among them)."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        h, i, d = self.hidden_size, self.mlp_width, self.head_dim
         shapes = {
             "self_attn.q_proj": (self.num_heads * d, h),
             "self_attn.k_proj": (self.num_kv_heads * d, h),
             "self_attn.v_proj": (self.num_kv_heads * d, h),
             "self_attn.o_proj": (h, self.num_heads * d),
         }
-        if not self.is_moe:
-            return {**shapes, "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-        m = self.moe_intermediate_size
-        for e in range(self.num_experts):
-            shapes.update({f"mlp.experts.{e}.gate_proj": (m, h), f"mlp.experts.{e}.up_proj": (m, h),
-                           f"mlp.experts.{e}.down_proj": (h, m)})
+        for p in self.mlp_prefixes:
+            shapes.update({p + "gate_proj": (i, h), p + "up_proj": (i, h), p + "down_proj": (h, i)})
         return shapes
 
     @property

@@ -368,6 +368,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, offset)
         self.mlp: MLP | SparseMoE = SparseMoE(config) if config.is_moe else MLP(config)
         self.linear_names = tuple(config.linear_shapes)  # the quantizable linears, in execution order
+        self.mlp_prefixes = config.mlp_prefixes  # "mlp." or each expert's "mlp.experts.E."
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)
