@@ -19,6 +19,15 @@ decode checks): batch 1/16/64 x 4096-token context, Llama-3-8B heads, bf16/int8/
 FlashDecoding (`paged_decode`), the unsplit kernel it replaced and torch SDPA on a dense bf16 copy
 of the same KV, each graph-timed and given as % of the copy bandwidth measured in the same run.
 
+INT8/FP8 GEMM has its own section (`gemm8_section`; `--only gemm8`): M = N = K = 4096 and 8192
+(TFLOP/s, % of the dense peak) and the 8B/70B layer shapes at M = 1/16/64 over rotating weight copies
+(GB/s, % of copy bandwidth), each beside torch's kernel on the same operands (`torch._scaled_mm`
+row-wise for FP8, `torch._int_mm` for INT8), both checked against the reference first.
+
+Causal prefill has its own section (`prefill_section`; `--only prefill`): B x n-token prompts,
+Llama-3-8B heads, bf16/int8/fp8 KV, against torch SDPA (flash) on dense bf16 of the same lengths,
+TFLOP/s over the (query, key) pairs the causal mask keeps (`examples.causal_attention_flops`).
+
 `--engine` is the cross-version test of the cubin path: a bundle built on a CPU machine with
 Triton 3.7.1 is loaded here (whatever torch/Triton this machine has), must select its cubins for
 this arch, run every shipped specialization through the CUDA driver and pass the same checks,
@@ -481,6 +490,166 @@ def decode_section(args, cap: int, ceil: dict) -> list[dict]:
     return rows
 
 
+# ---- INT8 / FP8 GEMM beside torch's own: square compute-bound shapes and HBM-bound decode ---------
+# Square M = N = K (the issue's 4096^3 and 8192^3: tensor-core bound) and the Llama-3-8B/70B layer
+# shapes at M = 1/16/64 over rotating weight copies (weight-read bound). Per-token activation and
+# per-channel weight scales, bf16 out: what a W8A8 / FP8-dynamic checkpoint runs.
+GEMM8_SQUARE = (4096, 8192)
+GEMM8_LLM_ROWS = (1, 16, 64)
+GEMM8_TYPES = {"w8a8_gemm": {"a": "i8", "bscale": BF, "out": BF, "acc": "i32"},
+               "fp8_gemm": {"a": "fp8e4nv", "bscale": BF, "out": BF, "acc": "fp32"}}
+GEMM8_SEM = {"A_PER_TOKEN": True, "B_PER_CHANNEL": True, "HAS_BIAS": False}
+
+
+def gemm8_kernels(cap: int) -> list[str]:
+    """INT8 everywhere; FP8 from sm_89 (Ada, Hopper)."""
+    return ["w8a8_gemm"] + (["fp8_gemm"] if cap >= 89 else [])
+
+
+def gemm8_example(kernel: str, m: int, n: int, k: int, device: str):
+    """Random operands and scales for our scaled GEMM (examples' builder: checked against its reference)."""
+    return examples.build(kernel, GEMM8_TYPES[kernel], {**GEMM8_SEM, "ACC_INT": kernel == "w8a8_gemm"},
+                          {"M": m, "N": n, "K": k}, device)
+
+
+def gemm8_peer(call):
+    """torch's own kernel on the same operands: `torch._scaled_mm` with row-wise scales (cuBLASLt;
+    the same per-token x per-channel epilogue as ours) for FP8; for INT8 `torch._int_mm`, which
+    returns the raw int32 products with no scaling at all, so its time is a floor under any scaled
+    INT8 GEMM torch could offer (M <= 16 is padded to 32 rows, as CUDA's _int_mm requires M > 16).
+    Returns (fn, to_out): to_out maps fn's result to our output."""
+    a, b = call.args["a_ptr"], call.args["b_ptr"]
+    out_dtype = call.args["out_ptr"].dtype
+    sa = call.args["a_scale_ptr"].float().reshape(-1, 1)
+    sb = call.args["b_scale_ptr"].float().reshape(1, -1)
+    if a.dtype == torch.int8:
+        m = a.shape[0]
+        if a.is_cuda and m <= 16:  # CUDA's _int_mm wants M > 16: pad (the weight read is the cost there)
+            a = torch.cat([a, a.new_zeros(32 - m, a.shape[1])])
+        return (lambda: torch._int_mm(a, b.t())), (lambda r: (r[:m].float() * sa * sb).to(out_dtype))
+    return (lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)), (lambda r: r)
+
+
+def gemm8_check(ex, executor, acc_u: float) -> None:
+    """Ours and the peer (its output mapped to ours) against the reference, under the same bound:
+    the peer passing is what makes the time ratio a like-for-like one."""
+    import dataclasses
+
+    from lmfoundry.kernels.dispatch import ReferenceExecutor
+
+    examples.run_and_check(ex, executor, acc_u)
+    fn, to_out = gemm8_peer(ex.call)
+    ref = ex.clone()
+    ReferenceExecutor().run(ref)
+    peer = dataclasses.replace(ex.call, args={**ex.call.args, "out_ptr": to_out(fn())})
+    ex.check(peer, ref, acc_u)
+
+
+def gemm8_section(args, cap: int, ceil: dict) -> list[dict]:
+    """Our INT8/FP8 GEMM (per-arch tile table, split-K for small M) against torch's kernel on the
+    same operands. Square M=N=K: TFLOP/s and % of the dense peak measured at the start of this run.
+    LLM shapes at M = 1/16/64: weight copies rotated past the L2 so both read from HBM; GB/s of the
+    weight bytes and % of the copy bandwidth. Each shape is checked first at 37 rows (ours and the
+    peer, against the reference with `checks.dot_bound`)."""
+    from functools import partial
+
+    from lmfoundry.compile import tiles
+    from lmfoundry.kernels import scaled_mm
+
+    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    need = max(HBM_PASS_BYTES, 4 * l2)
+    rows: list[dict] = []
+    plan = [(sq, sq, sq, 1) for sq in GEMM8_SQUARE] + [(m, n, k, 0) for n, k in W4A16_LLM_SHAPES for m in GEMM8_LLM_ROWS]
+    for kernel in gemm8_kernels(cap):
+        peak = ceil.get("int8_TOPs" if kernel == "w8a8_gemm" else "fp8_TFLOPs")
+        print(f"{kernel} vs {'torch._int_mm (int32, unscaled)' if kernel == 'w8a8_gemm' else 'torch._scaled_mm row-wise'}"
+              f" (dense peak {peak or 0:.0f}, L2 {l2 >> 20} MiB)", flush=True)
+        checked: dict[tuple[int, int], str] = {}
+        for m, n, k, square in plan:
+            if (n, k) not in checked:
+                try:
+                    gemm8_check(gemm8_example(kernel, 37, n, k, "cuda"), jit, acc_unit(kernel, cap))
+                    checked[(n, k)] = "ok"
+                except Exception as exc:  # noqa: BLE001 - report, keep timing
+                    checked[(n, k)] = f"FAIL {type(exc).__name__}: {str(exc)[:300]}"
+            ex = gemm8_example(kernel, m, n, k, "cuda")
+            c = ex.call
+            weight_bytes = n * k + c.args["b_scale_ptr"].numel() * c.args["b_scale_ptr"].element_size()
+            copies = 1 if square else max(2, -(-need // weight_bytes))
+            calls = [c] + [scaled_mm.make_call(c.kernel, c.args["a_ptr"], c.args["a_scale_ptr"], c.args["b_ptr"].clone(),
+                                               c.args["b_scale_ptr"].clone(), None, torch.empty_like(c.args["out_ptr"]),
+                                               a_per_token=True, b_per_channel=True) for _ in range(copies - 1)]
+            ours = rotated_ms([partial(jit.run, call) for call in calls])
+            row = {"section": "gemm8", "kernel": kernel, "shape": {"M": m, "N": n, "K": k}, "ms": ours,
+                   "config": tiles.pick(cap, c).as_dict(), "weight_copies": copies, "check": checked[(n, k)]}
+            try:
+                peer_ms = rotated_ms([gemm8_peer(call)[0] for call in calls])
+                row.update({"peer_ms": peer_ms, "ratio_vs_peer": peer_ms / ours})
+            except RuntimeError as exc:  # a torch build without the kernel for this arch / dtype
+                row["peer"] = f"n/a: {str(exc).splitlines()[0][:160]}"
+            tflops = 2 * m * n * k / ours / 1e9
+            gbps = weight_bytes / ours / 1e6
+            row.update({"TFLOPs": tflops, "pct_peak": 100 * tflops / peak if peak else None, "GBps": gbps,
+                        "pct_copy_bw": 100 * gbps / ceil["copy_GBps"]})
+            rows.append(row)
+            vs = (f"peer {row['peer_ms'] * 1e3:8.1f} us (ours x{row['ratio_vs_peer']:.2f})" if "peer_ms" in row
+                  else row["peer"])
+            what = (f"{tflops:6.0f} TFLOP/s ({row['pct_peak'] or 0:4.0f}% of peak)" if square
+                    else f"{gbps:6.0f} GB/s ({row['pct_copy_bw']:4.0f}% of copy)")
+            print(f"  [{row['check'][:4]}] M={m:<5} {n}x{k} ours {ours * 1e3:8.1f} us {what} | {vs} | "
+                  f"tiles {row['config']}", flush=True)
+            del calls
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---- causal prefill: our paged kernel vs torch SDPA (flash) on the same lengths, dense bf16 KV ------
+PREFILL_CASES = ((1, 4096), (4, 2048), (4, 4096))  # (sequences, tokens each); all of each is prompt
+PREFILL_HEADS = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "PAGE": 16}
+
+
+def prefill_cases(cap: int) -> list[dict]:
+    """Each (B, n) with bf16, int8 and (sm_89+) fp8 KV: a whole prompt of n tokens per sequence."""
+    kvs = [(BF, 0), ("i8", 1)] + ([("fp8e4nv", 2)] if cap >= 89 else [])
+    return [{"B": b, "ctx": n, "q_len": n, "uniform": 1, "kv": kv, "KV_QUANT": code}
+            for kv, code in kvs for b, n in PREFILL_CASES]
+
+
+def prefill_section(args, cap: int, ceil: dict) -> list[dict]:
+    """Causal prefill TFLOP/s with FLOPs counted over the (query, key) pairs the mask keeps
+    (`examples.causal_attention_flops`), ours reading the paged cache against torch SDPA (its flash
+    backend on H100/H200) on dense bf16 [B, H, n, D] of the same lengths; % of the dense bf16 peak
+    measured in this run. Correctness of the kernel at these heads is the per-kernel table's check."""
+    from lmfoundry.compile import tiles
+
+    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    hq, hkv, d = PREFILL_HEADS["NUM_Q_HEADS"], PREFILL_HEADS["NUM_KV_HEADS"], PREFILL_HEADS["HEAD_DIM"]
+    print(f"causal prefill, Hq {hq} / Hkv {hkv} / D {d}; dense bf16 peak {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    rows = []
+    for case in prefill_cases(cap):
+        b, n = case["B"], case["ctx"]
+        ex = examples.build("paged_prefill", {"act": BF, "kv": case["kv"]}, {**PREFILL_HEADS, "KV_QUANT": case["KV_QUANT"]},
+                            {k: case[k] for k in ("B", "ctx", "q_len", "uniform")}, "cuda")
+        call = ex.clone()
+        ours = graph_ms(lambda: jit.run(call))
+        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16)
+        kd, vd = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        sdpa = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True,
+                                                                                 enable_gqa=True))
+        flops = examples.causal_attention_flops([n] * b, [n] * b, hq, d)
+        assert flops == ex.flops  # the example counts the same causal pairs
+        row = {"section": "prefill", "shape": {"B": b, "n": n, **PREFILL_HEADS}, "kv": case["kv"], "ms": ours,
+               "TFLOPs": flops / ours / 1e9, "sdpa_ms": sdpa, "sdpa_TFLOPs": flops / sdpa / 1e9,
+               "ratio_vs_sdpa": sdpa / ours, "config": tiles.pick(cap, call).as_dict(), "check": "ok"}
+        row["pct_peak"] = 100 * row["TFLOPs"] / ceil["bf16_TFLOPs"]
+        rows.append(row)
+        print(f"  kv {case['kv']:8} B={b} n={n:<5} ours {ours * 1e3:9.1f} us {row['TFLOPs']:6.1f} TFLOP/s "
+              f"({row['pct_peak']:4.1f}% of bf16 peak) | SDPA bf16 {sdpa * 1e3:9.1f} us {row['sdpa_TFLOPs']:6.1f} "
+              f"TFLOP/s | ours x{row['ratio_vs_sdpa']:.2f}", flush=True)
+    return rows
+
+
 SWEEP = {
     # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); the GEMV sweep is at M=1
     "w4a16_gemm": [(bm, bn, bk, w, st) for bm, bn, bk, w in
@@ -595,7 +764,9 @@ def main() -> None:
     parser.add_argument("--skip-kernels", action="store_true", help="only verify --engine")
     parser.add_argument("--json", help="write the timing rows here")
     parser.add_argument("--only", type=lambda v: v.split(","), default=None,
-                        help="comma list of kernels to run (w4a16_llm: the HBM-resident LLM-shape W4A16 section)")
+                        help="comma list of kernels or sections to run (w4a16_llm: HBM-resident LLM-shape W4A16; "
+                             "paged_decode: FlashDecoding vs SDPA; gemm8: INT8/FP8 GEMM vs torch._int_mm / "
+                             "_scaled_mm; prefill: causal prefill vs SDPA)")
     parser.add_argument("--sweep", action="store_true", help="time W4A16 tile candidates (writes --json.sweep)")
     parser.add_argument("--graph", action="store_true",
                         help="time kernels by CUDA-graph replay (GPU time only, no Python dispatch)")
@@ -625,6 +796,10 @@ def main() -> None:
             rows += w4a16_llm_section(args, cap, ceil)
         if not args.only or "paged_decode" in args.only:
             rows += decode_section(args, cap, ceil)
+        if (not args.only and not args.quick) or "gemm8" in (args.only or []):
+            rows += gemm8_section(args, cap, ceil)
+        if (not args.only and not args.quick) or "prefill" in (args.only or []):
+            rows += prefill_section(args, cap, ceil)
         ok &= all(r["check"] == "ok" for r in rows)
         if args.json:
             Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

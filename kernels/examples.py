@@ -293,11 +293,22 @@ def _store(kernel, types, sem, shape, device, gen) -> Example:
     return Example(calls[0], ("key_cache_ptr", "value_cache_ptr"), 2 * _nbytes(k) + 2 * t * hkv * d * cdt.itemsize, 0, check)
 
 
+def causal_attention_flops(q_lens: list[int], ctx_lens: list[int], heads: int, head_dim: int) -> int:
+    """FLOPs of causal attention when each sequence's q_len queries are its last positions: query
+    j of a context n (j < q_len) sees n - q_len + j + 1 keys, and each (query, key) pair costs
+    2·D for QK^T and 2·D for PV. Counting q_len · n pairs (the full rectangle) would double a
+    prefill's work and halve nothing it measures."""
+    pairs = sum(ql * (n - ql) + ql * (ql + 1) // 2 for ql, n in zip(q_lens, ctx_lens))
+    return 4 * head_dim * heads * pairs
+
+
 def _attention(kernel, types, sem, shape, device, gen) -> Example:
     hq, hkv, d, page = sem["NUM_Q_HEADS"], sem["NUM_KV_HEADS"], sem["HEAD_DIM"], sem["PAGE"]
     act, cdt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["kv"]]
     nseq, ctx_len = shape.get("B", 2), shape.get("ctx", 80)
-    lens = [ctx_len - 3 * i for i in range(nseq)]
+    # ragged by default (the masking paths); shape["uniform"] gives every sequence ctx tokens, the
+    # batch a dense peer (SDPA on [B, H, ctx, D]) computes, for like-for-like timing
+    lens = [ctx_len if shape.get("uniform") else ctx_len - 3 * i for i in range(nseq)]
     cache, table, _, _, _ = _cache(lens, hkv, d, page, act, cdt, gen, "cpu")
     ctx = torch.tensor(lens, dtype=torch.int32)
     sm = 1 / math.sqrt(d)
@@ -315,7 +326,7 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
         out = checks.poisoned(tuple(q.shape), act, device)
         paged_attention.paged_prefill(q.to(device), dcache, table.to(device), cu.to(device), ctx.to(device),
                                       max(q_lens), sm, out, executor=Capture())
-        flops = 4 * d * hq * sum(ql * n for ql, n in zip(q_lens, lens))
+        flops = causal_attention_flops(q_lens, lens, hq, d)
         p_dtype = act
     elif kernel == "paged_decode":  # the unsplit baseline: fp32 FMA reductions
         cu = torch.arange(nseq + 1, dtype=torch.int32)

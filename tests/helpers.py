@@ -208,3 +208,16 @@ def assert_engine_serves_like_reference(model, prompts: list[list[int]], max_tok
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == reference_greedy(model, p, max_tokens)
+
+
+def gpu_kernels_benchmark() -> Any:
+    """benchmarks/gpu_kernels.py as a module (it is a script, not a package): its GPU-independent
+    parts (shapes, byte and FLOP counts, checks, peers) are tested on CPU so a lent GPU's minutes
+    are not spent finding a harness bug."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("gpu_kernels_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,6 +4,7 @@ interpreter: its inputs are valid, its checks pass on correct kernels and fail o
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lmfoundry.kernels import examples, registry
 from lmfoundry.kernels.dispatch import JitExecutor
@@ -61,3 +62,22 @@ def test_example_check_rejects_wrong_output(kernel, device):
 
     with pytest.raises(AssertionError):
         examples.run_and_check(ex, Wrong())
+
+
+def test_causal_flops_count_the_pairs_the_mask_keeps():
+    """Brute force: query j of a context n whose last q_len positions are queries sees keys 0..pos."""
+    q_lens, ctx_lens, heads, d = [5, 1, 7, 3], [9, 12, 7, 3], 4, 16
+    pairs = 0
+    for ql, n in zip(q_lens, ctx_lens):
+        pos = torch.arange(n - ql, n)[:, None]
+        pairs += int((torch.arange(n)[None, :] <= pos).sum())
+    assert examples.causal_attention_flops(q_lens, ctx_lens, heads, d) == 4 * d * heads * pairs
+    # a full prefill does about half the rectangle's work, not all of it
+    assert examples.causal_attention_flops([2048], [2048], 1, 1) == 4 * 2048 * 2049 // 2
+
+
+def test_prefill_example_uniform_lengths_match_a_dense_batch():
+    types, sem, _ = CASES["paged_prefill"]
+    ex = examples.build("paged_prefill", types, sem, {"B": 3, "ctx": 40, "q_len": 40, "uniform": 1})
+    assert ex.call.args["ctx_len_ptr"].tolist() == [40, 40, 40]
+    assert ex.flops == 4 * sem["HEAD_DIM"] * sem["NUM_Q_HEADS"] * 3 * (40 * 41 // 2)

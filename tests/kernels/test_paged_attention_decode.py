@@ -25,6 +25,7 @@ import math
 import pytest
 import torch
 
+from helpers import gpu_kernels_benchmark
 from lmfoundry.kernels import examples, kv_cache, paged_attention
 from lmfoundry.kernels.checks import assert_within, assert_written, attention_bound, poisoned
 from lmfoundry.kernels.dispatch import JitExecutor, ReferenceExecutor
@@ -247,21 +248,10 @@ def test_split_heuristic_edges():
     assert paged_attention.device_sm_count(torch.device("cpu")) == 1
 
 
-def _gpu_benchmark():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("gpu_kernels_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_benchmark_decode_section_shapes():
     """benchmarks/gpu_kernels.py (GPU only) imports on CPU, and its paged-decode section's shapes,
     byte counts and split choices are what the comparison claims."""
-    bench = _gpu_benchmark()
+    bench = gpu_kernels_benchmark()
     cases = bench.decode_cases(90, quick=False)
     assert {(c["B"], c["ctx"]) for c in cases} == {(1, 4096), (16, 4096), (64, 4096)}
     assert {c["kv"] for c in cases} == {"bf16", "i8", "fp8e4nv"}
