@@ -343,6 +343,13 @@ class CheckedModel:
     folder: Path
     config: Any  # lmfoundry.model.config.ModelConfig
     tokenizer: Any
+    bundle: bool = False  # an engine bundle: its compiled kernels run it
+
+    @property
+    def context_limit(self) -> int:
+        """The longest window the runtime computes exactly for this model (a bundle of a
+        sliding-window model: its window; see ModelConfig.kernel_context_limit)."""
+        return self.config.kernel_context_limit if self.bundle else self.config.max_position_embeddings
 
 
 def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
@@ -354,10 +361,8 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     from lmfoundry.model.config import ModelConfig
 
     path = Path(spec).expanduser()
-    if allow_bundle and (path / "engine.json").is_file():
-        folder = path / "weights"
-    else:
-        folder = resolve_model(spec)
+    bundle = allow_bundle and (path / "engine.json").is_file()
+    folder = path / "weights" if bundle else resolve_model(spec)
     config = ModelConfig.from_file(folder)
     try:
         from transformers import AutoTokenizer
@@ -366,7 +371,7 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for a bad tokenizer
         first = (str(exc).strip().splitlines() or [""])[0]
         raise UserError(f"{spec}: cannot load its tokenizer ({type(exc).__name__}: {first})") from None
-    return CheckedModel(spec, folder, config, tokenizer)
+    return CheckedModel(spec, folder, config, tokenizer, bundle)
 
 
 def tokenizer_difference(a: Any, b: Any) -> str | None:
@@ -387,10 +392,11 @@ def tokenizer_difference(a: Any, b: Any) -> str | None:
 def check_context(ctx: int, model: CheckedModel, option: str) -> None:
     """Refuse windows longer than the model's position limit: the model never saw such positions
     (the numbers would mean nothing), and on CPU a long window costs minutes before failing."""
-    limit = model.config.max_position_embeddings
+    limit = model.context_limit
     if ctx > limit:
-        raise UserError(f"{option} {ctx} exceeds {model.spec}'s max_position_embeddings ({limit}); "
-                        f"use {limit} or less")
+        what = ("max_position_embeddings" if limit == model.config.max_position_embeddings
+                else "sliding window (the bundle's kernels attend causally over everything)")
+        raise UserError(f"{option} {ctx} exceeds {model.spec}'s {what} ({limit}); use {limit} or less")
 
 
 def fingerprint(folder: Path) -> dict[str, Any]:

@@ -146,6 +146,9 @@ def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "defa
     arch_name = ARCHES.get(config.model_type)
     if arch_name is None:
         raise UserError(f"GGUF export supports {', '.join(sorted(ARCHES))}; this checkpoint is {config.model_type}")
+    if config.sliding_window is not None:  # llama.cpp's LLAMA/QWEN graphs attend causally over everything
+        raise UserError(f"{config.model_type} with a sliding window of {config.sliding_window} tokens has no GGUF "
+                        "form here: llama.cpp would attend past the window")
     kinds = {}
     for g in plan.groups:
         if g.scheme.input_activations is not None:

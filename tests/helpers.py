@@ -221,3 +221,31 @@ def gpu_kernels_benchmark() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def save_transformers_model(model_cls: Any, config: Any, folder: Path, norm_center: float = 1.0,
+                            embed_std: float = 0.1) -> Path:
+    """A random transformers model saved with save_pretrained (+ the tiny tokenizer), weights with
+    real signal: unit-scale linears (transformers' init is std 0.02, which makes every layer a near
+    identity that hides attention differences) and norm gains norm_center + N(0, 0.1²) (Gemma stores
+    w of 1 + w: norm_center 0)."""
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(norm_center + 0.1 * torch.randn_like(p))
+            elif "embed" in name:
+                p.normal_(0.0, embed_std)
+            elif p.ndim == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    model.save_pretrained(str(folder))
+    tiny_tokenizer(config.vocab_size).save_pretrained(str(folder))
+    return folder
+
+
+def hf_eager(folder: Path) -> Any:
+    """transformers' own float32 model of `folder` with eager attention (the masks as written)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()

@@ -17,6 +17,11 @@ attention scale from `query_pre_attn_scalar`, tanh soft-capping of attention sco
 of the final logits, sliding-window attention on some layers (`layer_types`), and for Gemma 3 a
 second rope base for the sliding layers. Their defaults below are transformers' (a config.json
 may leave out a field equal to it).
+
+Mistral, Mixtral, Phi-3 and Qwen (with `use_sliding_window`) may restrict attention to a sliding
+window too, read as transformers reads it (`_window_switches`); every attention path honours it
+through the same `AttentionSpec`, and the compiled kernels, which attend causally over everything,
+serve such a model only up to its window (`kernel_context_limit`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
 # MLP activations by config name -> the `approximate` argument of torch's GELU (silu is the Llama one).
 GELU_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Llama-family models whose attention transformers restricts to a sliding window when the config
+# asks (`_window_switches`): Mistral (default window 4096), Mixtral and Phi-3 on every layer,
+# Qwen2/Qwen3 on the layers from `max_window_layers` on and Qwen3-MoE on all, with use_sliding_window.
+WINDOWED_ARCHITECTURES = ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 # The linears of one decoder layer, in execution order, and the groups of them that read the same
 # input tensor, named by the fused module runtimes make of each group (vLLM's qkv_proj and
@@ -152,6 +161,8 @@ class ModelConfig:
         if model_type in GEMMA_ARCHITECTURES:
             cfg = {**_GEMMA_DEFAULTS[model_type], **cfg}
             switches = _gemma_switches(cfg)
+        if model_type in WINDOWED_ARCHITECTURES:
+            switches.update(_window_switches(cfg))
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -212,6 +223,14 @@ class ModelConfig:
         every attention context must honour the layer's `AttentionSpec` (scale, soft-cap, window)."""
         return (self.query_pre_attn_scalar is not None or self.attn_logit_softcapping is not None
                 or any(self.layer_window(i) is not None for i in range(self.num_layers)))
+
+    @property
+    def kernel_context_limit(self) -> int:
+        """The longest context the compiled-kernel path computes exactly. Its paged attention is
+        plain causal, which equals a sliding window of W while a sequence holds at most W tokens:
+        a windowed Mistral/Qwen bundle serves up to its smallest window, not past it."""
+        windows = [w for w in (self.layer_window(i) for i in range(self.num_layers)) if w is not None]
+        return min([self.max_position_embeddings, *windows])
 
     def kernel_path_refusal(self) -> str | None:
         """Why the compiled-kernel path (engine bundles, `KernelModel`) cannot run this model, or
@@ -381,6 +400,33 @@ def _moe_switches(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UserError(f"{model_type}: the experts' width (moe_intermediate_size) is missing")
     return {"num_experts": int(experts), "num_experts_per_tok": int(top_k), "moe_intermediate_size": int(width),
             "norm_topk_prob": norm}
+
+
+def _window_switches(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` of a Mistral / Mixtral / Phi-3 / Qwen config, as
+    transformers reads them: each query sees the `sliding_window` newest keys (itself included).
+    A window no shorter than max_position_embeddings never excludes a key inside the model's
+    positions, so it is dropped (plain causal attention: the fast paths and the compiled kernels)."""
+    model_type = cfg["model_type"]
+    num_layers = int(cfg["num_hidden_layers"])
+    # transformers' defaults when config.json omits the key: 4096 for Mistral and the Qwens
+    window = cfg.get("sliding_window", None if model_type in ("mixtral", "phi3") else 4096)
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None or int(window) >= int(cfg.get("max_position_embeddings", 2048)):
+        return {}
+    if int(window) < 1:
+        raise UserError(f"{model_type}: sliding_window must be positive (got {window!r})")
+    if model_type in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", 28))
+        layer_types = cfg.get("layer_types") or [SLIDING if i >= first else FULL for i in range(num_layers)]
+        if len(layer_types) != num_layers or set(layer_types) - {SLIDING, FULL}:
+            raise UserError(f"{model_type}: layer_types must list {num_layers} entries of {SLIDING}/{FULL}")
+    else:  # transformers applies one sliding mask to every layer of these (Mistral ignores layer_types)
+        layer_types = [SLIDING] * num_layers
+    if SLIDING not in layer_types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": tuple(layer_types)}
 
 
 def _gemma_switches(cfg: dict[str, Any]) -> dict[str, Any]:

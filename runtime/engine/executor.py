@@ -51,6 +51,7 @@ class StepInputs:
 class ModelExecutor(Protocol):
     config: Any  # ModelConfig
     dtype: torch.dtype
+    context_limit: int  # the longest sequence this path computes exactly (the engine's max_model_len cap)
 
     def kv_bytes_per_token(self) -> int: ...
     def allocate(self, num_blocks: int) -> None: ...
@@ -74,6 +75,7 @@ class ReferenceModelExecutor:
         self.dtype = model.dtype
         self.formats = resolve_kv_formats(model, config.kv_cache_dtype)
         self.cache: KVCacheLayers | None = None
+        self.context_limit = self.config.max_position_embeddings  # sliding windows honoured via AttentionSpec
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
@@ -145,6 +147,7 @@ class KernelModelExecutor:
         self.device = model.device
         self.caches: list = []
         self._graphs: DecodeGraphs | None = None
+        self.context_limit = self.config.kernel_context_limit  # plain causal kernels: exact up to a window
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
@@ -197,7 +200,7 @@ class KernelModelExecutor:
     @property
     def graphs(self) -> "DecodeGraphs | None":
         if self._graphs is None and self.device.type == "cuda" and self.engine_config.cuda_graphs and self.caches:
-            max_len = self.engine_config.max_model_len or self.config.max_position_embeddings
+            max_len = self.engine_config.max_model_len or self.context_limit
             self._graphs = DecodeGraphs(self, -(-max_len // self.engine_config.block_size))
         return self._graphs
 

@@ -59,7 +59,12 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, config)
         capacity = self.runner.num_blocks * config.block_size
-        self.max_model_len = config.max_model_len or min(model.config.max_position_embeddings, capacity)
+        limit = self.runner.executor.context_limit
+        if config.max_model_len and config.max_model_len > limit < model.config.max_position_embeddings:
+            raise UserError(f"max_model_len {config.max_model_len} exceeds the {limit} tokens this engine computes "
+                            f"exactly: its compiled attention kernels are plain causal and the model attends "
+                            f"through a sliding window of {limit}; serve the checkpoint folder for longer contexts")
+        self.max_model_len = config.max_model_len or min(limit, capacity)
         if self.max_model_len > capacity:
             raise UserError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
                             f"{self.max_model_len}; give it more memory or lower max_model_len")

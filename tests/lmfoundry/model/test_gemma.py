@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import reference_greedy, tiny_tokenizer
+from helpers import hf_eager, reference_greedy, save_transformers_model
 
 from lmfoundry.commands.quantize import run_quantize
 from lmfoundry.errors import UserError
@@ -45,30 +45,12 @@ def _build(folder: Path, model_type: str) -> Path:
                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-    torch.manual_seed(0)
-    model = Model(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.1)
-            elif "embed" in name:
-                p.normal_(0.0, 0.1)
-            elif p.ndim == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-    model.save_pretrained(str(folder))
-    tiny_tokenizer(256).save_pretrained(str(folder))
-    return folder
+    return save_transformers_model(Model, cfg, folder, norm_center=0.0)
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3_text"])
 def gemma(request, tmp_path_factory) -> Path:
     return _build(tmp_path_factory.mktemp(request.param) / "src", request.param)
-
-
-def _hf(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def test_config_reads_the_gemma_switches(gemma: Path) -> None:
@@ -92,7 +74,7 @@ def test_reference_forward_equals_transformers(gemma: Path) -> None:
     """float32 on both sides, same op order up to matmul blocking: 1e-5 of the logits' range. The
     window, the soft-caps and the embedding scale each change the logits by far more (checked)."""
     ours, _ = load_model(str(gemma))
-    hf = _hf(gemma)
+    hf = hf_eager(gemma)
     with torch.no_grad():
         a, b = ours(IDS).float(), hf(IDS).logits.float()
     assert IDS.shape[1] > 2 * WINDOW
@@ -315,7 +297,7 @@ def test_engine_serves_gemma_like_transformers_generate(gemma: Path, tmp_path: P
     float32 both sides, so within 1e-4 (the scale, the cap or the window off moves them by more)."""
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
-    hf = _hf(gemma)
+    hf = hf_eager(gemma)
     model, _ = load_model(str(gemma))
     prompts = [IDS[0, :7].tolist(), IDS[1, :13].tolist()]
     new = 14  # 13 + 14 tokens: several windows of 8

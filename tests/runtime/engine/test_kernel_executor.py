@@ -256,6 +256,38 @@ def test_link_bundle_is_refused_with_the_fix(bundles: Bundles, tmp_path: Path) -
         load_bundle(linked, "cpu")
 
 
+def test_sliding_window_bundle_serves_up_to_its_window(bundles: Bundles) -> None:
+    """The kernels attend causally over everything: exact for a windowed model (Mistral, window 16)
+    while a sequence holds at most 16 tokens. The bundle's engine caps max_model_len there, refuses
+    a longer one by name, and within it agrees with the reference executor (which honours the
+    window at any length); eval's up-front check uses the same limit."""
+    from lmfoundry.errors import UserError
+    from lmfoundry.evals.gate import check_model
+
+    model = tiny_model_folder(bundles.root / "mistral-sw", "mistral", torch_dtype="bfloat16", head_dim=64,
+                               sliding_window=16)
+    ckpt, engine = bundles.root / "mistral-sw-w4a16", bundles.root / "mistral-sw-w4a16-engine"
+    main(["quantize", str(model), "-o", str(ckpt), "--quiet", "--num-samples", "2", "--seq-len", "32",
+          "--calib", str(bundles.calib), *SCHEMES["w4a16"]])
+    build_engine(ckpt, ["hopper"], engine, progress=False)
+    ref_model, tok = load_model(ckpt, dtype=torch.bfloat16)
+    kmodel, _ = load_bundle(engine, "cpu", interpret=False)
+    reference, kernels = _engine(ref_model, tok), _engine(kmodel, tok)
+    assert kernels.max_model_len == 16 and reference.max_model_len == 512
+    with pytest.raises(UserError, match="sliding window of 16"):
+        LLMEngine(kmodel, tok, EngineConfig(num_kv_blocks=64, max_model_len=64))
+    with pytest.raises(ValueError, match="exceed the context of 16 tokens"):
+        kernels.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0))
+    assert check_model(str(engine), allow_bundle=True).context_limit == 16
+    assert check_model(str(ckpt), allow_bundle=True).context_limit == 512
+    prompt = PROMPTS[0]
+    ids = prompt + reference.generate([prompt], SamplingParams(max_tokens=16 - len(prompt) - 1,
+                                                               temperature=0))[0].outputs[0].token_ids
+    bound = logit_bound(ref_model, ids)
+    for pos, (r, k) in enumerate(zip(teacher_forced(reference, ids), teacher_forced(kernels, ids))):
+        assert abs(r.logprob - k.logprob) <= float(bound[pos]), (pos, r.logprob, k.logprob)
+
+
 def test_perplexity_through_the_kernels(bundles: Bundles) -> None:
     from lmfoundry.evals.perplexity import perplexity
 
