@@ -36,8 +36,9 @@ def activation_bytes(config: ModelConfig, num_samples: int, seq_len: int, batch_
                      method: str | None) -> dict[str, int]:
     """The calibration activations one process holds at a layer's peak: hidden states (inputs
     and outputs, plus the float outputs of a two-pass method) and one batch's intermediates (the
-    MLP's, and one chunk of attention scores)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    MLP's, and one chunk of attention scores). An MoE layer runs its experts one at a time, each
+    over (at most) every token: one expert's width stands in for the MLP's."""
+    h, i, d = config.hidden_size, config.mlp_width, config.head_dim
     tokens = num_samples * seq_len
     sequential = method == "gptq"  # one pass: the residual stream, one group's inputs, the MLP's
     copies = 2 if sequential else 3
@@ -56,7 +57,7 @@ def gptq_statistics_bytes(config: ModelConfig) -> int:
     float64 sums (8k² each) plus one batch's float32 product (4k²) while it accumulates; reading
     turns one sum at a time into a float32 Hessian, and factoring it adds one reordered copy and
     the factor: (8a + 4)·k² bytes either way (quantizers/gptq.py)."""
-    h, i = config.hidden_size, config.intermediate_size
+    h, i = config.hidden_size, config.mlp_width  # an MoE layer: one expert's statistics at a time
     widths = {"qkv": (h, 2), "o": (config.num_heads * config.head_dim, 1), "gate_up": (h, 1), "down": (i, 1)}
     return max((8 * a + 4) * k * k for k, a in widths.values())
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from lmfoundry.capacity_math import KV_DTYPE_BYTES, WEIGHT_PRECISIONS, QuantSpec
 from lmfoundry.errors import UserError
-from lmfoundry.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from lmfoundry.model.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Names resolved from the lmfoundry model cache instead of a path.
 EMBEDDED_MODELS = ("smollm2-135m",)
@@ -93,9 +93,10 @@ def parse_model_config(raw: dict[str, Any]) -> tuple[ModelConfig, list[str]]:
         cfg = dict(cfg["text_config"])
         notes.append("multimodal config: only its text decoder is counted")
     moe = [k for k in MOE_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1]
-    if moe:
+    if moe and cfg.get("model_type") not in MOE_ARCHITECTURES:
         raise UserError(
-            f"mixture-of-experts config ({moe[0]}={cfg[moe[0]]}): plan counts dense decoders only"
+            f"mixture-of-experts config ({moe[0]}={cfg[moe[0]]}, model_type {cfg.get('model_type')!r}): plan "
+            f"counts the experts of {', '.join(MOE_ARCHITECTURES)} only"
         )
     missing = [k for k in REQUIRED_KEYS if cfg.get(k) in (None, 0)]
     if missing:

@@ -136,8 +136,9 @@ def sharding(cfg: ModelConfig, tp: int) -> Sharding:
             f"--tp {tp} does not divide the {cfg.num_heads} attention heads; "
             f"valid: {', '.join(str(t) for t in valid_tp_sizes(cfg))}"
         )
-    if cfg.intermediate_size % tp:
-        raise UserError(f"--tp {tp} does not divide the MLP intermediate size {cfg.intermediate_size}")
+    if cfg.mlp_width % tp:
+        what = "each expert's intermediate size" if cfg.is_moe else "the MLP intermediate size"
+        raise UserError(f"--tp {tp} does not divide {what} {cfg.mlp_width}")
     kv = cfg.num_kv_heads
     if kv % tp == 0:
         return Sharding(tp, cfg.num_heads // tp, kv // tp, 1)
@@ -154,7 +155,7 @@ def valid_tp_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
     return [
         t
         for t in range(1, limit + 1)
-        if cfg.num_heads % t == 0 and cfg.intermediate_size % t == 0 and (kv % t == 0 or t % kv == 0)
+        if cfg.num_heads % t == 0 and cfg.mlp_width % t == 0 and (kv % t == 0 or t % kv == 0)
     ]
 
 
@@ -165,12 +166,14 @@ def linear_in_features(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
     return [
         ("qkv/gate/up", h),
         ("o_proj", shard.heads_per_gpu * cfg.head_dim),
-        ("down_proj", cfg.intermediate_size // tp),
+        ("down_proj", cfg.mlp_width // tp),
     ]
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by part; tied embeddings are counted once (lm_head = 0)."""
+    """Parameters by part; tied embeddings are counted once (lm_head = 0). An MoE layer's "mlp"
+    holds every expert and the router; "active" is what one token runs through (its top-k experts),
+    the number that sets decode's weight traffic per token."""
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     embeddings = cfg.vocab_size * h
     lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
@@ -184,36 +187,41 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     mlp = sum(o * i for name, (o, i) in cfg.linear_shapes.items() if name.startswith("mlp"))
     if cfg.mlp_bias:
         mlp += 2 * cfg.intermediate_size + h
+    router = cfg.num_experts * h
+    per_expert = 3 * cfg.mlp_width * h
     norms = 2 * h * L + h
     counts = {
         "embeddings": embeddings,
         "attention": attn * L,
-        "mlp": mlp * L,
+        "mlp": (mlp + router) * L,
         "norms": norms,
         "lm_head": lm_head,
     }
     counts["total"] = sum(counts.values())
+    counts["active"] = counts["total"] - (cfg.num_experts - cfg.num_experts_per_tok) * per_expert * L
     return counts
 
 
 def _shard_shapes(cfg: ModelConfig, shard: Sharding) -> dict[str, tuple[int, int]]:
     """(out, in) of each linear on one GPU."""
-    tp, d, h, i = shard.tp, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    return {
+    tp, d, h, i = shard.tp, cfg.head_dim, cfg.hidden_size, cfg.mlp_width
+    shapes = {
         "self_attn.q_proj": (shard.heads_per_gpu * d, h),
         "self_attn.k_proj": (shard.kv_heads_per_gpu * d, h),
         "self_attn.v_proj": (shard.kv_heads_per_gpu * d, h),
         "self_attn.o_proj": (h, shard.heads_per_gpu * d),
-        "mlp.gate_proj": (i // tp, h),
-        "mlp.up_proj": (i // tp, h),
-        "mlp.down_proj": (h, i // tp),
     }
+    for p in cfg.mlp_prefixes:  # tensor parallel splits every expert's width alike (vLLM's fused MoE)
+        shapes.update({p + "gate_proj": (i // tp, h), p + "up_proj": (i // tp, h), p + "down_proj": (h, i // tp)})
+    return shapes
 
 
 def weight_bytes(
-    cfg: ModelConfig, spec: QuantSpec, tp: int = 1, quantize_lm_head: bool = False
+    cfg: ModelConfig, spec: QuantSpec, tp: int = 1, quantize_lm_head: bool = False, active: bool = False
 ) -> dict[str, int]:
-    """Stored weight bytes on one GPU at tensor-parallel size `tp`, by part (tp=1: the whole model)."""
+    """Stored weight bytes on one GPU at tensor-parallel size `tp`, by part (tp=1: the whole model).
+    An MoE router stays 16-bit and replicated. `active`: only the top-k experts one token reads
+    (what a batch-1 decode step streams from memory)."""
     shard = sharding(cfg, tp)
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     shapes = _shard_shapes(cfg, shard)
@@ -228,6 +236,10 @@ def weight_bytes(
         attn += 2 * d * 2
     if cfg.mlp_bias:
         mlp += (2 * (cfg.intermediate_size // tp) + h) * 2
+    if cfg.is_moe:
+        if active:
+            mlp = mlp * cfg.num_experts_per_tok // cfg.num_experts
+        mlp += cfg.num_experts * h * 2
     vocab_rows = math.ceil(cfg.vocab_size / tp)
     embeddings = vocab_rows * h * 2
     if cfg.tie_word_embeddings:
@@ -270,7 +282,9 @@ def activation_bytes(
     shard = sharding(cfg, tp)
     h, d = cfg.hidden_size, cfg.head_dim
     attn = 2 * h + (shard.heads_per_gpu + 2 * shard.kv_heads_per_gpu) * d + shard.heads_per_gpu * d
-    mlp = 2 * h + 3 * (cfg.intermediate_size // tp)
+    # an MoE token's gate+up and product in each of its top-k experts, plus the router's scores
+    routed = max(1, cfg.num_experts_per_tok)
+    mlp = 2 * h + 3 * routed * (cfg.mlp_width // tp) + cfg.num_experts
     logits = min(batch_tokens, max_num_seqs) * cfg.vocab_size * 4
     return batch_tokens * max(attn, mlp) * 2 + logits
 

@@ -104,6 +104,8 @@ def build_report(inp: PlanInputs) -> dict[str, Any]:
             "layers": cfg.num_layers,
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
+            "experts": {"num_experts": cfg.num_experts, "per_token": cfg.num_experts_per_tok,
+                        "intermediate_size": cfg.mlp_width} if cfg.is_moe else None,
             "heads": cfg.num_heads,
             "kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
@@ -136,8 +138,10 @@ def build_report(inp: PlanInputs) -> dict[str, Any]:
         "activation_bytes_per_gpu": act,
         "selected": selected,
         "table": table,
+        # batch 1 streams every weight once per token; an MoE token only its top-k experts' (+ the rest)
         "decode_ceiling_tokens_per_s": (
-            gpu["bandwidth_gbs"] * 1e9 / selected["weight_bytes"]
+            gpu["bandwidth_gbs"] * 1e9
+            / weight_bytes(cfg, specs[selected_w], inp.tp, quantize_lm_head, active=True)["total"]
         ),
         "cost": None,
         "advice": None,
@@ -237,7 +241,10 @@ def render(report: dict[str, Any]) -> str:
     lines = []
     fp8 = f" / fp8 {g['fp8_tflops']:g}" if g.get("fp8_tflops") else ""
     lines.append(
-        f"{m['name']} ({m['model_type']}, {human_count(params['total'])} parameters) on "
+        f"{m['name']} ({m['model_type']}, {human_count(params['total'])} parameters"
+        + (f", {human_count(params['active'])} active: {m['experts']['per_token']} of "
+           f"{m['experts']['num_experts']} experts" if m.get("experts") else "")
+        + ") on "
         f"{s['tp']} x {g['name']} ({g['memory_mib'] / 1024:.1f} GiB, {g['bandwidth_gbs']:g} GB/s, "
         f"bf16 {g['bf16_tflops']:g}{fp8} TFLOPS)"
     )
@@ -280,7 +287,7 @@ def render(report: dict[str, Any]) -> str:
     )
     lines.append(
         f"  batch-1 decode ceiling: {report['decode_ceiling_tokens_per_s']:,.0f} tok/s "
-        f"(bandwidth / weight bytes per GPU)"
+        f"(bandwidth / weight bytes per GPU{' a token reads' if m.get('experts') else ''})"
     )
     lines.append("")
     lines.append(

@@ -462,3 +462,86 @@ def test_render_mentions_every_precision(llama70b):
         assert f"{precision} GiB" in text
     assert "141.11" in text  # bf16 weights of the whole model in GB
     assert not math.isnan(float(text.split("total GB")[1].split()[0]))
+
+
+MIXTRAL_8X7B = {
+    **LLAMA3_8B,
+    "model_type": "mixtral",
+    "architectures": ["MixtralForCausalLM"],
+    "vocab_size": 32000,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768,
+    "sliding_window": None,
+}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
+
+
+def test_moe_parameters_total_and_active_by_hand():
+    """Mixtral-8x7B: per layer attention 4096·(4096+1024+1024+4096), 8 experts of 3·4096·14336, a
+    router of 8·4096 and two norms; embeddings and head 32000·4096 each: the published 46.7 B. A
+    token runs 2 of the 8 experts: 12.9 B active."""
+    counts = param_counts(ModelConfig.from_dict(MIXTRAL_8X7B))
+    per_layer = 4096 * (4096 + 1024 + 1024 + 4096) + 8 * 3 * 4096 * 14336 + 8 * 4096 + 2 * 4096
+    assert counts["total"] == 32 * per_layer + 2 * 32000 * 4096 + 4096 == 46_702_792_704
+    assert counts["active"] == counts["total"] - 6 * 32 * 3 * 4096 * 14336 == 12_879_925_248
+    qwen = param_counts(ModelConfig.from_dict(QWEN3_30B_A3B))
+    # Qwen's model card: "30.5B in total and 3.3B activated" (one decimal, truncated)
+    assert math.floor(qwen["total"] / 1e8) / 10 == 30.5 and math.floor(qwen["active"] / 1e8) / 10 == 3.3
+    dense = param_counts(ModelConfig.from_dict(LLAMA3_8B))
+    assert dense["active"] == dense["total"]
+
+
+def test_moe_param_counts_match_transformers_modules():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    shapes = dict(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    cases = [("mixtral", transformers.MixtralConfig, transformers.MixtralForCausalLM,
+              dict(num_local_experts=4, num_experts_per_tok=2)),
+             ("qwen3_moe", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+              dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=48))]
+    for model_type, config_cls, model_cls, extra in cases:
+        with torch.device("meta"):
+            model = model_cls(config_cls(**shapes, **extra))
+        expected = sum(p.numel() for p in model.parameters())
+        assert param_counts(ModelConfig.from_dict({"model_type": model_type, **shapes, **extra}))["total"] == expected
+
+
+def test_moe_weights_tensor_parallel_and_decode_ceiling(tmp_path):
+    cfg = ModelConfig.from_dict(MIXTRAL_8X7B)
+    bf16, w4 = default_quant_specs()["bf16"], default_quant_specs()["int4"]
+    full = weight_bytes(cfg, bf16)
+    assert full["total"] == 2 * 46_702_792_704
+    assert full["mlp"] == 2 * 32 * (8 * 3 * 4096 * 14336 + 8 * 4096)  # the router stays 16-bit
+    # tp 2 halves every expert's width; the router and norms are replicated
+    half = weight_bytes(cfg, bf16, tp=2)
+    assert half["mlp"] == 2 * 32 * (8 * 3 * 4096 * 7168 + 8 * 4096)
+    active = weight_bytes(cfg, bf16, active=True)
+    assert active["total"] == 2 * 12_879_925_248
+    assert weight_bytes(cfg, w4, active=True)["mlp"] < weight_bytes(cfg, w4)["mlp"] / 3
+    report = build_report(PlanInputs(model=str(write_model(tmp_path / "mixtral", MIXTRAL_8X7B)), gpu="h100",
+                                     tp=2))
+    assert report["model"]["experts"] == {"num_experts": 8, "per_token": 2, "intermediate_size": 14336}
+    per_gpu_active = weight_bytes(cfg, bf16, tp=2, active=True)["total"]
+    assert report["decode_ceiling_tokens_per_s"] == pytest.approx(report["gpu"]["bandwidth_gbs"] * 1e9 / per_gpu_active)
+    text = render(report)
+    assert "46.70 B parameters, 12.88 B active: 2 of 8 experts" in text and "a token reads" in text
+    odd = ModelConfig.from_dict({**MIXTRAL_8X7B, "intermediate_size": 14344})  # 8 x 1793
+    with pytest.raises(UserError, match="each expert's intermediate size 14344"):
+        weight_bytes(odd, bf16, tp=16)
