@@ -60,7 +60,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, config)
         capacity = self.runner.num_blocks * config.block_size
         limit = self.runner.executor.context_limit
-        if config.max_model_len and config.max_model_len > limit < model.config.max_position_embeddings:
+        windowed = limit < model.config.max_position_embeddings  # kernels that are exact only up to a window
+        if windowed and config.max_model_len and config.max_model_len > limit:
             raise UserError(f"max_model_len {config.max_model_len} exceeds the {limit} tokens this engine computes "
                             f"exactly: its compiled attention kernels are plain causal and the model attends "
                             f"through a sliding window of {limit}; serve the checkpoint folder for longer contexts")
