@@ -84,9 +84,9 @@ fi
   python3 -c "import compressed_tensors; print('compressed-tensors', compressed_tensors.__version__)"; } 2>&1 \
     | tee "$OUT/lease.log"
 
-step kernels 300 python3 benchmarks/gpu_kernels.py --graph \
+step kernels 330 python3 benchmarks/gpu_kernels.py --graph \
     --only w4a16_llm,w4a16_tiled,paged_decode,gemm8,prefill --json "$OUT/kernels.json"
-step calibration 150 python3 benchmarks/calibration_scale.py --workdir /tmp/scale8b --devices cuda \
+step calibration 110 python3 benchmarks/calibration_scale.py --workdir /tmp/scale8b --devices cuda \
     --methods rtn,gptq --layers 2 --out "$OUT/calibration.md"
 step serve 240 python3 benchmarks/gpu_serve.py --out "$OUT/serve.md"
 echo "lease done in ${SECONDS} s" | tee -a "$OUT/lease.log"
