@@ -235,6 +235,12 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
                         f"{(r.get('error') or '?').splitlines()[0]} (details: {kept})", exit_code=3)
     for spec, reply in zip(plan.specs, replies):
         sass.check(spec.kernel, spec.sm, spec.expected_sass(), reply["mma"])
+    for spec, reply in zip(plan.specs, replies):  # correct but slow: name the tile (compile --tune may pick another)
+        use = reply["resources"]
+        if use["stack_bytes"] or use["local_bytes"]:
+            log(f"warning: {spec.kernel} for {spec.sm} spills registers ({use['stack_bytes'] + use['local_bytes']} "
+                f"bytes of stack/local memory per thread at {use['registers']} registers; tiles "
+                f"{spec.config.as_dict()})")
     (out / "compile.log").unlink(missing_ok=True)
 
     kernels = []
@@ -254,7 +260,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
             "covers": spec.covers,
             "files": files,
             "sha256": {ext: sha256_file(out / f) for ext, f in files.items()},
-            "sass": {"mma": reply["mma"], "expected_any_of": list(spec.expected_sass())},
+            "sass": {"mma": reply["mma"], "expected_any_of": list(spec.expected_sass()), **reply["resources"]},
             "shared": reply["shared"],
             "num_warps": reply["num_warps"],
             "triton": reply["versions"]["triton"],

@@ -29,12 +29,22 @@ def test_w8a8_for_ampere(make_checkpoint, tmp_path):
     assert "HMMA" in prefill["sass"]["mma"]
     decode = next(k for k in kernels if k["kernel"] == "paged_decode_split")
     assert "HMMA" in decode["sass"]["mma"] and decode["sass"]["expected_any_of"] == ["HMMA"]
+    assert_spill_free(kernels)
     fused = [f["name"] for f in result.manifest["fusions"] if f["applied"]]
     assert "input_layernorm+qkv_proj.input_quant" in fused and "self_attn.qkv_proj" in fused
     # Each covered GEMM shape appears in the manifest.
     shapes = {(c["shape"]["N"], c["shape"]["K"]) for k in gemm for c in k["covers"]}
     assert shapes == {(256, 128), (128, 128), (512, 128), (128, 256)}
     assert json.loads((tmp_path / "engine" / "engine.json").read_text())["kernels"] == kernels
+
+
+def assert_spill_free(kernels: list[dict]) -> None:
+    """Every kernel's registers as cuobjdump reports them, and no local memory (register spills) at
+    the tile tables' configs: a spilling tile is correct but several times slower on the GPU."""
+    for k in kernels:
+        use = k["sass"]
+        assert 0 < use["registers"] <= 255, (k["key"], use)
+        assert use["local_bytes"] == 0 and use["stack_bytes"] == 0, (k["key"], k["config"], use)
 
 
 def _job(out_dir, key="repro"):
@@ -52,6 +62,24 @@ def test_cubins_are_byte_reproducible(tmp_path):
         outs.append({ext: (tmp_path / f"out{i}" / f"repro.{ext}").read_bytes() for ext in ("cubin", "ptx", "json")})
     assert outs[0] == outs[1]
     assert str(tmp_path).encode() not in outs[0]["json"] + outs[0]["ptx"]
+
+
+def test_resource_usage_reports_spills(tmp_path):
+    """An INT8 GEMM tile of 128 x 256 int32 accumulators on one warp cannot live in registers:
+    cuobjdump's count must show the spill (so `assert_spill_free` on the bundles can fail); the
+    table's 64 x 64 tile on 4 warps does not spill."""
+    def job(i, key, warps, bm, bn):
+        return {"id": i, "key": key, "capability": 80, "sm": "sm_80", "kernel": "w8a8_gemm",
+                "types": {"a": "i8", "bscale": "bf16", "out": "bf16", "acc": "i32"},
+                "semantics": {"A_PER_TOKEN": True, "B_PER_CHANNEL": True, "HAS_BIAS": False, "ACC_INT": True},
+                "config": {"constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": 0},
+                           "num_warps": warps, "num_stages": 2},
+                "aligned": ["K", "N", "stride_am", "stride_bn", "stride_om"], "out_dir": str(tmp_path / "out")}
+
+    spill, fits = run_jobs([job(0, "spill", 1, 128, 256), job(1, "fits", 4, 64, 64)], 1, tmp_path / "cache", tmp_path / "log")
+    assert spill["ok"] and fits["ok"], (spill, fits)
+    assert spill["resources"]["stack_bytes"] + spill["resources"]["local_bytes"] > 1024, spill["resources"]
+    assert fits["resources"]["stack_bytes"] == fits["resources"]["local_bytes"] == 0 < fits["resources"]["registers"]
 
 
 def test_a_failing_job_is_reported(tmp_path):
@@ -189,6 +217,7 @@ def test_default_model_hopper_and_ampere(tmp_path):
         if k["kernel"] == "w4a16_tiled":
             assert ("HGMMA" if k["sm"] == "sm_90a" else "HMMA") in k["sass"]["mma"]
     assert any(k["kernel"] == "w4a16_tiled" and k["config"]["constexprs"]["SPLIT_K"] > 1 for k in result.kernels)
+    assert_spill_free(result.kernels)
     assert cpu / 2 <= 60, f"{cpu:.1f} CPU s is more than 60 s on 2 cores"
 
 
@@ -202,3 +231,4 @@ def test_fp8_for_ada_and_hopper(make_checkpoint, tmp_path):
     assert kv == {"fp8e4nv"}
     decode = {k["sm"]: k["sass"]["mma"] for k in result.kernels if k["kernel"] == "paged_decode_split"}
     assert set(decode) == {"sm_89", "sm_90a"} and all("HMMA" in m for m in decode.values())  # fp8 KV -> bf16 MMAs
+    assert_spill_free(result.kernels)

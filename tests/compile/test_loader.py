@@ -51,6 +51,7 @@ def test_manifest_lists_every_kernel_with_its_hash(hopper_engine):
         assert [p["name"] for p in meta["params"]] == [p.name for p in registry.kernel(k["kernel"]).params]
         if k["kernel"] in ("w4a16_tiled", "paged_prefill"):
             assert "HGMMA" in k["sass"]["mma"], k
+        assert k["sass"]["registers"] > 0 and k["sass"]["local_bytes"] == 0, k  # no register spills
         if k["kernel"] == "paged_decode_split":  # the GQA group (2 heads, padded to 16 rows): mma.sync
             assert "HMMA" in k["sass"]["mma"] and k["sass"]["expected_any_of"] == ["HMMA"], k
     assert [f["name"] for f in m["fusions"] if f["applied"]] == ["self_attn.qkv_proj", "mlp.gate_up_proj"]
