@@ -215,6 +215,11 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
                      "types": spec.types, "semantics": spec.semantics, "config": spec.config.as_dict(),
                      "aligned": spec.aligned, "out_dir": str(out / "kernels" / spec.sm)})
     log(f"{len(jobs)} kernel specializations for {', '.join(SM_NAME[c] for c in caps)}")
+    if ck.config.kernel_context_limit < ck.config.max_position_embeddings:
+        log(f"note: {ck.config.model_type} attends through a sliding window of {ck.config.kernel_context_limit} "
+            f"tokens; the kernels attend causally over everything, so the bundle serves contexts up to "
+            f"{ck.config.kernel_context_limit} tokens (the checkpoint folder serves the full "
+            f"{ck.config.max_position_embeddings})")
     bar = None
     if progress:
         from tqdm import tqdm
@@ -275,7 +280,9 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
         "model": {"model_type": cfg.model_type, "dtype": plan.dtype, "hidden_size": cfg.hidden_size,
                   "intermediate_size": cfg.intermediate_size, "num_layers": cfg.num_layers,
                   "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                  "vocab_size": cfg.vocab_size},
+                  "vocab_size": cfg.vocab_size,
+                  # plain causal kernels equal a sliding-window model's attention only this far
+                  "context_limit": cfg.kernel_context_limit},
         "linears": {g.name: {"n": g.n, "k": g.k, "scheme": g.scheme.describe(), "kind": g.scheme.kind,
                              "bias": g.bias} for g in plan.gemms},
         "kv_cache": {"dtype": ck.kv.dtype, "kernel_type": plan.kv_dtype, "block_size": plan.block_size,

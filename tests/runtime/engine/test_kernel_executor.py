@@ -269,7 +269,10 @@ def test_sliding_window_bundle_serves_up_to_its_window(bundles: Bundles) -> None
     ckpt, engine = bundles.root / "mistral-sw-w4a16", bundles.root / "mistral-sw-w4a16-engine"
     main(["quantize", str(model), "-o", str(ckpt), "--quiet", "--num-samples", "2", "--seq-len", "32",
           "--calib", str(bundles.calib), *SCHEMES["w4a16"]])
-    build_engine(ckpt, ["hopper"], engine, progress=False)
+    notes: list[str] = []
+    build_engine(ckpt, ["hopper"], engine, progress=False, log=notes.append)
+    assert any("sliding window of 16 tokens" in n for n in notes)
+    assert json.loads((engine / "engine.json").read_text())["model"]["context_limit"] == 16
     ref_model, tok = load_model(ckpt, dtype=torch.bfloat16)
     kmodel, _ = load_bundle(engine, "cpu", interpret=False)
     reference, kernels = _engine(ref_model, tok), _engine(kmodel, tok)
