@@ -240,9 +240,8 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
                         f"{(r.get('error') or '?').splitlines()[0]} (details: {kept})", exit_code=3)
     for spec, reply in zip(plan.specs, replies):
         sass.check(spec.kernel, spec.sm, spec.expected_sass(), reply["mma"])
-    for spec, reply in zip(plan.specs, replies):  # correct but slow: name the tile (compile --tune may pick another)
         use = reply["resources"]
-        if use["stack_bytes"] or use["local_bytes"]:
+        if use["stack_bytes"] or use["local_bytes"]:  # correct but slow: name the tile (--tune may pick another)
             log(f"warning: {spec.kernel} for {spec.sm} spills registers ({use['stack_bytes'] + use['local_bytes']} "
                 f"bytes of stack/local memory per thread at {use['registers']} registers; tiles "
                 f"{spec.config.as_dict()})")

@@ -38,7 +38,9 @@ def tool(name: str) -> Path:
 
 
 def disassemble(cubin: Path) -> str:
-    out = subprocess.run([str(tool("cuobjdump")), "-sass", str(cubin)], capture_output=True, text=True, check=False)
+    """The cubin's SASS, preceded by its resource usage (one cuobjdump run gives both)."""
+    out = subprocess.run([str(tool("cuobjdump")), "-sass", "--dump-resource-usage", str(cubin)], capture_output=True,
+                         text=True, check=False)
     if out.returncode != 0:
         raise BuildCheckError(f"{cubin.name}: cuobjdump failed: {out.stderr.strip()[:200]}")
     return out.stdout
@@ -47,18 +49,15 @@ def disassemble(cubin: Path) -> str:
 _USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
-def resource_usage(cubin: Path) -> dict[str, int]:
-    """Registers per thread and the stack / local-memory bytes per thread of a cubin's kernel
-    (`cuobjdump --dump-resource-usage`). Either in a Triton kernel means register spills (ptxas
-    puts them on the stack frame, in local memory):
-    each spilled value is a round trip to L1/L2 inside the hot loop (the H200 run measured a W4A16
-    GEMV at 255 registers with 1 KB of spills 4x slower than its spill-free tile)."""
-    out = subprocess.run([str(tool("cuobjdump")), "--dump-resource-usage", str(cubin)], capture_output=True,
-                         text=True, check=False)
-    match = _USAGE.search(out.stdout)
-    if out.returncode != 0 or match is None:
-        raise BuildCheckError(f"{cubin.name}: cuobjdump --dump-resource-usage failed: "
-                              f"{(out.stderr or out.stdout).strip()[:200]}")
+def resource_usage(disassembly: str) -> dict[str, int]:
+    """Registers per thread and the stack / local-memory bytes per thread of the kernel, read from
+    `disassemble`'s output. Either in a Triton kernel means register spills (ptxas puts them on the
+    stack frame, in local memory): each spilled value is a round trip to L1/L2 inside the hot loop
+    (the H200 run measured a W4A16 GEMV at 255 registers with 1 KB of spills 4x slower than its
+    spill-free tile)."""
+    match = _USAGE.search(disassembly)
+    if match is None:
+        raise BuildCheckError("cuobjdump printed no resource usage (REG/STACK/LOCAL) for the kernel")
     regs, stack, _, local = (int(g) for g in match.groups())
     return {"registers": regs, "stack_bytes": stack, "local_bytes": local}
 

@@ -128,8 +128,8 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     base.with_suffix(".cubin").write_bytes(cubin)
     base.with_suffix(".ptx").write_text(ptx)
     base.with_suffix(".json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    found = sass.mma_opcodes(sass.disassemble(base.with_suffix(".cubin")))
-    usage = sass.resource_usage(base.with_suffix(".cubin"))
+    disassembly = sass.disassemble(base.with_suffix(".cubin"))
+    found, usage = sass.mma_opcodes(disassembly), sass.resource_usage(disassembly)
     return {"id": job["id"], "ok": True, "seconds": time.perf_counter() - t0, "mma": found,
             "shared": md.shared, "num_warps": md.num_warps, "versions": versions, "resources": usage}
 

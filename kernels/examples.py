@@ -434,13 +434,15 @@ def build(kernel: str, types: dict[str, str], semantics: dict[str, Any], shape: 
     return BUILDERS[kernel](kernel, types, semantics, shape, device, gen)
 
 
-def run_and_check(ex: Example, executor: Executor, acc_u: float = checks.U32) -> None:
-    """Run `ex` with `executor` and with the reference on copies; raise if outside the bounds."""
+def run_and_check(ex: Example, executor: Executor, acc_u: float = checks.U32) -> KernelCall:
+    """Run `ex` with `executor` and with the reference on copies; raise if outside the bounds.
+    Returns the reference's call (its outputs), for checking another implementation against it."""
     ran = ex.clone()
     executor.run(ran)
     ref = ex.clone()
     ReferenceExecutor().run(ref)
     ex.check(ran, ref, acc_u)
+    return ref
 
 
 def time_ms(ex: Example, executor: Executor) -> float:

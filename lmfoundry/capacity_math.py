@@ -188,7 +188,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     if cfg.mlp_bias:
         mlp += 2 * cfg.intermediate_size + h
     router = cfg.num_experts * h
-    per_expert = 3 * cfg.mlp_width * h
+    idle_experts = (mlp // cfg.num_experts) * (cfg.num_experts - cfg.num_experts_per_tok) if cfg.is_moe else 0
     norms = 2 * h * L + h
     counts = {
         "embeddings": embeddings,
@@ -198,7 +198,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "lm_head": lm_head,
     }
     counts["total"] = sum(counts.values())
-    counts["active"] = counts["total"] - (cfg.num_experts - cfg.num_experts_per_tok) * per_expert * L
+    counts["active"] = counts["total"] - idle_experts * L
     return counts
 
 
