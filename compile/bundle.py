@@ -37,7 +37,7 @@ def parse_arch(name: str) -> int:
     try:
         return COMPILE_ARCH_NAMES[name.strip().lower()]
     except KeyError:
-        raise UserError(f"unknown arch {name!r}; choose from ampere (sm_80), ada (sm_89), hopper (sm_90a)") from None
+        raise UserError(f"unknown arch {name!r}; choose from ampere (sm_80), ada (sm_89), hopper (sm_90a), or cpu alone") from None
 
 
 def sha256_file(path: Path) -> str:
@@ -122,7 +122,7 @@ def _install(stage: Path, out: Path) -> None:
         os.replace(stage, out)
         return
     (out / "engine.json").unlink(missing_ok=True)
-    for sub in ("kernels", "weights"):
+    for sub in ("kernels", "weights", "cpu"):
         if (out / sub).is_symlink() or (out / sub).is_file():
             (out / sub).unlink()
         elif (out / sub).exists():
@@ -154,15 +154,21 @@ def _place_weights(ck: Checkpoint, plan: Plan, out: Path, mode: str) -> dict[str
         files = [p for p in files if p.suffix != ".safetensors" and p.name != "model.safetensors.index.json"]
         record["files"]["model.safetensors"] = {"bytes": (dst / "model.safetensors").stat().st_size,
                                                 "sha256": sha256_file(dst / "model.safetensors")}
+    record["files"].update(place_files(files, dst, mode))
+    return record
+
+
+def place_files(files: list[Path], dst: Path, mode: str) -> dict[str, dict[str, Any]]:
+    """Copy (or, mode "link", symlink) `files` into `dst`: engine.json's weights.files entries."""
+    record: dict[str, dict[str, Any]] = {}
     for src in files:
         target = dst / src.name
         if mode == "link":
             os.symlink(src.resolve(), target)
-            record["files"][src.name] = {"bytes": src.stat().st_size, "link": str(src.resolve()),
-                                         "sha256": sha256_file(src)}
+            record[src.name] = {"bytes": src.stat().st_size, "link": str(src.resolve()), "sha256": sha256_file(src)}
         else:
             shutil.copy2(src, target)
-            record["files"][src.name] = {"bytes": target.stat().st_size, "sha256": sha256_file(target)}
+            record[src.name] = {"bytes": target.stat().st_size, "sha256": sha256_file(target)}
     return record
 
 

@@ -95,7 +95,16 @@ def check_manifest(manifest: Any, manifest_path: Path) -> dict[str, Any]:
     if f(kv, "block_size", int, "kv_cache") <= 0:
         raise _malformed(manifest_path, "kv_cache.block_size must be positive")
     archs = f(manifest, "archs", dict, "engine.json")
-    if not archs:
+    if manifest.get("target") == "cpu":  # `compile --arch cpu`: a compiled step, no cubins
+        cpu = f(manifest, "cpu", dict, "engine.json")
+        f(cpu, "isa", str, "cpu")
+        f(cpu, "torch", str, "cpu")
+        if f(cpu, "max_tokens", int, "cpu") < 1:
+            raise _malformed(manifest_path, "cpu.max_tokens must be positive")
+        step = f(cpu, "step", dict, "cpu")
+        f(step, "path", str, "cpu.step")
+        f(step, "sha256", str, "cpu.step")
+    elif not archs:
         raise _malformed(manifest_path, "archs is empty")
     for name in archs:
         arch = f(archs, name, dict, "archs")

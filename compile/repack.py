@@ -163,3 +163,33 @@ def repack(ck: Checkpoint, plan: Plan, dest: Path) -> dict[str, list[str]]:
             out[name] = get(name).contiguous()
     save_file(out, str(dest), metadata={"format": "pt", "lmfoundry_repacked": "1", "lmfoundry_tiled": "1"})
     return fused_record
+
+
+def unrepack_bundle(tensors: dict[str, torch.Tensor], fused: dict[str, list[str]],
+                    rows_of: Callable[[str], int]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (compressed-tensors names and layout) from a repacked bundle's:
+    tiled linears back to packed codes in their original row and column order (`unrepack_tiled`,
+    exact), fused GEMMs split into their members (`fused`: fused prefix -> member prefixes, as
+    `repack` records it; `rows_of(member)` its output rows). What serves a GPU bundle on a CPU."""
+    from lmfoundry.checkpoint import split_fused_tensor
+    from lmfoundry.kernels.w4a16 import TiledLinear, unrepack_tiled
+
+    out: dict[str, torch.Tensor] = {}
+    tiled = sorted({n.rsplit(".", 1)[0] for n in tensors if n.endswith(".tiled_meta")})
+    for prefix in tiled:
+        part = {n[len(prefix) + 1:]: t for n, t in tensors.items() if n.startswith(prefix + ".tiled_")}
+        w = unrepack_tiled(TiledLinear.from_tensors(part))
+        stored = {"weight_packed": w.weight_packed, "weight_scale": w.weight_scale,
+                  "weight_zero_point": w.weight_zero_point, "weight_g_idx": w.weight_g_idx, "bias": w.bias,
+                  "weight_shape": torch.tensor([w.out_features, w.in_features], dtype=torch.int64)}
+        out.update({f"{prefix}.{k}": v for k, v in stored.items() if v is not None})
+    out.update({n: t for n, t in tensors.items() if not any(n.startswith(p + ".tiled_") for p in tiled)})
+    for prefix, members in fused.items():
+        leaves = {n[len(prefix) + 1:]: out.pop(n) for n in list(out) if n.startswith(prefix + ".")}
+        rows = [rows_of(m) for m in members]
+        start = 0
+        for member, n in zip(members, rows):
+            for leaf, t in leaves.items():
+                out[f"{member}.{leaf}"] = split_fused_tensor(t, leaf, start, start + n, sum(rows))
+            start += n
+    return out

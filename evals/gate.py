@@ -427,22 +427,25 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 def evaluate_model(spec: str, tasks: list[TaskSpec], ppl: PerplexitySpec | None, gate: GateSpec,
                    include_paths: list[Path], task_hashes: dict[str, str], use_cache: bool = True,
-                   progress: bool = False, device: str = "cpu") -> dict[str, Any]:
+                   progress: bool = False, device: str = "cpu", dtype: str = "auto") -> dict[str, Any]:
     """Per-document results of one model on the tier (from the cache when the inputs match). An
-    engine bundle runs its compiled kernels on `device` (what `serve` would run)."""
+    engine bundle runs its compiled kernels on `device` (what `serve` would run); a checkpoint runs
+    in `dtype` (`auto`: what `serve` picks on this CPU)."""
     import torch
 
     from lmfoundry.models import resolve_model
-    from lmfoundry.runtime.loader import is_engine_bundle
+    from lmfoundry.runtime.loader import is_engine_bundle, resolve_dtype
 
     bundle = is_engine_bundle(spec)
+    run_dtype = resolve_dtype(dtype, spec, device)
     folder = Path(spec) if bundle else resolve_model(spec)
     fp = fingerprint(folder / "weights" if bundle else folder)
     key = {"schema": SCHEMA_VERSION, "model": fp["sha256"], "versions": _versions(),
            "tasks": [[t.name, t.limit, task_hashes.get(t.name)] for t in tasks],
            "ppl": None if ppl is None else [ppl.text, ppl.ctx, ppl.windows],
            "prompt": [gate.add_bos, gate.chat_template, gate.num_fewshot], "seed": gate.seed,
-           "threads": torch.get_num_threads(), **({"device": device} if bundle else {})}
+           "threads": torch.get_num_threads(), **({"device": device} if bundle else {}),
+           **({"dtype": str(run_dtype)} if run_dtype is not None else {})}
     cache = _cache_path(key)
     if use_cache and cache.exists():
         try:
@@ -459,7 +462,7 @@ def evaluate_model(spec: str, tasks: list[TaskSpec], ppl: PerplexitySpec | None,
     from lmfoundry.runtime.loader import load_model
 
     t0 = time.time()
-    model, tokenizer = load_model(folder, device=device)
+    model, tokenizer = load_model(folder, dtype=run_dtype, device=device)
     lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos)
     data: dict[str, Any] = {"spec": spec, "path": str(folder), "fingerprint": fp, "dtype": str(model.dtype),
                             "prompt": {**lm.prompt_settings(), "chat_template": gate.chat_template,
@@ -557,7 +560,8 @@ class GateResult:
 def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: str = "quick",
              output: str | Path = "eval-gate", extra_tasks: tuple[str, ...] = (),
              include_paths: tuple[str, ...] = (), use_cache: bool = True, inconclusive_exit: int | None = None,
-             write_promotion: bool = True, progress: bool = False, device: str = "cpu") -> GateResult:
+             write_promotion: bool = True, progress: bool = False, device: str = "cpu",
+             dtype: str = "auto") -> GateResult:
     """Evaluate, compare, write eval-gate.json + eval-gate.md + eval-gate.png, record the verdict."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -589,8 +593,8 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     with tempfile.TemporaryDirectory(prefix="lmfoundry-gate-") as tmp:
         ours, task_hashes = materialize_tasks(Path(tmp))
         paths = [ours, *user_paths]
-        base = evaluate_model(baseline, tasks, ppl, gate, paths, task_hashes, use_cache, progress, device)
-        cand = evaluate_model(candidate, tasks, ppl, gate, paths, task_hashes, use_cache, progress, device)
+        base = evaluate_model(baseline, tasks, ppl, gate, paths, task_hashes, use_cache, progress, device, dtype)
+        cand = evaluate_model(candidate, tasks, ppl, gate, paths, task_hashes, use_cache, progress, device, dtype)
     metrics = compare(cand, base, tasks, ppl, gate)
     gated = [m for m in metrics if m["gated"]]
     verdict = stats.combine([m["verdict"] for m in gated])

@@ -201,7 +201,7 @@ class CheckpointReader:
                         source, start, end, rows = self.virtual[k]
                         if source not in fused:
                             fused[source] = st.get_tensor(source)
-                        out[k] = _fused_part(fused[source], k.rsplit(".", 1)[1], start, end, rows)
+                        out[k] = split_fused_tensor(fused[source], k.rsplit(".", 1)[1], start, end, rows)
                     else:
                         out[k] = st.get_tensor(self.stored.get(k, k))
         return out
@@ -210,6 +210,29 @@ class CheckpointReader:
         """All tensors under `prefix.` with the prefix stripped."""
         names = [k for k in self.index if k.startswith(prefix + ".")]
         return {k[len(prefix) + 1 :]: v for k, v in self.get(names).items()}
+
+
+class InMemoryCheckpoint(CheckpointReader):
+    """A checkpoint whose tensors are already in memory (a repacked engine bundle turned back into
+    compressed-tensors form), read through the `CheckpointReader` interface."""
+
+    def __init__(self, folder: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.folder = Path(folder)
+        self.config = config
+        qcfg = config.get("quantization_config")
+        self.plan = plan_from_compressed_tensors(qcfg) if qcfg else None
+        self.files = []
+        self.index = {k: self.folder for k in tensors}
+        self.virtual, self.stored = {}, {}
+        self.tensors = tensors
+
+    def get(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for n in names:
+            if n not in self.tensors:
+                raise UserError(f"{self.folder}: tensor {n} not found in the checkpoint")
+            out[n] = self.tensors[n]
+        return out
 
 
 # ------------------------------------------------------------------ fused checkpoint tensors
@@ -271,7 +294,7 @@ def _split_fused_names(index: dict[str, Path], config: dict[str, Any]) -> dict[s
     return out
 
 
-def _fused_part(t: torch.Tensor, leaf: str, start: int, end: int, rows: int) -> torch.Tensor:
+def split_fused_tensor(t: torch.Tensor, leaf: str, start: int, end: int, rows: int) -> torch.Tensor:
     """Rows [start, end) of one tensor of a fused linear (scales, codes, biases; zero points
     packed 8 rows per int32 are sliced in packed rows)."""
     if leaf in _SHARED_LEAVES or t.numel() == 1:

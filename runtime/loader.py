@@ -7,6 +7,8 @@ safetensors memory maps; quantized linears are decoded and swapped for their run
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.linears import build_linear, dense_linear
 from lmfoundry.model.reference import CausalLM, RotaryEmbedding
 
+log = logging.getLogger("lmfoundry.runtime")
+
 
 def load_tokenizer(folder: str | Path) -> Any:
     from transformers import AutoTokenizer
@@ -32,9 +36,13 @@ def load_model(
     device: str | torch.device = "cpu",
 ) -> tuple[Any, Any]:
     """(model, tokenizer) for a model folder, GGUF file, built-in name or quantized checkpoint —
-    the reference `CausalLM` on CPU — or for an engine bundle, its `KernelModel` on `device`."""
+    the reference `CausalLM` on CPU, quantized weights packed in bfloat16 — or for an engine
+    bundle: its `KernelModel` on a GPU; on the CPU its weights in the packed reference model
+    (with the compiled step of an `--arch cpu` bundle), never the per-kernel references."""
     if is_engine_bundle(path_or_name):
-        return load_bundle(path_or_name, device)
+        if torch.device(device).type == "cpu":
+            return load_bundle_on_cpu(path_or_name, dtype)
+        return load_bundle(path_or_name, device, dtype=dtype)
     if torch.device(device).type != "cpu":
         raise UserError(f"{path_or_name}: --device {device} runs an engine bundle's kernels; build one with "
                         f"`lmfoundry compile {path_or_name} --arch ...` and pass the bundle folder")
@@ -59,12 +67,54 @@ def check_device(device: str) -> str:
     return str(dev)
 
 
+def resolve_dtype(name: str, path_or_name: str | Path, device: str = "cpu") -> torch.dtype | None:
+    """The execution dtype of a --dtype value: `auto` is this CPU's default (bfloat16 where it has
+    bf16 arithmetic, see `cpu_isa`) for a model run on CPU, and None (the stored dtype) for an
+    engine bundle on a GPU, whose kernels were compiled for its own dtype."""
+    if name != "auto":
+        return getattr(torch, name)
+    if torch.device(device).type != "cpu":
+        return None
+    from lmfoundry.runtime.cpu_isa import default_dtype
+
+    return default_dtype()
+
+
+def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of an engine bundle served on a CPU: an `--arch cpu` bundle's compiled
+    step; a GPU bundle's verified weights (un-tiled and un-fused again when compile repacked them:
+    exact) in the reference model with packed linears, which is what a CPU runs fastest (its
+    kernels' PyTorch references are a correctness tool)."""
+    from lmfoundry.compile.loader import read_manifest, verify_weights
+
+    engine = Path(path)
+    manifest = read_manifest(engine)
+    if manifest.get("target") == "cpu":
+        return load_bundle(engine, "cpu", dtype=dtype)
+    verify_weights(engine, manifest)
+    weights = engine / "weights"
+    reader = CheckpointReader(weights)
+    record = manifest["weights"]
+    if record.get("mode") == "repack":
+        from lmfoundry.checkpoint import InMemoryCheckpoint
+        from lmfoundry.compile.repack import unrepack_bundle
+
+        shapes = ModelConfig.from_dict(reader.config).linear_shapes
+        fused = record.get("fused_tensors") or {}
+        tensors = unrepack_bundle(reader.get(list(reader.index)), fused,
+                                  lambda member: shapes[member.split(".", 3)[3]][0])
+        reader = InMemoryCheckpoint(weights, reader.config, tensors)
+    model = load_causal_lm(reader, dtype or reader.dtype)
+    has_tokenizer = any((weights / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return model, load_tokenizer(weights) if has_tokenizer else None
+
+
 def is_engine_bundle(path: str | Path) -> bool:
     return (Path(path) / "engine.json").is_file()
 
 
-def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret: bool | None = None
-                ) -> tuple[Any, Any]:
+def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret: bool | None = None,
+                dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """(KernelModel, tokenizer) of an engine bundle: kernel files and weights verified against
     engine.json first (a tampered or foreign file refuses the bundle), then the kernels for
     `device` (cubins, JIT, interpreter or references) and the weights in their stored form."""
@@ -72,10 +122,18 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
     from lmfoundry.runtime.engine.kernel_model import load_kernel_model
 
     device = torch.device(device)
+    engine = Path(path)
+    manifest = read_manifest(engine)
+    if manifest.get("target") == "cpu":
+        if device.type != "cpu":
+            raise UserError(f"{engine}: an --arch cpu bundle runs on --device cpu (compile the checkpoint for a "
+                            "GPU arch to serve it on cuda)")
+        from lmfoundry.runtime.cpu_bundle import load_cpu_bundle
+
+        return load_cpu_bundle(engine, manifest, dtype), load_tokenizer(engine / "weights")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    engine = Path(path)
-    verify_weights(engine, read_manifest(engine))
+    verify_weights(engine, manifest)
     refusal = ModelConfig.from_file(engine / "weights").kernel_path_refusal()
     if refusal is not None:  # before any kernel is loaded (Gemma: see ModelConfig.kernel_path_refusal)
         raise UserError(f"{engine}: {refusal}")
@@ -94,6 +152,7 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
         model = CausalLM(config)
     plan = reader.plan
     linear_names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    fallbacks: list[str] = []
     for name in sorted(linear_names):
         if name == "lm_head" and config.tie_word_embeddings and not reader.has("lm_head.weight"):
             continue
@@ -106,8 +165,10 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
                 raise UserError(f"{reader.folder}: missing {name}.weight")
             module = dense_linear(tensors["weight"].to(dtype), bias.to(dtype) if bias is not None else None)
         else:
-            module = build_linear(decode_linear(tensors, scheme), bias, scheme, dtype)
+            module = build_linear(decode_linear(tensors, scheme), bias, scheme, dtype, fallbacks)
         model.set_submodule(name, module)
+    for reason, count in Counter(fallbacks).items():
+        log.warning("%s: %d linear(s) dequantized to dense %s: %s", reader.folder, count, dtype, reason)
     # everything that is not a linear: embeddings, norms, KV scales
     rest = {}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):

@@ -1,4 +1,4 @@
-"""`lmfoundry compile CHECKPOINT --arch hopper [--arch ampere ...] [-o ENGINE]`."""
+"""`lmfoundry compile CHECKPOINT --arch hopper [--arch ampere ...] [-o ENGINE]`, or `--arch cpu`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,15 @@ from collections import Counter
 
 import click
 
+from lmfoundry.errors import UserError
+
 
 @click.command("compile")
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--arch", "archs", multiple=True, required=True,
-              help="Target GPU architecture: ampere (sm_80), ada (sm_89) or hopper (sm_90a). Repeatable.")
+              help="Target: ampere (sm_80), ada (sm_89) or hopper (sm_90a), repeatable; or cpu alone: the "
+                   "engine's CPU step compiled ahead of time with AOTInductor for this machine's ISA "
+                   "(amx/avx512/avx2), served by `lmfoundry serve ENGINE --device cpu` without JIT.")
 @click.option("-o", "--output", type=click.Path(path_type=str), default=None,
               help="Engine folder to write (default: CHECKPOINT-engine next to the checkpoint).")
 @click.option("--weights", type=click.Choice(["link", "copy", "repack"]), default="repack", show_default=True,
@@ -21,20 +25,40 @@ import click
 @click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16"]), default="auto", show_default=True,
               help="Activation dtype of the kernels (auto: the checkpoint's, bfloat16 for float32 ones).")
 @click.option("--tune", is_flag=True, help="Time the tile candidates on the local GPU for its own arch.")
+@click.option("--max-tokens", type=int, default=None,
+              help="--arch cpu: the most tokens one compiled step takes (decodes plus prefill chunk; default "
+                   "8192; a larger step runs eagerly).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, weights: str, workers: int,
-                block_size: int, dtype: str, tune: bool, quiet: bool) -> None:
+                block_size: int, dtype: str, tune: bool, max_tokens: int | None, quiet: bool) -> None:
     """Cross-compile the Triton kernels CHECKPOINT needs into an engine bundle (no GPU needed).
 
     \b
-    Example:
+    Examples:
       lmfoundry compile out/ --arch hopper --arch ampere -o engine/
+      lmfoundry compile out/ --arch cpu -o engine-cpu/
     """
+    log = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
+    if any(a.strip().lower() == "cpu" for a in archs):
+        if len(archs) > 1:
+            raise UserError("--arch cpu builds a bundle of its own (a compiled CPU step, no cubins): "
+                            "run it separately from the GPU archs")
+        from lmfoundry.runtime.cpu_bundle import DEFAULT_MAX_TOKENS, build_cpu_engine
+
+        out, manifest, seconds = build_cpu_engine(checkpoint, output, block_size=block_size,
+                                                  max_tokens=max_tokens or DEFAULT_MAX_TOKENS, log_line=log)
+        cpu = manifest["cpu"]
+        click.echo(f"engine: {out}")
+        click.echo(f"cpu step: {cpu['step']['path']} ({cpu['step']['bytes'] / 2**20:.1f} MiB, {cpu['isa']}, "
+                   f"1..{cpu['max_tokens']} tokens a step), built in {seconds:.1f} s")
+        return
+    if max_tokens is not None:
+        raise UserError("--max-tokens applies to --arch cpu only")
     from lmfoundry.compile.bundle import build_engine
 
     result = build_engine(checkpoint, list(archs), output, weights=weights, workers=workers, block_size=block_size,
                           dtype=None if dtype == "auto" else dtype, tune=tune, progress=not quiet,
-                          log=(lambda m: None) if quiet else (lambda m: click.echo(m, err=True)))
+                          log=log)
     kernels = result.kernels
     per_arch = Counter(k["sm"] for k in kernels)
     fusions = [f["name"] for f in result.manifest["fusions"] if f["applied"]]

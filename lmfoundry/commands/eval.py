@@ -7,6 +7,7 @@ import json
 import click
 
 from lmfoundry.errors import UserError
+from lmfoundry.runtime.dtypes import DTYPES
 
 
 @click.group(name="eval")
@@ -25,15 +26,18 @@ def eval_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per model (for scripts and CI).")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu or cuda[:N]: where an engine bundle's kernels run (checkpoints run on CPU).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+              help="Execution dtype of checkpoints on CPU. auto: bfloat16 where the CPU has bf16 arithmetic "
+                   "(quantized weights then stay packed, as `serve` runs them), float32 elsewhere.")
 def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: int | None, batch_size: int,
-            as_json: bool, device: str) -> None:
+            as_json: bool, device: str, dtype: str) -> None:
     """Perplexity of each of MODELS (folder, GGUF, built-in name or quantized checkpoint) on the
     same non-overlapping windows of --ctx tokens, token-weighted. With several models, the first
     is the baseline of the printed ratios."""
     from lmfoundry.calibration.data import eval_token_stream
     from lmfoundry.evals.gate import check_context, check_model
     from lmfoundry.evals.perplexity import perplexity
-    from lmfoundry.runtime.loader import check_device, load_model
+    from lmfoundry.runtime.loader import check_device, load_model, resolve_dtype
 
     device = check_device(device)
     # Option bounds and every model's config, before loading any weights: a bad option or a bad
@@ -48,7 +52,7 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
         check_context(ctx, check_model(spec, allow_bundle=True), "--ctx")
     base = None
     for spec in models:
-        lm, tokenizer = load_model(spec, device=device)
+        lm, tokenizer = load_model(spec, dtype=resolve_dtype(dtype, spec, device), device=device)
         stream, source, digest = eval_token_stream(text, tokenizer)
         res = perplexity(lm, stream, ctx=ctx, max_windows=max_windows, batch_size=batch_size, progress=not as_json)
         del lm

@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from lmfoundry.runtime.dtypes import DTYPES
+
 
 @click.command("eval-gate")
 @click.argument("candidate")
@@ -26,9 +28,12 @@ import click
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu or cuda[:N]: where an engine bundle (candidate or baseline) runs its compiled kernels.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+              help="Execution dtype of checkpoints on CPU, the same for both models. auto: bfloat16 where the "
+                   "CPU has bf16 arithmetic (quantized weights then stay packed), float32 elsewhere.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
-              no_cache: bool, no_promotion: bool, quiet: bool, device: str) -> None:
+              no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str) -> None:
     """Evaluate CANDIDATE and --baseline on the same documents through the serving runtime's
     model execution (lm-eval tasks + perplexity), decide each gated metric with a paired bootstrap
     interval, and write eval-gate.json, a markdown report and a plot. The verdict and the report's
@@ -44,7 +49,8 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
 
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
                    use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
-                   write_promotion=not no_promotion, progress=not quiet, device=check_device(device))
+                   write_promotion=not no_promotion, progress=not quiet, device=check_device(device),
+                   dtype=dtype)
     for m in res.report["metrics"]:
         if m["gated"]:
             click.echo(f"{m['verdict']:>12}  {m['name']}: {m['statistic']} {m['point']:.4f} "

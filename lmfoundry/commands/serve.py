@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 import click
 
 from lmfoundry.errors import UserError
+from lmfoundry.runtime.dtypes import DTYPES
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine import LLMEngine
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _print_url(host: str, port: int, api_key: str | None) -> None:
@@ -66,7 +65,9 @@ def _note_capped_context(engine: LLMEngine, max_model_len: int | None, kv_cache_
 @click.option("--api-key", default=None, envvar="LMFOUNDRY_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 (env LMFOUNDRY_API_KEY).")
 @click.option("--served-model-name", default=None, help="Model id reported by /v1/models.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+              help="Execution dtype on CPU. auto: bfloat16 where the CPU has bf16 arithmetic (AVX512-BF16/AMX; "
+                   "W4A16/W8A16 weights then stay packed), float32 elsewhere; an engine bundle on a GPU keeps its own.")
 @click.option("--max-model-len", type=int, default=None, help="Context length (prompt + output).")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences batched together.")
 @click.option("--max-num-batched-tokens", type=int, default=256, show_default=True,
@@ -123,16 +124,19 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
                           timeout_keep_alive)
-    import torch
     import uvicorn
 
     from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine
     from lmfoundry.runtime.server.app import create_app
     from lmfoundry.runtime.server.background import uvicorn_config
 
-    from lmfoundry.runtime.loader import check_device, is_engine_bundle
+    from lmfoundry.runtime import cpu_isa
+    from lmfoundry.runtime.loader import check_device, is_engine_bundle, resolve_dtype
 
     device = check_device(device)
+    run_dtype = resolve_dtype(dtype, model, device)
+    if device == "cpu":
+        click.echo(cpu_isa.describe(), err=True)
     if block_size is None:
         block_size = _bundle_block_size(model) if is_engine_bundle(model) else 16
     for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
@@ -150,7 +154,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         max_waiting_requests=max_waiting, enable_prefix_caching=not no_prefix_caching,
         kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager, num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or None,
         speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max)
-    engine = LLMEngine.from_pretrained(model, None if dtype == "auto" else getattr(torch, dtype), config,
+    engine = LLMEngine.from_pretrained(model, run_dtype, config,
                                        device=device, draft_model=draft_model)
     _note_capped_context(engine, max_model_len, kv_cache_gb)
     name = served_model_name or os.path.basename(os.path.normpath(model))

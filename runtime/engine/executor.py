@@ -76,6 +76,11 @@ class ReferenceModelExecutor:
         self.formats = resolve_kv_formats(model, config.kv_cache_dtype)
         self.cache: KVCacheLayers | None = None
         self.context_limit = self.config.max_position_embeddings  # sliding windows honoured via AttentionSpec
+        # an `--arch cpu` bundle's AOT-compiled step (runtime.engine.compiled_step), over at most
+        # `compiled_max_tokens` tokens a step; None: the eager reference model
+        self.compiled_step = getattr(model, "compiled_step", None)
+        self.compiled_max_tokens = int(getattr(model, "compiled_max_tokens", 0))
+        self.compiled_steps = 0
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
@@ -120,8 +125,12 @@ class ReferenceModelExecutor:
             decode = DecodeGroup(rows, tables, real[:, None, None, :], self._shared_blocks(tables))
         context = PagedAttention(self.cache, self.round_trips, torch.tensor(step.slots, dtype=torch.long), decode,
                                  chunks)
-        return self.model.hidden_states(torch.tensor(step.ids, dtype=torch.long),
-                                        torch.tensor(step.positions, dtype=torch.long), context)
+        ids = torch.tensor(step.ids, dtype=torch.long)
+        positions = torch.tensor(step.positions, dtype=torch.long)
+        if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:
+            self.compiled_steps += 1
+            return self.compiled_step(ids, positions, context)
+        return self.model.hidden_states(ids, positions, context)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden).float()

@@ -208,7 +208,8 @@ def test_w4a16_weights_stay_packed(bundles: Bundles) -> None:
     layer = kmodel.layers[0]
     assert len(layer.qkv) == 1 and layer.qkv[0].tiled is not None  # fused and tiled, never dequantized
     assert layer.qkv[0].tiled.qweight.dtype == torch.int32 and layer.qkv[0].packed is None
-    linears = sum(p.numel() * 2 for n, p in ref_model.named_parameters() if "layers." in n and p.ndim == 2)
+    cfg = ref_model.config  # the decoder linears as dense bf16
+    linears = 2 * cfg.num_layers * sum(n * k for n, k in cfg.linear_shapes.values())
     packed = sum(g.nbytes() for lw in kmodel.layers for g in (*lw.qkv, lw.o_proj, *lw.gate_up, lw.down))
     assert packed <= 0.3 * linears  # int4 codes + bf16 scales of g32: 0.25 + 1/32 of bf16
 
@@ -370,3 +371,22 @@ def test_eval_gate_runs_the_bundle_and_records_the_verdict(bundles: Bundles, tmp
     manifest = json.loads((engine / "engine.json").read_text())
     assert manifest["promotion"]["verdict"] == res.verdict
     load_bundle(engine, "cpu", interpret=False)  # the verdict does not break the bundle's hashes
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-actorder", "w8a8", "w4a16-kv-int8"])
+def test_gpu_bundle_on_cpu_serves_the_packed_reference_model(bundles: Bundles, scheme: str) -> None:
+    """`serve ENGINE --device cpu` (load_model on CPU) un-tiles and un-fuses a repacked bundle back
+    to the checkpoint's tensors (exact) and runs the packed reference model, not the kernels'
+    per-op references: every weight buffer equals the checkpoint's own packed load."""
+    from lmfoundry.model.cpu_linears import Int4PackLinear
+    from lmfoundry.model.reference import CausalLM
+
+    model, _ = load_model(bundles.engine(scheme), dtype=torch.bfloat16)
+    ref, _ = load_model(bundles.checkpoint(scheme), dtype=torch.bfloat16)
+    assert isinstance(model, CausalLM)
+    if scheme.startswith("w4a16"):
+        assert isinstance(model.model.layers[0].mlp.down_proj, Int4PackLinear)
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]

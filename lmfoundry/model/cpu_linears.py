@@ -1,0 +1,226 @@
+"""Weight-only quantized linears that stay packed on CPU: PyTorch's own int4pack / int8pack kernels.
+
+The runtime module swap for W4A16-style (integer codes of at most 4 bits) and W8A16 (8-bit codes,
+one scale per output channel) weights when the model runs in bfloat16. A dense dequantized copy
+would make the quantized artifact as large and as slow as the float model; these keep the codes:
+
+- `Int4PackLinear`: codes in `_convert_weight_to_int4pack_for_cpu`'s layout ([N/64, K, 64]
+  nibble pairs: half a byte a weight) plus one (scale, zero) pair in bf16 per group and channel.
+  The kernel computes w = (u - 8) * scale + zero with u in [0, 15]; compressed-tensors' signed codes
+  q and zero points zp map onto it as u = q + 8, zero = -zp * scale. Channel/tensor scales become
+  groups of the largest size the kernel takes (32, 64, 128, 256) that divides K, the scale repeated;
+  GPTQ act-order (g_idx) becomes a K permutation applied to the codes once here and to the input
+  of every call (as compile folds it for the GPU).
+- `Int8PackLinear`: int8 codes [N, K] and per-channel scales for `_weight_int8pack_mm`; an
+  asymmetric zero point is the exact correction y -= (zp * s) * sum_k x_k.
+
+Both eager kernels cost a fixed time per input row (a GEMV each), so from `DEQUANT_ROWS` rows on
+(prefill, perplexity windows) the layer is dequantized from the same packed codes into a transient
+bf16 matrix for one AMX/AVX512 GEMM instead; the crossover was measured on the 2-core dev box
+(benchmarks/cpu_packed.py prints both paths). Nothing dense is kept between calls. Traced for
+`compile --arch cpu`, the op stays whole: Inductor's C++ WOQ GEMM template serves every size.
+
+`packed_linear` returns the module or the reason the codes do not fit a kernel (the caller then
+keeps the dequantized dense linear and says so).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmfoundry.quantizers.base import QuantizedWeight
+
+INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu accepts
+INT4_BLOCK_N = 64  # output channels per block of the CPU int4pack layout
+DEQUANT_ROWS = 128  # from this many input rows, dequantize-then-GEMM beats the per-row kernel
+COMPUTE_DTYPE = torch.bfloat16  # the kernels' vectorized paths (their fp32 paths are scalar)
+
+
+def _nibble_lut() -> torch.Tensor:
+    """[256, 2] bf16: the two codes (low nibble, high nibble) of a packed byte, minus 8."""
+    b = torch.arange(256)
+    return (torch.stack([b & 15, b >> 4], -1) - 8).to(COMPUTE_DTYPE)
+
+
+_LUT = _nibble_lut()
+
+
+def _dequantize_first(x: torch.Tensor) -> bool:
+    """Eager: whether this many rows run faster as dequantize-then-GEMM. Traced (`compile --arch
+    cpu`): never, the op stays one node that Inductor's GEMM template serves at every size."""
+    return not torch.compiler.is_compiling() and x.shape[0] >= DEQUANT_ROWS
+
+
+def _kernel_group(k: int, group: int | None) -> int | None:
+    """The kernel group size serving a stored group of `group` columns (None: one per channel)."""
+    if group is None:
+        return next((g for g in INT4_GROUPS if k % g == 0), None)
+    if k % group:
+        return None
+    return next((g for g in INT4_GROUPS if group % g == 0), None)
+
+
+def _act_order_perm(g_idx: torch.Tensor, group: int, k: int) -> torch.Tensor | str | None:
+    """The K order that makes act-order groups contiguous (None: already in order)."""
+    counts = torch.bincount(g_idx, minlength=k // group)
+    if counts.numel() != k // group or bool((counts != group).any()):
+        return "g_idx does not assign exactly group_size columns to every group"
+    perm = torch.argsort(g_idx, stable=True)
+    return None if bool((perm == torch.arange(k)).all()) else perm
+
+
+class Int4PackLinear(nn.Module):
+    """A linear whose weight is 4-bit codes in PyTorch's CPU int4pack layout (see module doc)."""
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+    perm: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
+                 out_features: int, perm: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.register_buffer("packed", packed)  # uint8 [N, K/2]
+        self.register_buffer("scale_zeros", scale_zeros)  # bf16 [K/group, N, 2]
+        self.register_buffer("perm", perm)  # int64 [K] or None
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None) -> "Int4PackLinear | str":
+        args = qw.args
+        n, k = qw.q.shape
+        if args.type != "int" or args.num_bits > 4:
+            return f"int4pack holds integer codes of at most 4 bits, not {args.describe()}"
+        if n % 16:
+            return f"int4pack needs a multiple of 16 output channels, got {n}"
+        stored_group = args.group_size if args.strategy == "group" else None
+        group = _kernel_group(k, stored_group)
+        if group is None:
+            return f"no int4pack group size (32/64/128/256) fits {args.describe()} over {k} input features"
+        codes, scale, zp = qw.q, qw.scale.float(), qw.zero_point
+        perm = None
+        if qw.g_idx is not None and stored_group is not None:
+            got = _act_order_perm(qw.g_idx.long(), stored_group, k)
+            if isinstance(got, str):
+                return got
+            perm = got
+        elif qw.g_idx is not None:
+            return "g_idx without group quantization"
+        if perm is not None:
+            codes = codes[:, perm]
+        groups = k // group
+        scale = scale.reshape(n if scale.numel() > 1 else 1, -1).expand(n, -1)
+        scale = scale.repeat_interleave(groups // scale.shape[1], dim=1)  # [N, K/group]
+        zero = torch.zeros_like(scale)
+        if zp is not None:
+            zpf = zp.float().reshape(n if zp.numel() > 1 else 1, -1).expand(n, -1)
+            zero = -zpf.repeat_interleave(groups // zpf.shape[1], dim=1) * scale
+        unsigned = (codes.to(torch.int32) + 8).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+        scale_zeros = torch.stack([scale.t(), zero.t()], -1).to(COMPUTE_DTYPE).contiguous()
+        return cls(packed, scale_zeros, group, k, n, perm,
+                   None if bias is None else bias.to(COMPUTE_DTYPE))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The bf16 weight [N, K] in the input order of the stored checkpoint."""
+        w = self._blocked_weight().permute(1, 0, 2).reshape(self.in_features, self.out_features).t()
+        if self.perm is not None:
+            w = w[:, torch.argsort(self.perm)]
+        return w.contiguous()
+
+    def _blocked_weight(self) -> torch.Tensor:
+        """bf16 [N/64, K, 64] from the packed codes: block b, column j holds channel 64 b + j."""
+        n, k, g = self.out_features, self.in_features, self.group
+        half = INT4_BLOCK_N // 2
+        codes = F.embedding(self.packed.view(n // INT4_BLOCK_N, k, half).int(), _LUT)  # [N/64, K, 32, 2]
+        codes = codes.transpose(-1, -2).reshape(n // INT4_BLOCK_N, k // g, g, INT4_BLOCK_N)
+        sz = self.scale_zeros.view(k // g, n // INT4_BLOCK_N, INT4_BLOCK_N, 2).permute(1, 0, 2, 3)
+        w = torch.addcmul(sz[..., 1].unsqueeze(2), codes, sz[..., 0].unsqueeze(2))
+        return w.reshape(n // INT4_BLOCK_N, k, INT4_BLOCK_N)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        x2 = x2.to(COMPUTE_DTYPE)
+        if _dequantize_first(x2) and self.out_features % INT4_BLOCK_N == 0:
+            y = torch.matmul(x2, self._blocked_weight()).transpose(0, 1).reshape(-1, self.out_features)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,
+                                                           self.scale_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(dtype).reshape(*shape, self.out_features)
+
+    def extra_repr(self) -> str:
+        act = ", act-order" if self.perm is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, int4pack g{self.group}{act}"
+
+
+class Int8PackLinear(nn.Module):
+    """A linear whose weight is int8 codes with one scale per output channel (see module doc)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_scaled: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero_scaled: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes)  # int8 [N, K]
+        self.register_buffer("scale", scale)  # bf16 [N]
+        self.register_buffer("zero_scaled", zero_scaled)  # fp32 [N]: zp * s, or None
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None) -> "Int8PackLinear | str":
+        args = qw.args
+        n = qw.q.shape[0]
+        if args.type != "int" or args.strategy not in ("channel", "tensor"):
+            return f"int8pack takes one scale per output channel, not {args.describe()}"
+        if qw.g_idx is not None:
+            return "g_idx without group quantization"
+        scale = qw.scale.float().reshape(-1).expand(n)
+        zero_scaled = None
+        if qw.zero_point is not None:
+            zero_scaled = (qw.zero_point.float().reshape(-1).expand(n) * scale).contiguous()
+        return cls(qw.q.to(torch.int8).contiguous(), scale.to(COMPUTE_DTYPE).contiguous(), zero_scaled,
+                   None if bias is None else bias.to(COMPUTE_DTYPE))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w = self.codes.float() * self.scale.float()[:, None]
+        if self.zero_scaled is not None:
+            w = w - self.zero_scaled[:, None]
+        return w.to(COMPUTE_DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        if _dequantize_first(x2):
+            y = F.linear(x2, self.codes.to(COMPUTE_DTYPE) * self.scale[:, None])
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.codes, self.scale)
+        if self.zero_scaled is not None:
+            y = (y.float() - x2.float().sum(-1, keepdim=True) * self.zero_scaled).to(COMPUTE_DTYPE)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(dtype).reshape(*shape, self.out_features)
+
+    def extra_repr(self) -> str:
+        zp = ", zero points" if self.zero_scaled is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, int8pack per-channel{zp}"
+
+
+def packed_linear(qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module | str:
+    """The packed CPU module of a weight-only integer linear, or why its codes fit no kernel."""
+    if qw.args.type != "int":
+        return f"{qw.args.describe()} weights have no packed weight-only CPU kernel"
+    if qw.args.num_bits <= 4:
+        return Int4PackLinear.from_quantized(qw, bias)
+    return Int8PackLinear.from_quantized(qw, bias)

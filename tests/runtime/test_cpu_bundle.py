@@ -1,0 +1,140 @@
+"""`lmfoundry compile --arch cpu`: the engine's CPU step compiled ahead of time (AOTInductor).
+
+One tiny W4A16 checkpoint is compiled once per module (about half a minute on 2 cores). The bundle
+serves the checkpoint's greedy tokens with no Inductor compile at load or run time, every file is
+verified, a bundle for another ISA serves the packed eager model, and compile refuses a
+checkpoint whose files do not match its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import tiny_model_folder, write_text
+from lmfoundry.cli import main
+from lmfoundry.compile.loader import EngineIntegrityError
+from lmfoundry.errors import UserError
+from lmfoundry.runtime import cpu_isa
+from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from lmfoundry.runtime.loader import load_model
+
+pytestmark = pytest.mark.skipif(not cpu_isa.native_bf16(), reason="--arch cpu compiles the bf16 step")
+
+PROMPTS = [[1, 5, 9, 200, 17], [1, 3] * 7, [1, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+
+
+class Built:
+    def __init__(self, root: Path) -> None:
+        model = tiny_model_folder(root / "tiny", "llama")
+        self.checkpoint = root / "w4a16"
+        main(["quantize", str(model), "-o", str(self.checkpoint), "--quiet", "--method", "rtn", "--scheme", "w4a16",
+              "--group-size", "32", "--num-samples", "2", "--seq-len", "32", "--calib", str(write_text(root / "c.txt"))])
+        self.engine = root / "engine"
+        main(["compile", str(self.checkpoint), "--arch", "cpu", "-o", str(self.engine), "--max-tokens", "64"])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Built:
+    return Built(tmp_path_factory.mktemp("cpu-bundle"))
+
+
+def greedy(model, tokenizer, max_tokens: int = 16, **cfg) -> list[list[int]]:
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, **cfg))
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_bundle_serves_the_checkpoints_tokens_without_compiling(built: Built, monkeypatch) -> None:
+    import torch._inductor.compile_fx as compile_fx
+
+    compiles = []
+    real = compile_fx.compile_fx
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    manifest = json.loads((built.engine / "engine.json").read_text())
+    assert manifest["target"] == "cpu" and manifest["cpu"]["isa"] == cpu_isa.isa()
+    assert (built.engine / manifest["cpu"]["step"]["path"]).is_file()
+    model, tok = load_model(built.engine, dtype=torch.bfloat16)
+    assert model.compiled_step is not None
+    engine = LLMEngine(model, tok, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
+    got = [o.outputs[0].token_ids for o in engine.generate(
+        PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    checkpoint, _ = load_model(built.checkpoint, dtype=torch.bfloat16)
+    assert got == greedy(checkpoint, tok)
+    assert engine.runner.executor.compiled_steps > 0  # the package ran: prefill chunks and decodes
+    assert compiles == []
+
+
+def test_the_compiled_step_equals_the_eager_step_within_bf16(built: Built) -> None:
+    """Hidden states of one mixed step (a prefill chunk and decodes) through the package and the
+    eager packed model: the same bf16 operations in another order (fused loops, AMX tiles)."""
+    model, _ = load_model(built.engine, dtype=torch.bfloat16)
+    step = model.compiled_step
+    del model.compiled_step
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (12,))
+    positions = torch.arange(12)
+
+    class NoCache:  # attention over this step's own tokens only (a whole prompt)
+        def attend(self, layer, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                enable_gqa=True).transpose(0, 1)
+
+    compiled = step(ids, positions, NoCache()).float()
+    eager = model.hidden_states(ids, positions, NoCache()).float()
+    assert compiled.shape == eager.shape == (12, model.config.hidden_size)
+    assert torch.isfinite(compiled).all()
+    # bf16 rounding of each of the ~7 ops per layer's outputs, relative to the activations' size
+    layers = model.config.num_layers
+    assert ((compiled - eager).norm() / eager.norm()) < 8 * layers * 2.0**-8
+
+
+def test_a_modified_step_is_refused(built: Built, tmp_path: Path) -> None:
+    copy = tmp_path / "engine"
+    shutil.copytree(built.engine, copy)
+    manifest = json.loads((copy / "engine.json").read_text())
+    step = copy / manifest["cpu"]["step"]["path"]
+    data = bytearray(step.read_bytes())
+    data[len(data) // 2] ^= 1
+    step.write_bytes(bytes(data))
+    with pytest.raises(EngineIntegrityError, match="sha256"):
+        load_model(copy)
+
+
+def test_another_isa_serves_the_packed_eager_model(built: Built, monkeypatch, caplog) -> None:
+    other = "avx2" if cpu_isa.isa() != "avx2" else "avx512"
+    monkeypatch.setattr(cpu_isa, "isa", lambda: other)
+    with caplog.at_level(logging.WARNING, logger="lmfoundry.runtime"):
+        model, tok = load_model(built.engine, dtype=torch.bfloat16)
+    assert getattr(model, "compiled_step", None) is None
+    assert any(f"this one is {other}" in r.getMessage() for r in caplog.records)
+    checkpoint, _ = load_model(built.checkpoint, dtype=torch.bfloat16)
+    assert greedy(model, tok) == greedy(checkpoint, tok)
+
+
+def test_compile_refuses_a_checkpoint_that_does_not_match_its_manifest(built: Built, tmp_path: Path) -> None:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(built.checkpoint, copy)
+    shard = next(copy.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    from lmfoundry.runtime.cpu_bundle import build_cpu_engine
+
+    with pytest.raises(UserError, match=f"{shard.name}: sha256 mismatch"):
+        build_cpu_engine(copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cpu_and_gpu_archs_are_separate_builds(built: Built, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["compile", str(built.checkpoint), "--arch", "cpu", "--arch", "hopper", "-o", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "separately" in err[0]
+    assert not (tmp_path / "x").exists()
