@@ -121,8 +121,9 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def measure(peer: str, target: str, args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
-    """Start one server, run each level, stop it."""
+def measure(peer: str, target: str, args: argparse.Namespace, levels: list[int], requests: int | None = None,
+            max_tokens: int | None = None) -> dict[str, Any]:
+    """Start one server, run each level (`requests` of `max_tokens`, default the CLI's), stop it."""
     from lmfoundry.runtime.server.loadgen import run_bench
 
     port = free_port()
@@ -140,8 +141,8 @@ def measure(peer: str, target: str, args: argparse.Namespace, levels: list[int])
         asyncio.run(run_bench(url, [1], 4, args.prefix_words, 2, model="model", warmup=1))  # warm-up
         for c in levels:
             cpu0, w0 = tree_cpu_seconds(ps), time.monotonic()
-            res = asyncio.run(run_bench(url, [c], args.max_tokens, args.prefix_words, args.requests, model="model",
-                                        warmup=0))
+            res = asyncio.run(run_bench(url, [c], max_tokens or args.max_tokens, args.prefix_words,
+                                        requests or args.requests, model="model", warmup=0))
             wall, cpu = time.monotonic() - w0, tree_cpu_seconds(ps) - cpu0
             level = res["levels"][0]
             level.update(cpu_seconds=round(cpu, 2), wall_s=round(wall, 2), cores_used=round(cpu / wall, 2))
@@ -154,6 +155,35 @@ def measure(peer: str, target: str, args: argparse.Namespace, levels: list[int])
         stop(proc)
         log.close()
     return out
+
+
+ENGINE_SCRIPT = """
+import json, sys, time, torch
+from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from lmfoundry.runtime.loader import load_model
+target, threads, tokens, levels = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+torch.set_num_threads(threads)
+model, tok = load_model(target, dtype=torch.bfloat16)
+engine = LLMEngine(model, tok, EngineConfig(kv_cache_memory_gb=0.5, max_num_batched_tokens=512))
+prompt = "The history of the city, told by its oldest inhabitants, begins with"
+engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))
+out = {}
+for c in levels:
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.generate([f"{prompt} {i}" for i in range(c)], [params] * c)
+    out[c] = c * tokens / (time.perf_counter() - t0)
+print(json.dumps(out))
+"""
+
+
+def engine_tok_s(target: str, args: argparse.Namespace) -> dict[int, float]:
+    """Output tok/s of the engine itself (no HTTP), in a fresh process with the server's threads:
+    prompt prefill plus greedy decode of --max-tokens per sequence, c sequences at once."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, target, str(args.threads), str(args.max_tokens),
+                          json.dumps(args.levels)], capture_output=True, text=True, env=env, check=True)
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
 def weight_bytes(target: str) -> int | None:
@@ -185,7 +215,7 @@ def summarize(runs: list[dict[str, Any]], levels: list[int]) -> dict[str, dict[i
 
 
 def markdown(meta: dict[str, Any], table: dict[str, dict[int, dict[str, Any]]], wbytes: dict[str, int | None],
-             big: dict[str, Any] | None, levels: list[int]) -> str:
+             big: dict[str, Any] | None, levels: list[int], engine: dict[str, list[dict[int, float]]]) -> str:
     base = table.get("float-bf16", {})
     lines = [f"# CPU runtime: quantized artifacts vs float ({meta['date']})", "",
              f"Machine: {meta['machine']}; {meta['threads']} threads per server; {meta['rounds']} interleaved "
@@ -206,6 +236,18 @@ def markdown(meta: dict[str, Any], table: dict[str, dict[int, dict[str, Any]]], 
             lines.append(f"| {peer} | {c} | {mean:.1f} ({', '.join(f'{x:.1f}' for x in r['tok_s'])}) | {ratio:.2f} | "
                          f"{statistics.mean(r['ttft']) * 1000:.0f} | {statistics.mean(r['itl']) * 1000:.1f} | "
                          f"{statistics.mean(r['cores']):.2f} | {max(r['rss']) / 2**20:.0f} | {wcol} |")
+    if engine:
+        base_e = engine.get("float-bf16")
+        lines += ["", "The engine alone (`LLMEngine.generate` in one process, no HTTP; same artifacts and threads), "
+                      "output tok/s, mean of the rounds (x float-bf16):", "",
+                  "| artifact | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+        for peer, rounds in engine.items():
+            cells = []
+            for c in levels:
+                v = statistics.mean(r[c] for r in rounds)
+                ratio = v / statistics.mean(r[c] for r in base_e) if base_e else float("nan")
+                cells.append(f"{v:.1f} ({ratio:.2f})")
+            lines.append(f"| {peer} | " + " | ".join(cells) + " |")
     if big is not None:
         lv = big["levels"][0]
         lines += ["", f"Large model: `{big['target']}` served at c=1: {lv['output_tokens_per_s']:.2f} tok/s, "
@@ -226,6 +268,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per server (default: cores)")
     ap.add_argument("--peers", default="float-bf16,w4a16,w8a16,w8a8,bundle,llama.cpp")
     ap.add_argument("--llama-cpp-python", default=None, help="python of a venv with xllamacpp (enables llama.cpp)")
+    ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine section")
+    ap.add_argument("--no-servers", action="store_true", help="only the in-process engine section")
     ap.add_argument("--big", default=None, help="a large W4A16 checkpoint to serve at c=1 (RSS and tok/s)")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=None, help="write the table (.md) and the raw runs (.json) here")
@@ -239,24 +283,32 @@ def main() -> None:
             "prefix_words": args.prefix_words, "loadavg_before": loadavg()}
     wbytes = {p: weight_bytes(paths[p]) for p in peers if p != "llama.cpp"}
     runs = []
-    for r in range(args.rounds):
+    for r in range(0 if args.no_servers else args.rounds):
         print(f"== round {r + 1}", flush=True)
         for peer in peers:
             runs.append(measure(peer, paths[peer], args, args.levels))
+    engine: dict[str, list[dict[int, float]]] = {}
+    if not args.no_engine:
+        for r in range(args.rounds):
+            print(f"== engine in-process, round {r + 1}", flush=True)
+            for peer in peers:
+                if peer != "llama.cpp":
+                    engine.setdefault(peer, []).append(engine_tok_s(paths[peer], args))
+                    print(f"   {peer:<10} {engine[peer][-1]}", flush=True)
     big = None
     if args.big:
         print("== large model", flush=True)
-        big = measure("big", args.big, args, [1])
+        big = measure("big", args.big, args, [1], requests=3, max_tokens=32)
         big["weight_bytes"] = weight_bytes(args.big)
     meta["loadavg_after"] = loadavg()
     table = summarize(runs, args.levels)
-    text = markdown(meta, table, wbytes, big, args.levels)
+    text = markdown(meta, table, wbytes, big, args.levels, engine)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".md").write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs, "weight_bytes": wbytes,
-                                                             "big": big}, indent=1) + "\n")
+                                                             "engine": engine, "big": big}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -244,6 +244,9 @@ def tokenize_stream(docs: list[str], tokenizer: Any) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+MAX_PASSES = 8  # calibration tokens drawn per token of text, at most
+
+
 def load_calibration(
     spec: str | None, tokenizer: Any, num_samples: int, seq_len: int, seed: int
 ) -> CalibrationSet:
@@ -256,6 +259,12 @@ def load_calibration(
     stream = tokenize_stream(src.docs, tokenizer)
     if stream.numel() < seq_len + 1:
         raise UserError(f"{src.path}: only {stream.numel()} tokens, fewer than --seq-len {seq_len}")
+    # windows are drawn at random offsets and may overlap, but past a few passes over the text
+    # more samples only repeat it (and 1e9 of them would exhaust memory before any message)
+    if num_samples * seq_len > MAX_PASSES * stream.numel():
+        raise UserError(f"--num-samples {num_samples} x --seq-len {seq_len} = {num_samples * seq_len} tokens, more "
+                        f"than {MAX_PASSES} passes over the {stream.numel()} tokens of {src.path}; use at most "
+                        f"{MAX_PASSES * stream.numel() // seq_len} samples or a larger --calib text")
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - seq_len + 1, (num_samples,), generator=gen)
     windows = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])

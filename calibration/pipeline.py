@@ -29,7 +29,7 @@ from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, checkpoint_
 from lmfoundry.distributed import ranks
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
-from lmfoundry.quantizers.qmath import check_group_size
+from lmfoundry.quantizers.qmath import all_finite, check_group_size
 from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.reference import DecoderLayer, ExpertCalibration, RotaryEmbedding, SparseMoE, embed as embed_rows
@@ -105,6 +105,14 @@ def check_plan(plan: QuantizationPlan, config: ModelConfig) -> None:
                 raise UserError(f"{config.model_type} stores q/k/v and gate/up fused, which holds one weight scale "
                                 f"per tensor and one g_idx: use per-channel or group weights without dynamic "
                                 f"act-order (got {w.describe()})")
+    names = [f"model.layers.{i}.{local}" for i in range(config.num_layers) for local in config.linear_shapes]
+    unmatched = plan.unmatched(names + ["lm_head"])
+    if unmatched:
+        raise UserError(f"target {unmatched[0]!r} matches no linear of this {config.model_type} model "
+                        f"(its linears are named like model.layers.0.{next(iter(config.linear_shapes))}); "
+                        "nothing would be quantized by it")
+    if not any(plan.scheme_for(n) is not None for n in names):
+        raise UserError("the targets and ignore list leave no linear of the model to quantize")
     for local, (_, in_features) in config.linear_shapes.items():
         for i in range(config.num_layers):
             scheme = plan.scheme_for(f"model.layers.{i}.{local}")
@@ -122,6 +130,28 @@ def check_plan(plan: QuantizationPlan, config: ModelConfig) -> None:
             break
 
 
+def check_tensors_match_config(reader: CheckpointReader, config: ModelConfig) -> None:
+    """The layer count and the embedding's shape that config.json declares are the tensors'
+    (read from the safetensors headers, nothing loaded): a wrong num_hidden_layers or vocab_size
+    would otherwise quantize part of a model, or fail inside a layer."""
+    from lmfoundry.tensor_files import read_safetensors_header
+
+    n = config.num_layers
+    if not any(k.startswith(f"model.layers.{n - 1}.") for k in reader.index):
+        present = sorted({int(k.split(".")[2]) for k in reader.index if k.startswith("model.layers.")})
+        raise UserError(f"{reader.folder}: config.json declares num_hidden_layers {n} but the checkpoint holds "
+                        f"{len(present)} decoder layer(s)")
+    if any(k.startswith(f"model.layers.{n}.") for k in reader.index):
+        raise UserError(f"{reader.folder}: the checkpoint holds more than the {n} decoder layers config.json declares")
+    name = "model.embed_tokens.weight"
+    if name in reader.index and name not in reader.virtual and name not in reader.stored:
+        shape = read_safetensors_header(reader.index[name])[name]["shape"]
+        want = [config.vocab_size, config.hidden_size]
+        if list(shape) != want:
+            raise UserError(f"{reader.folder}: {name} has shape {list(shape)}, but config.json's vocab_size and "
+                            f"hidden_size imply {want}")
+
+
 def load_layer(reader: CheckpointReader, config: ModelConfig, idx: int, dtype: torch.dtype,
                device: torch.device | None = None, experts: ExpertCalibration = "all") -> DecoderLayer:
     """Build decoder layer `idx` with its weights on `device` (moved in the stored dtype, then
@@ -129,8 +159,22 @@ def load_layer(reader: CheckpointReader, config: ModelConfig, idx: int, dtype: t
     runs its experts on the calibration tokens as `experts` says (`SparseMoE.calibrate_experts`)."""
     with torch.device("meta"):
         layer = DecoderLayer(config, idx)
-    state = {k: v.to(device).to(dtype) for k, v in reader.prefixed(f"model.layers.{idx}").items()}
-    missing = set(layer.state_dict()) - set(state)
+    expected = layer.state_dict()
+    stored = reader.prefixed(f"model.layers.{idx}")
+    for k, v in stored.items():  # what the config implies, before any arithmetic on it
+        name = f"model.layers.{idx}.{k}"
+        if k in expected and tuple(v.shape) != tuple(expected[k].shape):
+            raise UserError(f"{reader.folder}: {name} is stored with shape {list(v.shape)}, but config.json implies "
+                            f"{list(expected[k].shape)}")
+        if k in expected and not v.is_floating_point():
+            raise UserError(f"{reader.folder}: {name} is stored as {str(v.dtype).removeprefix('torch.')}, not a "
+                            "float type; a float model is expected here")
+        if v.is_floating_point() and not all_finite(v):
+            bad = int((~torch.isfinite(v)).sum())
+            raise UserError(f"{reader.folder}: {name} holds {bad} non-finite value(s) (inf or NaN); refusing to "
+                            "quantize it (its scales would be inf or NaN)")
+    state = {k: v.to(device).to(dtype) for k, v in stored.items()}
+    missing = set(expected) - set(state)
     if missing:
         raise UserError(f"{reader.folder}: layer {idx} lacks {sorted(missing)[:3]}")
     layer.load_state_dict(state, assign=True, strict=False)

@@ -28,6 +28,7 @@ from lmfoundry.compile.checkpoint import Checkpoint, load_checkpoint
 from lmfoundry.compile.plan import Plan, make_plan
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, COMPILE_ARCH_NAMES, SM_NAME
+from lmfoundry.manifest import verify_artifact
 
 ENGINE_FORMAT = "lmfoundry-engine/1"
 WEIGHT_MODES = ("link", "copy", "repack")
@@ -195,6 +196,8 @@ def build_engine(
     src = Path(checkpoint)
     final = Path(output) if output is not None else default_output(src)
     _check_output(final, src)  # before any work; nothing is created until the checks below pass
+    if src.is_dir():
+        verify_artifact(src, "compile")  # before any tensor is read: the bundle records what it reads as good
     ck = load_checkpoint(src, dtype)
     plan = make_plan(ck, caps, block_size)
     if tune:

@@ -419,6 +419,39 @@ class KernelSet:
         return sorted(set(super().__dir__()) | set(self.OPS))
 
 
+def bundle_problems(path: str | Path, manifest: dict[str, Any]) -> list[str]:
+    """Every way the bundle's files differ from engine.json (empty: verified), for `inspect`:
+    each kernel file, each weights file (listed, present, hash, nothing unlisted) and an
+    `--arch cpu` bundle's compiled step. The loaders stop at the first of these."""
+    from lmfoundry.compile.bundle import sha256_file
+    from lmfoundry.manifest import contained_file
+
+    engine = Path(path)
+    problems = []
+    files = [(rel, digest) for e in manifest["kernels"] for ext, rel in e["files"].items()
+             for digest in [e["sha256"].get(ext)]]
+    step = manifest.get("cpu", {}).get("step")
+    if isinstance(step, dict):
+        files.append((step["path"], step["sha256"]))
+    listed = manifest["weights"]["files"]
+    files += [(f"weights/{name}", entry.get("sha256")) for name, entry in sorted(listed.items())]
+    for rel, digest in files:
+        try:
+            f = contained_file(engine, rel)
+        except UserError as exc:
+            problems.append(str(exc))
+            continue
+        if digest is None or sha256_file(f) != digest:
+            problems.append(f"{rel}: sha256 mismatch" if digest else f"{rel}: no sha256 recorded")
+    weights = engine / "weights"
+    if weights.is_dir():
+        problems += [f"weights/{p.name}: not listed in engine.json" for p in sorted(weights.iterdir())
+                     if p.name not in listed]
+    else:
+        problems.append("weights/: missing")
+    return problems
+
+
 def verify_weights(path: str | Path, manifest: dict[str, Any]) -> None:
     """Raise EngineIntegrityError unless the bundle's weights folder holds exactly the files
     engine.json lists, each hashing to its recorded sha256 (config.json included). A file that

@@ -199,11 +199,10 @@ def load_gate(spec: str | None = None) -> GateSpec:
     path = resolve_gate_path(spec)
     if path.stat().st_size > MAX_GATE_BYTES:
         raise UserError(f"{path}: {path.stat().st_size} bytes is too large for a gate file")
+    from lmfoundry.recipe import load_yaml
+
     raw_bytes = path.read_bytes()
-    try:
-        data = yaml.safe_load(raw_bytes) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: invalid YAML ({str(exc).splitlines()[0]})") from None
+    data = load_yaml(raw_bytes, path) or {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: a gate file is a mapping")
     if "gate" in data and "tiers" not in data:  # a recipe: its gate section overlays the default

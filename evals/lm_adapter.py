@@ -1,7 +1,9 @@
 """lm-eval model class backed by lmfoundry's runtime: the gate scores the code that serves.
 
-`RuntimeLM` is registered with lm-eval as `lmfoundry` (`lm_eval --model lmfoundry --model_args
-pretrained=out/`). Scoring (`loglikelihood`, `loglikelihood_rolling`) runs the reference
+`RuntimeLM` is registered with lm-eval as `lmfoundry` when this module is imported. lm-eval has
+no plugin mechanism for models, so its stock CLI cannot find it by itself: `lmfoundry eval harness
+--model lmfoundry --model_args pretrained=out/ --tasks ...` imports it and runs lm-eval's own CLI
+with the rest of the arguments. Scoring (`loglikelihood`, `loglikelihood_rolling`) runs the reference
 `CausalLM` forward directly: the module the loader builds, with its quantized linears swapped in,
 is exactly what the serving engine calls, and one batched forward per group of requests is exact
 (no KV cache involved) and fast on CPU. Generation (`generate_until`) goes through the serving
@@ -113,6 +115,18 @@ class PrefixCache:
         return out.transpose(1, 2)
 
 
+def _available_device(device: str | None) -> str:
+    """lm-eval's --device (it defaults to cuda) where it exists, else the CPU with a warning."""
+    if device in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        import logging
+
+        logging.getLogger("lmfoundry.evals").warning("--device %s: no CUDA GPU here; evaluating on the CPU", device)
+        return "cpu"
+    return str(device)
+
+
 @register_model("lmfoundry")
 class RuntimeLM(TemplateLM):
     """lm-eval `LM` over an lmfoundry `CausalLM` (float or quantized) and its tokenizer."""
@@ -127,16 +141,19 @@ class RuntimeLM(TemplateLM):
         max_length: int | None = None,
         max_gen_toks: int = 256,
         engine_config: Any = None,
-        device: str = "cpu",
+        device: str | None = None,
+        dtype: str = "auto",
         **_: Any,
     ) -> None:
         super().__init__()
         if model is None:
             if pretrained is None:
                 raise UserError("the lmfoundry lm-eval model needs `pretrained=` (a folder, GGUF or built-in name)")
-            from lmfoundry.runtime.loader import load_model
+            from lmfoundry.runtime.loader import load_model, resolve_dtype
 
-            model, tokenizer = load_model(pretrained, device=device)
+            device = _available_device(device)
+            model, tokenizer = load_model(pretrained, dtype=resolve_dtype(str(dtype), pretrained, device),
+                                          device=device)
         if tokenizer is None:
             raise UserError("the lmfoundry lm-eval model needs a tokenizer")
         from lmfoundry.runtime.engine.kernel_model import KernelModel

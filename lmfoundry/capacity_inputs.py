@@ -255,17 +255,18 @@ def load_bench(path: str, concurrency: int | None) -> tuple[float, str]:
 
 
 def parse_group_size(value: str | None) -> int | None:
-    """--group-size: a positive integer, or 'channel' (also 0 / -1) for per-channel scales."""
+    """--group-size: a positive integer, or 'channel' (also -1, GPTQ's spelling) for per-channel
+    scales. 0 is refused: it reads as a group of zero columns, and `quantize` has no such size."""
     if value is None:
         return None
     text = value.strip().lower()
-    if text in ("channel", "0", "-1"):
+    if text in ("channel", "-1"):
         return 0
     try:
         group = int(text)
     except ValueError:
         raise UserError(f"--group-size must be a positive integer or 'channel', got {value!r}") from None
-    if group < 0:
+    if group <= 0:
         raise UserError(f"--group-size must be a positive integer or 'channel', got {value!r}")
     return group
 

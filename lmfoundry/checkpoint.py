@@ -10,6 +10,7 @@ turns the stored tensors of one linear back into a `QuantizedWeight` (or a float
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -103,7 +104,15 @@ class CheckpointWriter:
 
     def write_shard(self, filename: str, tensors: dict[str, torch.Tensor]) -> None:
         tensors = {k: v.contiguous() for k, v in tensors.items()}
-        save_file(tensors, str(self.tmp / filename), metadata={"format": "pt"})
+        try:
+            save_file(tensors, str(self.tmp / filename), metadata={"format": "pt"})
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            need = sum(t.numel() * t.element_size() for t in tensors.values())
+            raise UserError(f"{self.tmp / filename}: no space left on the device writing {need / 2**20:.1f} MiB "
+                            f"of {self.out_dir.name} ({self.total_bytes / 2**20:.1f} MiB written before); nothing "
+                            "was kept") from None
         for k, v in tensors.items():
             self.weight_map[k] = filename
             self.total_bytes += v.numel() * v.element_size()

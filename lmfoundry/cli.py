@@ -8,6 +8,7 @@ file only lists them.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -94,6 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # a verb's writers stage their output and remove the staging folder on the way out
+        where = exc.filename or "the output folder"
+        click.echo(f"error: {where}: no space left on the device ({exc.strerror}); nothing was written — "
+                   "free space there or write elsewhere", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

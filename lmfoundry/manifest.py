@@ -207,6 +207,20 @@ def folder_entries(folder: Path) -> list[tuple[str, bool]]:
     return sorted(out)
 
 
+def verify_artifact(folder: Path, what: str = "load") -> None:
+    """Refuse (UserError naming the first problem) an artifact whose files do not match its
+    manifest, before any of them is read: a stage that consumed tampered weights would pass them
+    on as good (compile would record their hashes). A folder without a manifest (a plain model
+    folder, the built-in model) has nothing to check against and passes."""
+    folder = Path(folder)
+    if not os.path.lexists(folder / MANIFEST):
+        return
+    problems = verify_files(folder, read_manifest(folder))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"{folder}: {problems[0]}{more} against its {MANIFEST}; refusing to {what} it")
+
+
 def verify_files(folder: Path, manifest: dict[str, Any]) -> list[str]:
     """Problems found comparing the folder with the manifest's hashes (empty = verified).
 

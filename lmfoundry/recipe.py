@@ -177,6 +177,35 @@ def resolve_recipe_path(path: str | Path) -> Path:
     raise UserError(f"{path}: no such recipe file or built-in recipe (built-in: {', '.join(builtin_recipes())})")
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases. A recipe or gate never needs them, and a few hundred
+    bytes of nested aliases ("billion laughs") expand to hundreds of MiB once the recipe is
+    written into a manifest as JSON."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise UserError(f"{self.name}: YAML aliases (*name) are not allowed here (line {mark.line + 1}); "
+                            "write the values out")
+        return super().compose_node(parent, index)
+
+
+def load_yaml(raw: bytes | str, where: Path | str) -> Any:
+    """Parse one YAML document from a recipe or gate file: aliases refused, errors one line."""
+    loader = _NoAliasLoader(raw)
+    loader.name = str(where)
+    try:
+        return loader.get_single_data()
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: not UTF-8 text (a recipe is YAML)") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{where}: invalid YAML ({str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise UserError(f"{where}: invalid YAML (nested too deeply)") from None
+    finally:
+        loader.dispose()
+
+
 def load_recipe(path: str | Path | None) -> dict[str, Any]:
     """Defaults, overlaid with the YAML file at `path` (if any); unknown keys are errors."""
     recipe: dict[str, Any] = copy.deepcopy(DEFAULTS)
@@ -185,13 +214,10 @@ def load_recipe(path: str | Path | None) -> dict[str, Any]:
     p = resolve_recipe_path(path)
     raw = read_bounded(p, MAX_RECIPE_BYTES, "recipe")
     try:
-        data = yaml.safe_load(raw.decode("utf-8")) or {}
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise UserError(f"{p}: not UTF-8 text (a recipe is YAML)") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"{p}: invalid YAML ({str(exc).splitlines()[0]})") from None
-    except RecursionError:
-        raise UserError(f"{p}: invalid YAML (nested too deeply)") from None
+    data = load_yaml(text, p) or {}
     if not isinstance(data, dict):
         raise UserError(f"{p}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
     for key, value in data.items():

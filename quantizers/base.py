@@ -256,7 +256,12 @@ def get_quantizer(method: str, options: dict[str, Any] | None = None) -> Quantiz
     if target is None:
         raise UserError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     module_name, cls_name = target.split(":")
-    return getattr(importlib.import_module(module_name), cls_name)(options)
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    try:
+        return cls(options)
+    except (TypeError, ValueError) as exc:  # a constructor only parses its options: float("banana")
+        shown = ", ".join(f"{k}={v!r}" for k, v in (options or {}).items())
+        raise UserError(f"{method}: an option has a value of the wrong type ({shown}): {exc}") from None
 
 
 def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

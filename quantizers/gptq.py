@@ -51,6 +51,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.model.config import input_groups
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
 from lmfoundry.quantizers.observers import weight_observer
+from lmfoundry.quantizers.qmath import all_finite
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
@@ -189,10 +190,6 @@ class InverseHessian:
     damping_frac: float
 
 
-def all_finite(t: torch.Tensor, rows: int = 256) -> bool:
-    """No inf/NaN in `t`, checked `rows` rows at a time: `isfinite(t).all()` on a whole 14336²
-    Hessian allocates about twice its size in temporaries."""
-    return all(bool(torch.isfinite(t[i:i + rows]).all()) for i in range(0, t.shape[0], rows))
 
 
 def upper_cholesky_of_inverse(h_flipped: torch.Tensor, overwrite: bool = False) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ def rtn_quantize_weight(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dty
 class RTNQuantizer(Quantizer):
     name = "rtn"
     needs_calibration = False
+    known_options = ()  # round-to-nearest has no knobs: any --option is a mistake
 
     def quantize_layer(
         self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None, layer_idx: int

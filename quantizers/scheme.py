@@ -9,6 +9,7 @@ read, validated by the compressed-tensors library itself.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -152,6 +153,21 @@ class QuantizationPlan:
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     kv_cache: QuantArgs | None = None
 
+    def __post_init__(self) -> None:
+        """Every "re:" pattern compiles (one line naming it, before any work), and is cached."""
+        for pat in [t for g in self.groups for t in g.targets] + list(self.ignore):
+            if not isinstance(pat, str):
+                raise UserError(f"targets and ignore take strings, got {pat!r}")
+            if pat.startswith("re:"):
+                _regex(pat[3:])
+
+    def unmatched(self, module_names: list[str]) -> list[str]:
+        """The targets (other than the class name "Linear") that name none of `module_names`: a
+        recipe whose target matches nothing would write a checkpoint that declares quantization
+        while nothing was quantized."""
+        return [t for g in self.groups for t in g.targets
+                if t != "Linear" and not any(matches_any(n, (t,)) for n in module_names)]
+
     def scheme_for(self, module_name: str) -> Scheme | None:
         if matches_any(module_name, self.ignore):
             return None
@@ -165,6 +181,14 @@ class QuantizationPlan:
         return formats.pop() if len(formats) == 1 else "mixed-precision"
 
 
+@functools.lru_cache(maxsize=256)
+def _regex(pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise UserError(f"target 're:{pattern}' is not a valid regular expression ({exc})") from None
+
+
 def matches_any(module_name: str, patterns: tuple[str, ...] | list[str], is_linear: bool = True) -> bool:
     """compressed-tensors target semantics: a class name ("Linear"), "re:REGEX" (re.match on the
     full module name), or an exact module name / name suffix."""
@@ -173,7 +197,7 @@ def matches_any(module_name: str, patterns: tuple[str, ...] | list[str], is_line
             if is_linear:
                 return True
         elif pat.startswith("re:"):
-            if re.match(pat[3:], module_name):
+            if _regex(pat[3:]).match(module_name):
                 return True
         elif module_name == pat or module_name.endswith("." + pat):
             return True

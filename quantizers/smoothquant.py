@@ -139,6 +139,16 @@ class SmoothQuantQuantizer(Quantizer):
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
         o = self.options
+        self.weight_method = str(o.get("weight_method", "rtn"))
+        if self.weight_method not in ("rtn", "gptq"):
+            raise UserError(f"smoothquant weight_method must be rtn or gptq, got {self.weight_method!r}")
+        from lmfoundry.quantizers.gptq import GPTQQuantizer
+
+        known = set(OWN_OPTIONS) | (set(GPTQQuantizer.known_options or ()) if self.weight_method == "gptq" else set())
+        unknown = set(o) - known
+        if unknown:
+            raise UserError(f"smoothquant: unknown option(s) {', '.join(sorted(unknown))}; known: "
+                            f"{', '.join(sorted(known))}")
         self.alpha = float(o.get("alpha", 0.5))
         if not 0.0 <= self.alpha <= 1.0:
             raise UserError(f"smoothquant alpha must be in [0, 1], got {self.alpha}")
@@ -146,10 +156,7 @@ class SmoothQuantQuantizer(Quantizer):
         self.alpha_grid = [float(a) for a in o.get("alpha_grid", [i / 10 for i in range(11)])]
         self.smooth_vo = bool(o.get("smooth_vo", True))
         self.smooth_down = bool(o.get("smooth_down", True))
-        self.weight_method = str(o.get("weight_method", "rtn"))
         self.rows_per_batch = int(o.get("search_rows_per_batch", 64))
-        if self.weight_method not in ("rtn", "gptq"):
-            raise UserError(f"smoothquant weight_method must be rtn or gptq, got {self.weight_method!r}")
         self._weight_quantizer: Quantizer | None = None
         self._recorders: dict[str, InputRecorder] = {}
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from lmfoundry.compile.bundle import ENGINE_FORMAT, _check_output, _install, _staging, place_files, sha256_file
 from lmfoundry.errors import UserError
+from lmfoundry.manifest import verify_artifact
 from lmfoundry.model.config import ModelConfig
 
 log = logging.getLogger("lmfoundry.runtime")
@@ -60,19 +61,6 @@ def cpu_refusal(cfg: ModelConfig) -> str | None:
         return (f"{cfg.model_type} attends with soft-capping, its own scale or sliding windows, which the "
                 "compiled step's attention op does not carry; serve the checkpoint folder itself")
     return None
-
-
-def verify_source(folder: Path) -> None:
-    """Refuse a checkpoint whose files do not match its own lmfoundry.json (before any tensor is
-    read): a bundle built from tampered weights would record the tampered hashes as good."""
-    from lmfoundry.manifest import MANIFEST, read_manifest, verify_files
-
-    if not (folder / MANIFEST).is_file():
-        return  # a plain model folder (no manifest to check against)
-    problems = verify_files(folder, read_manifest(folder))
-    if problems:
-        raise UserError(f"{folder}: {problems[0]} against its {MANIFEST}"
-                        f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; refusing to compile it")
 
 
 class _Step(nn.Module):
@@ -132,7 +120,7 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
     if not native_bf16():
         raise UserError("--arch cpu compiles the bfloat16 step, and this CPU has no bf16 arithmetic "
                         "(AVX512-BF16 or AMX); serve the checkpoint folder itself (float32)")
-    verify_source(folder)
+    verify_artifact(folder, "compile")
     target = isa()
     log_line(f"loading {folder} in {DTYPE} (packed weights) for {target}")
     model = load_causal_lm(CheckpointReader(folder), torch.bfloat16)

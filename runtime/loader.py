@@ -25,10 +25,23 @@ from lmfoundry.model.reference import CausalLM, RotaryEmbedding
 log = logging.getLogger("lmfoundry.runtime")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(folder: str | Path) -> Any:
+    """The folder's tokenizer; missing or unreadable tokenizer files are one UserError line
+    (transformers raises anything from OSError to TypeError or a Rust panic's exception)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    folder = Path(folder)
+    if not any((folder / n).is_file() for n in TOKENIZER_FILES):
+        raise UserError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the tokenizer of the "
+                        "model the weights came from into the folder")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - every failure here is a bad tokenizer file, said in one line
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise UserError(f"{folder}: cannot load the tokenizer ({detail})") from None
 
 
 def load_model(
@@ -105,7 +118,7 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
                                   lambda member: shapes[member.split(".", 3)[3]][0])
         reader = InMemoryCheckpoint(weights, reader.config, tensors)
     model = load_causal_lm(reader, dtype or reader.dtype)
-    has_tokenizer = any((weights / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    has_tokenizer = any((weights / n).is_file() for n in TOKENIZER_FILES)
     return model, load_tokenizer(weights) if has_tokenizer else None
 
 
@@ -140,7 +153,7 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
     kernels = load_engine(engine, device, interpret=interpret)
     model = load_kernel_model(engine, kernels, device)
     weights = engine / "weights"
-    has_tokenizer = any((weights / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    has_tokenizer = any((weights / n).is_file() for n in TOKENIZER_FILES)
     return model, load_tokenizer(weights) if has_tokenizer else None
 
 

@@ -249,3 +249,71 @@ def hf_eager(folder: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def run_cli(args: list[str], capsys: Any) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of an in-process CLI run."""
+    from lmfoundry.cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_error(code: int, err: str, *needles: str) -> None:
+    """A user mistake's outcome: non-zero exit, one `error:` line naming `needles`, no traceback."""
+    assert code != 0, err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], err
+
+
+# ---- an offline lm-eval task (multiple choice, JSONL named by absolute path) ------------------------
+QUESTIONS = [
+    ("What color is the sky on a clear day?", ["blue", "green", "red"], 0),
+    ("How many legs does a spider have?", ["six", "eight", "four", "ten"], 1),
+    ("Which planet is closest to the sun?", ["Venus", "Mars", "Mercury"], 2),
+    ("What do bees make?", ["honey", "milk", "silk"], 0),
+    ("What is frozen water called?", ["steam", "ice", "fog", "dew"], 1),
+    ("Which animal barks?", ["cat", "cow", "dog"], 2),
+    ("What is two plus two?", ["four", "five", "three"], 0),
+    ("Where do fish live?", ["trees", "water", "sand"], 1),
+    ("What do plants need to grow?", ["noise", "darkness", "light and water"], 2),
+    ("Which season is the coldest?", ["winter", "summer", "spring", "autumn"], 0),
+    ("What does a thermometer measure?", ["weight", "temperature", "length"], 1),
+    ("Which shape has three sides?", ["square", "circle", "triangle"], 2),
+]
+
+
+def write_task(folder: Path) -> str:
+    """An offline multiple-choice task: a JSONL file and a YAML that names it by absolute path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
+    (folder / "tiny_mc.yaml").write_text(f"""task: lmf_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {json.dumps(str(data.resolve()))}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+doc_to_choice: "{{{{choices}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""")
+    return "lmf_tiny_mc"

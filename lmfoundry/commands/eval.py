@@ -15,6 +15,30 @@ def eval_group() -> None:
     """Evaluate models or checkpoints (perplexity)."""
 
 
+@eval_group.command("harness", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                                 "help_option_names": []})
+@click.argument("lm_eval_args", nargs=-1, type=click.UNPROCESSED)
+def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
+    """Run lm-eval's own CLI with lmfoundry's model registered as `--model lmfoundry`
+    (model_args: pretrained=FOLDER|GGUF|NAME|ENGINE, dtype=auto|bfloat16|float32, add_bos, max_length).
+    Every argument goes to lm-eval unchanged (`lmfoundry eval harness --help` is lm-eval's help).
+
+    \b
+    Example:
+      lmfoundry eval harness --model lmfoundry --model_args pretrained=out/ --tasks arc_easy --limit 100
+    """
+    import os
+    import sys
+
+    import lmfoundry.evals.lm_adapter  # noqa: F401 - registers the model with lm-eval
+    from lm_eval.__main__ import cli_evaluate
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub here
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    sys.argv = ["lm_eval", *lm_eval_args]
+    cli_evaluate()
+
+
 @eval_group.command("ppl")
 @click.argument("models", nargs=-1, required=True)
 @click.option("--text", default=None, help="Text file, JSONL, datasets folder or built-in name "

@@ -31,9 +31,11 @@ from lmfoundry.runtime.dtypes import DTYPES
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Execution dtype of checkpoints on CPU, the same for both models. auto: bfloat16 where the "
                    "CPU has bf16 arithmetic (quantized weights then stay packed), float32 elsewhere.")
+@click.option("--skip-verify", is_flag=True,
+              help="Do not check each checkpoint's files against the sha256 in its lmfoundry.json first.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
-              no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str) -> None:
+              no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str, skip_verify: bool) -> None:
     """Evaluate CANDIDATE and --baseline on the same documents through the serving runtime's
     model execution (lm-eval tasks + perplexity), decide each gated metric with a paired bootstrap
     interval, and write eval-gate.json, a markdown report and a plot. The verdict and the report's
@@ -44,8 +46,16 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
         import os
 
         os.environ["TQDM_DISABLE"] = "1"
+    from pathlib import Path
+
     from lmfoundry.evals.gate import run_gate
-    from lmfoundry.runtime.loader import check_device
+    from lmfoundry.manifest import verify_artifact
+    from lmfoundry.runtime.loader import check_device, is_engine_bundle
+
+    if not skip_verify:  # before either model is evaluated (a bundle is checked against engine.json at load)
+        for spec in (candidate, baseline):
+            if Path(spec).is_dir() and not is_engine_bundle(spec):
+                verify_artifact(Path(spec), "evaluate")
 
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
                    use_cache=not no_cache, inconclusive_exit=inconclusive_exit,

@@ -30,6 +30,9 @@ def inspect_cmd(folder: str, as_json: bool) -> None:
     path = Path(folder)
     if not path.is_dir():
         raise UserError(f"{folder}: no such folder")
+    if (path / "engine.json").exists() and not (path / "lmfoundry.json").exists():
+        _inspect_engine(path, as_json)
+        return
     manifest = read_manifest(path)
     problems = verify_files(path, manifest)
     summary = _summary(path, manifest)
@@ -43,6 +46,35 @@ def inspect_cmd(folder: str, as_json: bool) -> None:
                 click.echo(f"FAILED {p}", err=True)
         else:
             click.echo(f"{'verified':>22}: {len(recorded_files(manifest))} files match their sha256")
+    if problems:
+        sys.exit(1)
+
+
+def _inspect_engine(path: Path, as_json: bool) -> None:
+    """An engine bundle: what it was built for, and every file against engine.json."""
+    from lmfoundry.compile.loader import bundle_problems, read_manifest
+
+    m = read_manifest(path)
+    problems = bundle_problems(path, m)
+    model = _dict(m, "model")
+    summary: dict[str, Any] = {"engine": str(path), "model": _text(model.get("model_type")),
+                               "dtype": _text(model.get("dtype")), "source": _text(_dict(m, "source").get("path"))}
+    if m.get("target") == "cpu":
+        cpu = _dict(m, "cpu")
+        summary.update(target="cpu", isa=_text(cpu.get("isa")), torch=_text(cpu.get("torch")),
+                       step=_text(_dict(cpu, "step").get("path")), max_tokens=_text(cpu.get("max_tokens")))
+    else:
+        summary.update(target="gpu", archs=", ".join(sorted(_dict(m, "archs"))), kernels=len(m["kernels"]))
+    summary["weights"] = f"{_text(_dict(m, 'weights').get('mode'))}, {len(m['weights']['files'])} files"
+    if as_json:
+        click.echo(json.dumps({**summary, "verified": not problems, "problems": problems}, indent=2))
+    else:
+        for k, v in summary.items():
+            click.echo(f"{k:>22}: {v}")
+        for p in problems:
+            click.echo(f"FAILED {p}", err=True)
+        if not problems:
+            click.echo(f"{'verified':>22}: every file matches engine.json")
     if problems:
         sys.exit(1)
 

@@ -343,7 +343,7 @@ def _quantize_into(model: str, out: Path | None, staging: Path | None, rec: dict
     from lmfoundry.calibration.data import load_calibration
     from lmfoundry.calibration.journal import LayerJournal, run_key
     from lmfoundry.calibration.memory import activations_offload
-    from lmfoundry.calibration.pipeline import check_plan, current_rss_bytes, run_pipeline
+    from lmfoundry.calibration.pipeline import check_plan, check_tensors_match_config, current_rss_bytes, run_pipeline
     from lmfoundry.distributed import ranks
     from lmfoundry.checkpoint import TOKENIZER_FILES, CheckpointReader, CheckpointWriter, quantized_config
     from lmfoundry.manifest import sha256_file, tool_versions
@@ -369,6 +369,7 @@ def _quantize_into(model: str, out: Path | None, staging: Path | None, rec: dict
     if reader.plan is not None:
         raise UserError(f"{folder}: already quantized; quantize a float model")
     config = ModelConfig.from_dict(reader.config)
+    check_tensors_match_config(reader, config)
     if config.is_moe:  # the router stays float, and every loader is told so
         plan.ignore += [p for p in ROUTER_IGNORE if p not in plan.ignore]
     check_plan(plan, config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -56,6 +56,31 @@ def _note_capped_context(engine: LLMEngine, max_model_len: int | None, kv_cache_
         click.echo(f"note: the KV cache (--kv-cache-gb {kv_cache_gb:g}) holds {engine.max_model_len} tokens, "
                    f"less than the model's context of {full}: max model len is capped to {engine.max_model_len}; "
                    f"raise --kv-cache-gb for more", err=True)
+
+
+def _run_server_and_engine(server: Any, async_engine: Any) -> None:
+    """HTTP in a background thread, the engine's steps in this one (see `AsyncLLMEngine`). The
+    first SIGINT/SIGTERM asks uvicorn to stop accepting and drain (in-flight requests keep being
+    stepped until they finish or its graceful timeout ends), a second one forces it."""
+    import signal
+    import threading
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True  # the engine loop sees uvicorn's thread end within a second
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    http.start()
+    try:
+        async_engine.run_here(http.is_alive)
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
+        async_engine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @click.command("serve")
@@ -112,6 +137,9 @@ def _note_capped_context(engine: LLMEngine, max_model_len: int | None, kv_cache_
                    "and then its body (else HTTP 408).")
 @click.option("--timeout-keep-alive", type=float, default=5.0, show_default=True,
               help="Seconds an idle keep-alive connection stays open.")
+@click.option("--skip-verify", is_flag=True,
+              help="Do not check the checkpoint's files against the sha256 in its lmfoundry.json before loading "
+                   "(engine bundles are always checked against engine.json).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
@@ -119,7 +147,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
           kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
           ngram_max: int, threads: int | None, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
-          log_level: str) -> None:
+          skip_verify: bool, log_level: str) -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
@@ -135,6 +163,14 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
     device = check_device(device)
     run_dtype = resolve_dtype(dtype, model, device)
+    if not skip_verify and not is_engine_bundle(model):
+        from pathlib import Path
+
+        from lmfoundry.manifest import verify_artifact
+
+        for spec in (model, draft_model):
+            if spec is not None and Path(spec).is_dir():
+                verify_artifact(Path(spec), "serve")
     if device == "cpu":
         click.echo(cpu_isa.describe(), err=True)
     if block_size is None:
@@ -158,7 +194,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
                                        device=device, draft_model=draft_model)
     _note_capped_context(engine, max_model_len, kv_cache_gb)
     name = served_model_name or os.path.basename(os.path.normpath(model))
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncLLMEngine(engine, start=False)  # stepped in this (the main) thread, below
     app = create_app(async_engine, name, api_key=api_key, aliases=(model,),
                      max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read)
 
@@ -171,9 +207,6 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
     server = Server(uvicorn_config(app, host, port, log_level, read_timeout=timeout_read,
                                    keep_alive=timeout_keep_alive, timeout_graceful_shutdown=5))
-    try:
-        server.run()
-    finally:
-        async_engine.shutdown()
+    _run_server_and_engine(server, async_engine)
     if not server.started:
         raise UserError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")

@@ -103,6 +103,52 @@ def input_groups(names: list[str] | tuple[str, ...]) -> list[tuple[str, ...]]:
     return sorted(groups, key=lambda g: min(order[n] for n in g))
 
 
+# Bounds of the sizes a config.json may declare: far above any released model, low enough that no
+# loop or allocation sized by them (the doctor walks the layers, the loader builds them) runs away.
+SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+               "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+               "head_dim": 1 << 12, "max_position_embeddings": 1 << 24}
+
+
+def _checked_int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """cfg[key] as a positive integer within SIZE_LIMITS, or a one-line UserError naming it (a
+    string, float, bool, zero or negative size would otherwise fail deep inside, or silently)."""
+    if cfg.get(key) is None:
+        if default is None:
+            raise UserError(f"config.json: {key} is missing (a positive integer is required)")
+        return default
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"config.json: {key} must be a positive integer, got {json.dumps(value)[:40]}")
+    if not 1 <= value <= SIZE_LIMITS[key]:
+        raise UserError(f"config.json: {key} must be in [1, {SIZE_LIMITS[key]}], got {value}")
+    return value
+
+
+def _checked_float(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise UserError(f"config.json: {key} must be a number in (0, 1), got {json.dumps(value)[:40]}")
+    return float(value)
+
+
+def _checked_sizes(cfg: dict[str, Any]) -> dict[str, int]:
+    """The model's sizes, each a bounded positive integer, and the divisions attention needs."""
+    out = {k: _checked_int(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                              "num_hidden_layers", "num_attention_heads")}
+    heads, hidden = out["num_attention_heads"], out["hidden_size"]
+    out["num_key_value_heads"] = _checked_int(cfg, "num_key_value_heads", heads)
+    if heads % out["num_key_value_heads"]:
+        raise UserError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                        f"{out['num_key_value_heads']}")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise UserError(f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                        "(and no head_dim is given)")
+    out["head_dim"] = _checked_int(cfg, "head_dim", hidden // heads)
+    out["max_position_embeddings"] = _checked_int(cfg, "max_position_embeddings", 2048)
+    return out
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -163,22 +209,21 @@ class ModelConfig:
             switches = _gemma_switches(cfg)
         if model_type in WINDOWED_ARCHITECTURES:
             switches.update(_window_switches(cfg))
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        sizes = _checked_sizes(cfg)
+        num_heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
         attention_bias = bool(cfg.get("attention_bias", False))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
             model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=sizes["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=sizes["intermediate_size"],
+            num_layers=sizes["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            num_kv_heads=sizes["num_key_value_heads"],
+            head_dim=sizes["head_dim"],
+            rms_norm_eps=_checked_float(cfg, "rms_norm_eps", 1e-6),
+            max_position_embeddings=sizes["max_position_embeddings"],
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama/Mistral/Qwen3 only with attention_bias.
             qkv_bias=model_type == "qwen2" or attention_bias,

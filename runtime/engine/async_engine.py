@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from lmfoundry.runtime.engine.llm_engine import LLMEngine, Prompt
 from lmfoundry.runtime.engine.outputs import StepEvent
@@ -73,7 +73,12 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    """`start=True`: the engine steps in a background thread of its own. `start=False`: the caller
+    gives it a thread with `run_here` — `serve` gives it the main thread, because PyTorch's CPU
+    ops parallelize (OpenMP) well only from the thread whose worker team is already spinning:
+    stepped from a second thread, a 2-thread decode step measured slower than a 1-thread one."""
+
+    def __init__(self, engine: LLMEngine, start: bool = True) -> None:
         self.engine = engine
         cfg = engine.config
         self.capacity = cfg.max_num_seqs + cfg.max_waiting_requests
@@ -83,8 +88,11 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="lmfoundry-engine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._running_here = False
+        if start:
+            self._thread = threading.Thread(target=self._run, name="lmfoundry-engine", daemon=True)
+            self._thread.start()
 
     # ---- caller side ------------------------------------------------------------------------
     @property
@@ -126,13 +134,23 @@ class AsyncLLMEngine:
 
     @property
     def is_alive(self) -> bool:
-        """Whether the engine thread is running (it stops only on shutdown)."""
-        return self._thread.is_alive()
+        """Whether the engine loop is running (it stops only on shutdown)."""
+        return self._thread.is_alive() if self._thread is not None else self._running_here and not self._stop
+
+    def run_here(self, keep_running: Callable[[], bool]) -> None:
+        """Step the engine in the calling thread until `keep_running()` is false (checked between
+        steps and at least once a second while idle) or `shutdown` is called."""
+        self._running_here = True
+        try:
+            self._run(keep_running)
+        finally:
+            self._running_here = False
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     def _post(self, command: tuple) -> None:
         self._commands.put(command)
@@ -169,8 +187,8 @@ class AsyncLLMEngine:
             else:
                 self.engine.abort(cmd[1])
 
-    def _run(self) -> None:
-        while not self._stop:
+    def _run(self, keep_running: Callable[[], bool] = lambda: True) -> None:
+        while not self._stop and keep_running():
             self._apply_commands()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=1.0)

@@ -32,6 +32,9 @@ MAX_LOGPROBS = 20
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit, as torch.Generator takes them
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+# repetition_penalty divides positive logits and multiplies negative ones by it: within [1/100, 100]
+# every finite logit stays finite in float32 (1e-300 passed a "> 0" check and made the row inf)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 def _is_int(value: Any) -> bool:
@@ -119,8 +122,9 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token_id!r}")
         _check_range("presence_penalty", self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
         _check_range("frequency_penalty", self.frequency_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
-        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), "
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_finite(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}] (1: off), "
                              f"got {self.repetition_penalty!r}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
         if not isinstance(self.logit_bias, dict):

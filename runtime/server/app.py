@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from lmfoundry.runtime.engine.async_engine import AsyncLLMEngine, QueueFull, RequestStream
@@ -455,6 +456,17 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def client_gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody is listening; the request was aborted
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown routes (404) and methods (405) in OpenAI's error shape, not FastAPI's {"detail"}."""
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        error = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                         code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+        response = await api_error(request, error)
+        if exc.headers:  # 405's Allow
+            response.headers.update(exc.headers)
+        return response
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         # A bug: uvicorn still logs the traceback; the client gets the OpenAI error shape.
@@ -474,6 +486,21 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def models(request: Request) -> dict:
         authorize(request)
         return server.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict:
+        """openai's `models.retrieve`: the served model under its name or an alias, else 404."""
+        authorize(request)
+        if model_id not in server.names:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {server.model_name!r}",
+                           code="model_not_found", param="model")
+        return {**server.models()["data"][0], "id": model_id}
+
+    @app.get("/version")
+    async def version() -> dict:
+        from lmfoundry import __version__
+
+        return {"version": __version__}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> dict:

@@ -37,7 +37,7 @@ class EngineCollector:
             "num_requests_running": ("Sequences in the running batch", s["requests_running"]),
             "num_requests_waiting": ("Sequences waiting for a slot", s["requests_waiting"]),
             "kv_cache_blocks_used": ("KV-cache blocks held by sequences", s["kv_blocks_used"]),
-            "kv_cache_blocks_total": ("KV-cache blocks in the pool", total),
+            "kv_cache_capacity_blocks": ("KV-cache blocks in the pool (a gauge: not a counter, no _total)", total),
             "kv_cache_usage_ratio": ("Fraction of the KV-cache blocks held by sequences (0..1)",
                                      s["kv_blocks_used"] / total if total else 0.0),
             "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens admitted",

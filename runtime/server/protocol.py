@@ -70,7 +70,17 @@ class ResponseFormat(_Strict):
         return self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
 
 
+# vLLM's request fields this server does not implement: refused by name (HTTP 400) rather than
+# ignored, so a client relying on one learns it here instead of from unconstrained output.
+VLLM_UNSUPPORTED = ("guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+                    "guided_decoding_backend", "use_beam_search", "length_penalty", "allowed_token_ids",
+                    "bad_words", "truncate_prompt_tokens", "spaces_between_special_tokens", "priority",
+                    "logits_processors", "vllm_xargs")
+STRUCTURED_OUTPUT_KEYS = ("json",)  # of vLLM's `structured_outputs`, the ones implemented
+
+
 class _Sampling(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept to name vLLM's (see unsupported)
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -92,9 +102,17 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM: the same constraint as a json_schema response_format
+    structured_outputs: dict[str, Any] | None = None  # vLLM >= 0.10: {"json": schema}
 
     def unsupported(self) -> str | None:
         """Name a requested feature this server does not implement (rather than ignoring it)."""
+        for name in VLLM_UNSUPPORTED:
+            if (self.model_extra or {}).get(name) is not None:
+                return f"{name} (a vLLM extension) is not supported; guided_json or response_format json_schema is"
+        for key, value in (self.structured_outputs or {}).items():
+            if key not in STRUCTURED_OUTPUT_KEYS and value is not None:
+                return f"structured_outputs.{key} is not supported; structured_outputs.json is"
         return None
 
     def token_bias(self) -> dict[int, float]:
@@ -136,8 +154,25 @@ class _Sampling(_Strict):
         )
 
     def output_schema(self) -> dict[str, Any] | None:
-        """The JSON schema decoding is constrained to (None: free text)."""
-        return self.response_format.output_schema() if self.response_format is not None else None
+        """The JSON schema decoding is constrained to (None: free text): response_format, or vLLM's
+        guided_json / structured_outputs.json (a schema object, or its JSON text), one at a time."""
+        given = [(name, v) for name, v in (("response_format", self.response_format), ("guided_json", self.guided_json),
+                 ("structured_outputs.json", (self.structured_outputs or {}).get("json"))) if v is not None]
+        if len(given) > 1:
+            raise FieldError(f"{given[0][0]} and {given[1][0]} both constrain the output; give one", given[1][0])
+        if not given:
+            return None
+        name, value = given[0]
+        if isinstance(value, ResponseFormat):
+            return value.output_schema()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise FieldError(f"{name} must be a JSON schema (an object, or its JSON text): {exc}", name) from None
+        if not isinstance(value, dict):
+            raise FieldError(f"{name} must be a JSON schema object, got {type(value).__name__}", name)
+        return value
 
 
 class CompletionRequest(_Sampling):
@@ -266,9 +301,9 @@ class ChatCompletionRequest(_Sampling):
         else:
             mode: ToolMode = "none" if choice == "none" else "required" if choice == "required" else "auto"
             plan = ToolPlan(mode, functions, None, parallel)
-        if plan.constrained and self.response_format is not None and self.response_format.type != "text":
-            raise FieldError("response_format cannot be combined with tool_choice 'required' or a named function "
-                             "(the output is the tool call)", "response_format")
+        if plan.constrained and _Sampling.output_schema(self) is not None:
+            raise FieldError("response_format (or guided_json) cannot be combined with tool_choice 'required' or a "
+                             "named function (the output is the tool call)", "response_format")
         return plan
 
     def _tool_choice(self) -> str | NamedToolChoice | None:

@@ -37,7 +37,9 @@ def _artifact(tiny_model_dir: Path, tmp: Path) -> Path:
     """A copy of the tiny model that carries an lmfoundry.json, as quantize writes one."""
     out = tmp / "candidate"
     shutil.copytree(tiny_model_dir, out)
-    (out / "lmfoundry.json").write_text(json.dumps({"kind": "quantized-checkpoint"}))
+    from lmfoundry.manifest import hash_folder
+
+    (out / "lmfoundry.json").write_text(json.dumps({"kind": "quantized-checkpoint", "files": hash_folder(out)}))
     return out
 
 

@@ -43,31 +43,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import tiny_model_folder, write_text
+from helpers import assert_one_error, run_cli, tiny_model_folder
 
 from lmfoundry.cli import main
 
 QUANT = ["--quiet", "--scheme", "w4a16", "--group-size", "32", "--num-samples", "2", "--seq-len", "16"]
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of an in-process CLI run."""
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_one_error(code: int, err: str, *needles: str) -> None:
-    assert code != 0, err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for n in needles:
-        assert n in lines[0], err
 
 
 def _limit_memory() -> None:
@@ -84,16 +64,6 @@ def run_sub(args: list[str], timeout: float = 120, **env: str) -> subprocess.Com
 
 def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return tiny_model_folder(tmp_path_factory.mktemp("m") / "tiny", "llama")
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory) -> Path:
-    return write_text(tmp_path_factory.mktemp("c") / "c.txt")
 
 
 @pytest.fixture(scope="module")

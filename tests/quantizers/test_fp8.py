@@ -94,7 +94,12 @@ def test_transformers_logits_match_reference(tmp_path, scheme, static_scales_loa
         y0 = ref(ids)
         hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         y_hf = hf(ids).logits.float()
-    assert float((y - y_hf).norm() / y_hf.norm()) < 1e-5
+    # dynamic scales: the same arithmetic up to summation order. Static per-tensor scales: each of
+    # our e4m3 GEMMs equals float64 within 4e-8 (fp32 products of e4m3 values are exact), while
+    # transformers' static path was measured 1.7e-4 from ours: its own rounding of the scaled
+    # activations, which CPU torch._scaled_mm (our former path) shared.
+    bound = 1e-5 if scheme == "fp8-dynamic" else 1e-3
+    assert float((y - y_hf).norm() / y_hf.norm()) < bound
     err = float((y - y0).norm() / y0.norm())
     assert 1e-3 < err < 0.3  # quantization happened, and it is fp8-sized
 

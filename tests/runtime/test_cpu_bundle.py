@@ -138,3 +138,16 @@ def test_cpu_and_gpu_archs_are_separate_builds(built: Built, tmp_path: Path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "separately" in err[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_inspect_verifies_every_file_of_the_bundle(built: Built, tmp_path: Path, capsys) -> None:
+    main(["inspect", str(built.engine)])
+    out = capsys.readouterr().out
+    assert "every file matches engine.json" in out and "amx" in out or cpu_isa.isa() in out
+    copy = tmp_path / "engine"
+    shutil.copytree(built.engine, copy)
+    (copy / "weights" / "config.json").write_text((copy / "weights" / "config.json").read_text() + " ")
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect", str(copy)])
+    assert exc.value.code == 1
+    assert "weights/config.json: sha256 mismatch" in capsys.readouterr().err

@@ -17,6 +17,8 @@ from lmfoundry.runtime.engine.toy import byte_tokenizer, save_toy_checkpoint, to
 from lmfoundry.runtime.server.app import create_app
 from lmfoundry.runtime.server.background import serve_in_thread
 
+from helpers import QUESTIONS, write_task
+
 from .test_server import assert_healthy
 
 pytestmark = pytest.mark.timeout(300)
@@ -135,50 +137,6 @@ def test_max_tokens_zero_needs_echo(server, body: dict, param: str | None) -> No
 
 
 # ---- lm-eval local-completions against a started server ------------------------------------------
-QUESTIONS = [
-    ("What color is the sky on a clear day?", ["blue", "green", "red"], 0),
-    ("How many legs does a spider have?", ["six", "eight", "four", "ten"], 1),
-    ("Which planet is closest to the sun?", ["Venus", "Mars", "Mercury"], 2),
-    ("What do bees make?", ["honey", "milk", "silk"], 0),
-    ("What is frozen water called?", ["steam", "ice", "fog", "dew"], 1),
-    ("Which animal barks?", ["cat", "cow", "dog"], 2),
-    ("What is two plus two?", ["four", "five", "three"], 0),
-    ("Where do fish live?", ["trees", "water", "sand"], 1),
-    ("What do plants need to grow?", ["noise", "darkness", "light and water"], 2),
-    ("Which season is the coldest?", ["winter", "summer", "spring", "autumn"], 0),
-    ("What does a thermometer measure?", ["weight", "temperature", "length"], 1),
-    ("Which shape has three sides?", ["square", "circle", "triangle"], 2),
-]
-
-
-def write_task(folder: Path) -> str:
-    """An offline multiple-choice task: a JSONL file and a YAML that names it by absolute path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / "tiny_mc.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
-    (folder / "tiny_mc.yaml").write_text(f"""task: lmf_tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(data.resolve()))}
-output_type: multiple_choice
-test_split: test
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_target: "{{{{answer}}}}"
-doc_to_choice: "{{{{choices}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-""")
-    return "lmf_tiny_mc"
-
-
 def run_task(model, task: str, include: Path) -> tuple[dict, list[list[float]]]:
     """lm-eval's results for the task and each document's per-choice loglikelihoods."""
     import lm_eval.models  # noqa: F401 - registers local-completions (lm-eval only does so on an empty registry)

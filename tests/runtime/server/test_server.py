@@ -207,7 +207,7 @@ def test_metrics_report_latencies_tokens_and_prefix_hits(make_server) -> None:
         assert metric(live.url, "lmfoundry_generation_tokens_total") == 18
         assert metric(live.url, "lmfoundry_prompt_tokens_total") == 3 * (len(shared) + 1)
         assert metric(live.url, "lmfoundry_prefix_cache_hit_rate") > 0.5
-        assert metric(live.url, "lmfoundry_kv_cache_blocks_total") == 256
+        assert metric(live.url, "lmfoundry_kv_cache_capacity_blocks") == 256
         assert metric(live.url, "lmfoundry_num_preemptions_total") == 0
         assert metric(live.url, "lmfoundry_requests_total", '{finish_reason="length"}') == 3
 

@@ -337,3 +337,30 @@ def test_auto_stream_passes_text_through_and_holds_back_what_may_be_a_call() -> 
     broken = ToolCallStream(plan)
     assert broken.feed('{"name": "add", "argu', None) == ({}, None)
     assert broken.feed("", "length") == ({"content": '{"name": "add", "argu'}, "length")
+
+
+# ---- vLLM's structured-output parameters -------------------------------------------------------
+@pytest.mark.parametrize("field", ["guided_json", "guided_json_text", "structured_outputs"])
+def test_vllm_guided_json_constrains_like_response_format(server, field: str) -> None:
+    """openai's `extra_body={"guided_json": ...}` (vLLM's serving guide) and `structured_outputs`."""
+    body = {"guided_json": PERSON} if field == "guided_json" else \
+        {"guided_json": json.dumps(PERSON)} if field == "guided_json_text" else {"structured_outputs": {"json": PERSON}}
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    for seed in range(2):
+        out = client.chat.completions.create(model="toy", messages=MESSAGES, max_tokens=160, temperature=1.0,
+                                             seed=seed, extra_body=body)
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+
+
+@pytest.mark.parametrize("body,name", [
+    ({"guided_choice": ["yes", "no"]}, "guided_choice"), ({"guided_regex": "[0-9]+"}, "guided_regex"),
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"), ({"structured_outputs": {"regex": "a+"}},
+                                                             "structured_outputs.regex"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"guided_json": PERSON, "response_format": PERSON_FORMAT}, "both constrain"),
+])
+def test_vllm_fields_we_do_not_implement_are_refused_by_name(server, body: dict, name: str) -> None:
+    r = chat(server.url, **body)
+    assert r.status_code == 400, r.text
+    assert name in r.json()["error"]["message"]
