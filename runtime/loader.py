@@ -176,6 +176,10 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
         if scheme is None or (stored is not None and stored.is_floating_point() and stored.element_size() > 1):
             if "weight" not in tensors:
                 raise UserError(f"{reader.folder}: missing {name}.weight")
+            want = tuple(model.get_submodule(name).weight.shape)
+            if tuple(tensors["weight"].shape) != want:
+                raise UserError(f"{reader.folder}: {name}.weight is stored with shape {list(tensors['weight'].shape)}, "
+                                f"but config.json implies {list(want)}")
             module = dense_linear(tensors["weight"].to(dtype), bias.to(dtype) if bias is not None else None)
         else:
             module = build_linear(decode_linear(tensors, scheme), bias, scheme, dtype, fallbacks)
@@ -190,6 +194,11 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
             continue
         rest[name] = name
     tensors = reader.get(rest)
+    expected = model.state_dict()
+    for k, v in tensors.items():
+        if k in expected and tuple(v.shape) != tuple(expected[k].shape):
+            raise UserError(f"{reader.folder}: {k} is stored with shape {list(v.shape)}, but config.json implies "
+                            f"{list(expected[k].shape)}")
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
     if config.tie_word_embeddings and not reader.has("lm_head.weight"):
         model.lm_head.weight = model.model.embed_tokens.weight

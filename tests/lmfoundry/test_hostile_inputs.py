@@ -196,3 +196,15 @@ def test_repetition_penalty_that_would_overflow_is_refused() -> None:
         with pytest.raises(ValueError, match="repetition_penalty must be a number in"):
             SamplingParams(repetition_penalty=value).validate()
     SamplingParams(repetition_penalty=1.3).validate()
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.down_proj.weight", "model.layers.1.input_layernorm.weight"])
+def test_serving_a_misshapen_tensor_is_one_line(name, model, tmp_path) -> None:
+    from lmfoundry.errors import UserError
+    from lmfoundry.runtime.loader import load_model
+
+    def cut(t):
+        t[name] = t[name][..., :64].contiguous()
+
+    with pytest.raises(UserError, match=f"{name} is stored with shape"):
+        load_model(edited_weights(model, tmp_path, cut))
