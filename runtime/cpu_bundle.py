@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lmfoundry.compile.bundle import ENGINE_FORMAT, _check_output, _install, _staging, place_files, sha256_file
+from lmfoundry.compile.bundle import (ENGINE_FORMAT, _check_output, _install, _remove_dirs, _staging, place_files,
+                                      sha256_file)
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import verify_artifact
 from lmfoundry.model.config import ModelConfig
@@ -157,8 +158,7 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
         _install(stage, final)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
-        for d in created:
-            shutil.rmtree(d, ignore_errors=True)
+        _remove_dirs(created)  # the parents made for -o, only while empty
         raise
     return final, manifest, time.perf_counter() - t0
 
