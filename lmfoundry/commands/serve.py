@@ -1,4 +1,5 @@
-"""`lmfoundry serve`: load a checkpoint into the engine and serve the OpenAI API with uvicorn."""
+"""`lmfoundry serve`: the engine in a process of its own (it loads the checkpoint and steps with
+all of --threads), the OpenAI API in this one (uvicorn, tokenization, detokenization)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.runtime.dtypes import DTYPES
 
 if TYPE_CHECKING:
-    from lmfoundry.runtime.engine import LLMEngine
+    from lmfoundry.runtime.engine import EngineInfo
 
 
 def _print_url(host: str, port: int, api_key: str | None) -> None:
@@ -48,39 +49,14 @@ def _check_server_options(port: int, max_model_len: int | None, max_waiting: int
             raise UserError(f"{name} must be a positive number, got {value}")
 
 
-def _note_capped_context(engine: LLMEngine, max_model_len: int | None, kv_cache_gb: float) -> None:
+def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_gb: float) -> None:
     """Say so when the context was capped to what the KV cache holds (as vLLM reports its estimated
     maximum model length); an explicit --max-model-len over the capacity is refused by the engine."""
-    full = engine.model.config.max_position_embeddings
-    if max_model_len is None and engine.max_model_len < full:
-        click.echo(f"note: the KV cache (--kv-cache-gb {kv_cache_gb:g}) holds {engine.max_model_len} tokens, "
-                   f"less than the model's context of {full}: max model len is capped to {engine.max_model_len}; "
+    full = info.max_position_embeddings
+    if max_model_len is None and info.max_model_len < full:
+        click.echo(f"note: the KV cache (--kv-cache-gb {kv_cache_gb:g}) holds {info.max_model_len} tokens, "
+                   f"less than the model's context of {full}: max model len is capped to {info.max_model_len}; "
                    f"raise --kv-cache-gb for more", err=True)
-
-
-def _run_server_and_engine(server: Any, async_engine: Any) -> None:
-    """HTTP in a background thread, the engine's steps in this one (see `AsyncLLMEngine`). The
-    first SIGINT/SIGTERM asks uvicorn to stop accepting and drain (in-flight requests keep being
-    stepped until they finish or its graceful timeout ends), a second one forces it."""
-    import signal
-    import threading
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if server.should_exit:
-            server.force_exit = True
-        server.should_exit = True  # the engine loop sees uvicorn's thread end within a second
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    http = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    http.start()
-    try:
-        async_engine.run_here(http.is_alive)
-    finally:
-        server.should_exit = True
-        http.join(timeout=30)
-        async_engine.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @click.command("serve")
@@ -152,9 +128,9 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
                           timeout_keep_alive)
-    import uvicorn
-
-    from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+    from lmfoundry.runtime.engine import EngineConfig, LLMEngine
+    from lmfoundry.runtime.engine.core import EngineSpec
+    from lmfoundry.runtime.engine.core_client import EngineCoreClient
     from lmfoundry.runtime.server.app import create_app
     from lmfoundry.runtime.server.background import uvicorn_config
 
@@ -190,13 +166,42 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         max_waiting_requests=max_waiting, enable_prefix_caching=not no_prefix_caching,
         kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager, num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or None,
         speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max)
-    engine = LLMEngine.from_pretrained(model, run_dtype, config,
-                                       device=device, draft_model=draft_model)
-    _note_capped_context(engine, max_model_len, kv_cache_gb)
-    name = served_model_name or os.path.basename(os.path.normpath(model))
-    async_engine = AsyncLLMEngine(engine, start=False)  # stepped in this (the main) thread, below
-    app = create_app(async_engine, name, api_key=api_key, aliases=(model,),
-                     max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read)
+    died: list[int | None] = []
+    server: Any = None
+
+    def on_engine_death(exitcode: int | None) -> None:
+        died.append(exitcode)
+        if server is not None:
+            server.should_exit = True  # in-flight requests have their 503; stop listening
+
+    spec = EngineSpec(LLMEngine.from_pretrained, (model, run_dtype, config),
+                      {"device": device, "draft_model": draft_model})
+    engine = EngineCoreClient(spec, on_death=on_engine_death)  # loads the model in the engine process
+    try:
+        _note_capped_context(engine.info, max_model_len, kv_cache_gb)
+        name = served_model_name or os.path.basename(os.path.normpath(model))
+        app = create_app(engine, name, api_key=api_key, aliases=(model,),
+                         max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read)
+        server = _server_class(host, api_key)(uvicorn_config(app, host, port, log_level, read_timeout=timeout_read,
+                                                             keep_alive=timeout_keep_alive,
+                                                             timeout_graceful_shutdown=5))
+        if died:
+            server.should_exit = True
+        # uvicorn in this thread: the first SIGINT/SIGTERM stops accepting and drains the requests
+        # in flight (up to the graceful timeout), a second one forces the exit.
+        server.run()
+    finally:
+        engine.shutdown()
+    if died:
+        raise UserError(f"the engine process died (exit code {died[0]}); the requests in flight got HTTP 503",
+                        exit_code=1)
+    if not server.started:
+        raise UserError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
+
+
+def _server_class(host: str, api_key: str | None) -> Any:
+    """uvicorn's Server, printing the URL once it listens (port 0 is resolved by then)."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:  # type: ignore[override]
@@ -205,8 +210,4 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
                 bound = self.servers[0].sockets[0].getsockname()
                 _print_url(host, bound[1], api_key)
 
-    server = Server(uvicorn_config(app, host, port, log_level, read_timeout=timeout_read,
-                                   keep_alive=timeout_keep_alive, timeout_graceful_shutdown=5))
-    _run_server_and_engine(server, async_engine)
-    if not server.started:
-        raise UserError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
+    return Server

@@ -6,10 +6,12 @@ prefill, quantized KV). Public API:
     outputs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
     scores = engine.loglikelihood([(context_ids, continuation_ids), ...])
 
-and `AsyncLLMEngine(engine).generate(...)` (an async iterator of `StepEvent`s) for servers.
+and, for servers, an `EngineClient`: `EngineCoreClient(EngineSpec(...))` runs the engine in a
+process of its own, `AsyncLLMEngine(engine)` in a thread of this one (client.py).
 """
 
-from lmfoundry.runtime.engine.async_engine import AsyncLLMEngine, QueueFull
+from lmfoundry.runtime.engine.async_engine import AsyncLLMEngine
+from lmfoundry.runtime.engine.client import EngineClient, EngineDead, EngineInfo, EngineRequest, QueueFull
 from lmfoundry.runtime.engine.config import EngineConfig
 from lmfoundry.runtime.engine.llm_engine import LLMEngine
 from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
@@ -19,6 +21,10 @@ from lmfoundry.runtime.engine.sequence import TokenLogprob
 __all__ = [
     "AsyncLLMEngine",
     "CompletionOutput",
+    "EngineClient",
+    "EngineDead",
+    "EngineInfo",
+    "EngineRequest",
     "EngineConfig",
     "LLMEngine",
     "QueueFull",

@@ -6,7 +6,10 @@ Offline use (batch generation, scoring):
     outs = engine.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32, temperature=0))
     scores = engine.loglikelihood([(context_ids, continuation_ids)])  # [(logprob_sum, is_greedy)]
 
-Online use goes through `AsyncLLMEngine`, which drives `step()` from a background thread.
+Online use goes through an `EngineClient` (client.py): `serve` runs the engine in a process of
+its own (`EngineCoreClient`), tests and notebooks can step it in a thread (`AsyncLLMEngine`).
+Online requests arrive validated (`add`) with `SamplingParams.detokenize` off: the API process
+turns their tokens into text and watches for stop strings (output_processor.py).
 
 Speculative decoding (`EngineConfig.speculative`, see speculative.py) proposes draft tokens for
 the running decodes before each step; the step scores them and keeps those the target's own
@@ -16,6 +19,7 @@ sampling agrees with, so outputs are unchanged and a step can yield several toke
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Sequence as Seq
 
 import torch
@@ -23,6 +27,7 @@ from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.block_manager import BlockManager
+from lmfoundry.runtime.engine.client import EngineInfo, EngineRequest
 from lmfoundry.runtime.engine.config import EngineConfig
 from lmfoundry.runtime.engine.detokenizer import Detokenizer
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
@@ -33,6 +38,7 @@ from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.scheduler import Scheduler
 from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
 from lmfoundry.runtime.engine.speculative import DraftModelProposer, NgramProposer, Speculator, verify
+from lmfoundry.runtime.engine.validation import RequestValidator
 
 Prompt = str | list[int]
 
@@ -74,6 +80,11 @@ class LLMEngine:
         self.eos_token_ids = _as_set(model.config.eos_token_id) | _as_set(getattr(tokenizer, "eos_token_id", None))
         self.sampler = Sampler(self.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)  # structured output
+        self.info = EngineInfo(vocab_size=model.config.vocab_size, max_model_len=self.max_model_len,
+                               max_position_embeddings=model.config.max_position_embeddings,
+                               eos_token_ids=frozenset(self.eos_token_ids),
+                               capacity=config.max_num_seqs + config.max_waiting_requests)
+        self.validator = RequestValidator(self.info, tokenizer, self.grammars)
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
@@ -102,55 +113,36 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass token ids")
-            return list(self.tokenizer(prompt).input_ids)
-        return [int(t) for t in prompt]
+        return self.validator.encode(prompt)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request that can never run (the server turns it into a 400)."""
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, prompt and output together")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens {params.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
-                             f"exceed the context of {self.max_model_len} tokens")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-        # The sampler indexes the logits row with these: an id past the vocabulary would fail the step.
-        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {max(params.stop_token_ids)}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > vocab:
-                raise ValueError(f"{name} must be at most the vocabulary size {vocab}")
-        params.check_token_ids(vocab)  # logit_bias ids: refused up front, not failed in the sampler
-        if params.json_schema is not None:
-            self.grammars.check(params.json_schema)  # compiled (and cached) here, off the engine thread
+        """Raise ValueError for a request that can never run (see `RequestValidator`)."""
+        self.validator.check(prompt_ids, params)
 
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams,
                     arrival_time: float | None = None) -> str:
+        """Encode, validate and add a request (offline callers); returns its id."""
         ids = self.encode(prompt)
         self.check_request(ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already running")
-        seqs = [Sequence(request_id, i, ids, params, arrival_time) for i in range(params.n)]
+        self.add(EngineRequest(request_id, ids, params, time.monotonic() if arrival_time is None else arrival_time))
+        return request_id
+
+    def add(self, request: EngineRequest) -> None:
+        """Add a request validated by the caller (`RequestValidator`): nothing is checked again."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        params = request.params
+        seqs = [Sequence(request.request_id, i, request.prompt_ids, params, request.arrival_time)
+                for i in range(params.n)]
         for seq in seqs:
             if params.json_schema is not None:
                 seq.grammar = self.grammars.matcher(params.json_schema)
             self.detokenizer.start(seq)
             self.scheduler.add(seq)
-        self._requests[request_id] = seqs
-        self.num_prompt_tokens_total += len(ids)
+        self._requests[request.request_id] = seqs
+        self.num_prompt_tokens_total += len(request.prompt_ids)
         self.num_requests_total += 1
-        return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it was not running."""
@@ -256,6 +248,9 @@ class LLMEngine:
         reason = None
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             reason = "stop"
+        elif not p.detokenize:  # text and stop strings are the caller's (output_processor.py)
+            if seq.grammar is not None and seq.grammar.is_finished:
+                reason = "stop"
         else:
             checked = len(seq.output_text)
             self.detokenizer.update(seq)
@@ -266,7 +261,8 @@ class LLMEngine:
                 self.detokenizer.flush(seq)
         if reason is None and (seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len):
             reason = "length"
-            self.detokenizer.flush(seq)
+            if p.detokenize:
+                self.detokenizer.flush(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return reason
@@ -315,7 +311,8 @@ class LLMEngine:
             self.check_request(ids, p)
         results: dict[str, RequestOutput] = {}
         for ids, p in zip(encoded, plist):
-            rid = self.add_request(None, ids, p)
+            rid = f"req-{next(self._ids)}"
+            self.add(EngineRequest(rid, ids, p, time.monotonic()))
             results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(p.n)])
         pending = set(results)
         while pending:

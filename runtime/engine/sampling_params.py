@@ -81,6 +81,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # 0: off
     json_schema: dict[str, Any] | None = None  # output constrained to JSON matching this schema
+    # Whether the engine turns tokens into text and ends the output at stop strings. A server sets
+    # it off: its API process does both (output_processor.py), off the engine's cores.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -89,3 +89,24 @@ def toy_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: An
             else:
                 p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.15)
     return model.to(dtype).eval()
+
+
+def toy_engine(seed: int = 0, step_delay: float = 0.0, **config: Any) -> Any:
+    """An LLMEngine over `toy_model(seed)` and the byte tokenizer with `EngineConfig(**config)`;
+    `step_delay` seconds are added to every step (tests whose requests must outlive a deadline).
+    Module-level, so an `EngineSpec` can name it for an engine process."""
+    import time
+
+    from lmfoundry.runtime.engine.config import EngineConfig
+    from lmfoundry.runtime.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(toy_model(seed), byte_tokenizer(), EngineConfig(**config))
+    if step_delay:
+        step = engine.step
+
+        def slow_step() -> Any:
+            time.sleep(step_delay)
+            return step()
+
+        engine.step = slow_step  # type: ignore[method-assign]
+    return engine

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over an `AsyncLLMEngine` (FastAPI, served by uvicorn).
+"""The OpenAI-compatible HTTP API over an `EngineClient` (FastAPI, served by uvicorn): the engine
+in its own process (`EngineCoreClient`, what `serve` runs) or in a thread (`AsyncLLMEngine`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health, GET /metrics, and vLLM's tokenizer endpoints (GET /tokenizer_info,
@@ -7,13 +8,15 @@ through the server and needs no local copy of the tokenizer. Errors use OpenAI's
 {"error": {"message", "type", "param", "code"}}: 400 for invalid requests, 401 for a missing or
 wrong API key, 404 for an unknown model, 408 for a body that does not arrive in time, 413 for a
 body over the size limit, 415 for a POST that is not application/json, 429 when the waiting queue
-is full, 500 when the engine fails the request (the others keep running).
+is full, 500 when the engine fails the request (the others keep running), 503 once the engine
+process has died.
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
 aborted, which frees its KV blocks.
 
 The event loop only moves bytes: the body is read with a size limit and a deadline, then parsing,
-the chat template and tokenization (seconds for a multi-megabyte prompt) run in a small thread
-pool, so the other streams keep flowing. Requiring application/json on POST keeps browsers from
+the chat template, tokenization (seconds for a multi-megabyte prompt) and the request's one
+validation run in a small thread pool, so the other streams keep flowing. The engine streams token
+ids; their text and stop strings are worked out here (output_processor.py). Requiring application/json on POST keeps browsers from
 reaching a keyless server on 127.0.0.1 with cross-site "simple" requests (text/plain or form
 bodies are sent without a CORS preflight; application/json is not).
 """
@@ -35,9 +38,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from lmfoundry.runtime.engine.async_engine import AsyncLLMEngine, QueueFull, RequestStream
+from lmfoundry.runtime.engine.client import EngineClient, EngineDead, EngineRequest, QueueFull, RequestStream
+from lmfoundry.runtime.engine.output_processor import detokenize
 from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
+from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.background import DEFAULT_READ_TIMEOUT
 from lmfoundry.runtime.server.metrics import ServerMetrics
 from lmfoundry.runtime.server.protocol import (
@@ -71,6 +76,10 @@ class APIError(Exception):
 
 class ClientGone(Exception):
     pass
+
+
+def _engine_dead(exc: EngineDead) -> APIError:
+    return APIError(503, f"the engine is not running: {exc}", type_="server_error", code="engine_unavailable")
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -131,21 +140,20 @@ def _parse(body: bytes, schema: type[BaseModel]) -> Any:
 class OpenAIServer:
     """Request handling, separated from route registration so that it reads top to bottom."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, aliases: tuple[str, ...] = (),
+    def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...] = (),
                  max_n: int = MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.names = {model_name, *aliases}
         self.max_n = max_n
         self.max_body_bytes = max_body_bytes
         self.read_timeout = read_timeout
-        llm: Any = engine.engine  # the engine's model is typed as nn.Module; read its sizes once
-        self.vocab_size: int = llm.model.config.vocab_size
-        self.max_model_len: int = llm.max_model_len
-        self.grammars = llm.grammars  # compiles (and caches) the JSON schemas of structured output
-        self.metrics = ServerMetrics(engine.engine, model_name)
+        self.vocab_size = engine.info.vocab_size
+        self.max_model_len = engine.info.max_model_len
+        self.validator = RequestValidator(engine.info, self.tokenizer)
+        self.metrics = ServerMetrics(engine.stats, model_name)
         self.created = int(time.time())
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
 
@@ -172,14 +180,14 @@ class OpenAIServer:
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         try:
-            return self.engine.engine.encode(prompt)
+            return self.validator.encode(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt") from None
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
+        """The request's one validation (`RequestValidator`); the engine trusts what passes."""
         try:
-            self.engine.check(ids, params)
-            params.check_token_ids(self.vocab_size)
+            self.validator.check(ids, params)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -189,17 +197,19 @@ class OpenAIServer:
         """The request's SamplingParams; a malformed field (a logit_bias key that is not a token
         id, a response_format or tool_choice that cannot be honoured) is a 400 naming it."""
         try:
-            return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params: SamplingParams = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+        params.detokenize = False  # text and stop strings are worked out here, not in the engine
+        return params
 
     def _check_schema(self, schema: dict[str, Any] | None, param: str) -> None:
         """A 400 naming `param` for a JSON schema that cannot constrain decoding. Compiling here,
-        in the preparation thread, also leaves the grammar cached for the engine thread."""
+        in the preparation thread, caches it for the request's validation."""
         if schema is None:
             return
         try:
-            self.grammars.check(schema)
+            self.validator.grammars.check(schema)
         except ValueError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 
@@ -210,16 +220,18 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(self.engine.submit(ids, params, f"{base_id}-{i}"))
-        except QueueFull as exc:
+                streams.append(self.engine.submit(EngineRequest(f"{base_id}-{i}", ids, params, start)))
+        except (QueueFull, EngineDead, ValueError) as exc:
             for st in streams:
                 st.abort()
-            raise APIError(429, str(exc), type_="rate_limit_error", code="rate_limit_exceeded") from None
-        except ValueError as exc:
-            for st in streams:
-                st.abort()
+            if isinstance(exc, QueueFull):
+                raise APIError(429, str(exc), type_="rate_limit_error", code="rate_limit_exceeded") from None
+            if isinstance(exc, EngineDead):
+                raise _engine_dead(exc) from None
             raise APIError(400, str(exc)) from None
-        return _merge([self.metrics.observe(st.__aiter__(), start) for st in streams], streams)
+        eos = self.engine.info.eos_token_ids
+        return _merge([self.metrics.observe(detokenize(st.__aiter__(), ids, params, self.tokenizer, eos), start)
+                       for st, ids in zip(streams, prompts)], streams)
 
     # ---- /v1/completions --------------------------------------------------------------------
     def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
@@ -334,6 +346,8 @@ class OpenAIServer:
             watcher.cancel()
             try:
                 return task.result()
+            except EngineDead as exc:
+                raise _engine_dead(exc) from None
             except Exception as exc:  # noqa: BLE001 - the engine failed this request (logged by its thread)
                 raise APIError(500, str(exc), type_="server_error") from None
         task.cancel()
@@ -424,7 +438,7 @@ async def _merge(gens: list[AsyncIterator[StepEvent]], streams: list[RequestStre
             st.abort()  # no-op for finished requests; frees the blocks of abandoned ones
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
+def create_app(engine: EngineClient, model_name: str, api_key: str | None = None,
                aliases: tuple[str, ...] = (), max_n: int = MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                read_timeout: float = DEFAULT_READ_TIMEOUT) -> FastAPI:
     """The FastAPI app. `max_body_bytes` bounds request bodies (413 beyond); `read_timeout` bounds

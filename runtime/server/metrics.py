@@ -11,13 +11,14 @@ panels show 0 rather than "no data" on a fresh server.
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator, Iterable
+from typing import AsyncIterator, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from lmfoundry.runtime.engine.llm_engine import LLMEngine
 from lmfoundry.runtime.engine.outputs import StepEvent
+
+EngineStats = Callable[[], dict[str, float]]  # `EngineClient.stats`: the engine's counters as of its last step
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -26,12 +27,12 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25
 class EngineCollector:
     """Reads the engine's counters when Prometheus scrapes (no bookkeeping in the hot loop)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, stats: EngineStats, model_name: str) -> None:
+        self.stats = stats
         self.model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
-        s = self.engine.stats()
+        s = self.stats()
         total = s["kv_blocks_total"]
         gauges = {
             "num_requests_running": ("Sequences in the running batch", s["requests_running"]),
@@ -70,7 +71,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, stats: EngineStats, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         label = ["model_name"]
@@ -86,7 +87,7 @@ class ServerMetrics:
             self.finished.labels(model_name, reason)  # exported as 0 from the start
         self.rejected = Counter("lmfoundry_requests_rejected", "Requests refused with an HTTP error",
                                 ["model_name", "status"], registry=self.registry)
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(stats, model_name))
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(self.model_name, reason).inc()

@@ -1,4 +1,8 @@
-"""A live server on 127.0.0.1 over a toy model and byte tokenizer, run by uvicorn in a thread."""
+"""A live server on 127.0.0.1 over a toy model and byte tokenizer, run by uvicorn in a thread.
+
+By default its engine runs in a process of its own (`EngineCoreClient`), as under `serve`;
+`in_process=True` steps it in a thread of the test process instead (`AsyncLLMEngine`), for the
+few tests that reach into the engine object (replace its step, read its block manager)."""
 
 from __future__ import annotations
 
@@ -7,22 +11,30 @@ from typing import Iterator
 
 import pytest
 
-from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
+from lmfoundry.runtime.engine import AsyncLLMEngine, EngineClient
+from lmfoundry.runtime.engine.core import EngineSpec
+from lmfoundry.runtime.engine.core_client import EngineCoreClient
+from lmfoundry.runtime.engine.toy import toy_engine
 from lmfoundry.runtime.server.app import create_app
 from lmfoundry.runtime.server.background import serve_in_thread
 
 
 class Live:
-    def __init__(self, url: str, engine: AsyncLLMEngine) -> None:
+    def __init__(self, url: str, engine: EngineClient) -> None:
         self.url, self.engine = url, engine
 
 
 @contextmanager
-def live_server(api_key: str | None = None, **engine_kwargs) -> Iterator[Live]:
+def live_server(api_key: str | None = None, in_process: bool = False, step_delay: float = 0.0,
+                **engine_kwargs) -> Iterator[Live]:
+    """`step_delay` seconds are added to every engine step (requests that must outlive a deadline)."""
     cfg = dict(num_kv_blocks=256, block_size=8, max_model_len=256, max_num_seqs=8, max_waiting_requests=8)
     cfg.update(engine_kwargs)
-    engine = AsyncLLMEngine(LLMEngine(toy_model(seed=2), byte_tokenizer(), EngineConfig(**cfg)))
+    engine: EngineClient
+    if in_process:
+        engine = AsyncLLMEngine(toy_engine(seed=2, step_delay=step_delay, **cfg))
+    else:
+        engine = EngineCoreClient(EngineSpec(toy_engine, kwargs=dict(seed=2, step_delay=step_delay, **cfg)))
     try:
         with serve_in_thread(create_app(engine, "toy", api_key=api_key)) as url:
             yield Live(url, engine)

@@ -111,15 +111,15 @@ def test_echo_with_chunked_prefill_and_a_warm_prefix_cache(make_server, referenc
     ids = torch.randint(0, 256, (45,), generator=g).tolist()
     with make_server(max_num_batched_tokens=8) as live:
         completion(live.url, prompt=ids, max_tokens=2, temperature=0)  # puts the prompt's blocks in the cache
-        hits = live.engine.engine.block_manager.prefix_hit_tokens
+        hits = live.engine.stats()["prefix_cache_hits_tokens"]
         completion(live.url, prompt=ids, max_tokens=2, temperature=0)
-        assert live.engine.engine.block_manager.prefix_hit_tokens > hits  # the cache does serve this prompt
+        assert live.engine.stats()["prefix_cache_hits_tokens"] > hits  # the cache does serve this prompt
         body = completion(live.url, prompt=ids, max_tokens=0, echo=True, logprobs=2)
         check_echo(body["choices"][0], ids, reference, top=2, generated=0)
         body = completion(live.url, prompt=ids, max_tokens=2, echo=True, logprobs=0, n=2, temperature=0)
         for choice in body["choices"]:
             check_echo(choice, ids, reference, top=0, generated=2)
-        assert live.engine.engine.block_manager.num_used_blocks == 0
+        assert live.engine.stats()["kv_blocks_used"] == 0
 
 
 @pytest.mark.parametrize("body,param", [

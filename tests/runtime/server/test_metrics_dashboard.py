@@ -99,21 +99,27 @@ def test_every_series_has_model_name_and_kv_usage_is_a_fraction(live) -> None:
     assert metric(live.url, "lmfoundry_requests_rejected_total", '{model_name="toy",status="400"}') == 1
     assert metric(live.url, "lmfoundry_generation_tokens_total", '{model_name="toy"}') == 8
     assert metric(live.url, "lmfoundry_kv_cache_usage_ratio", '{model_name="toy"}') == 0.0
-    step = live.engine.engine.step
-    used = []
 
-    def watched() -> Any:
-        events = step()
-        bm = live.engine.engine.block_manager
-        used.append((bm.num_used_blocks / bm.num_blocks, metric(live.url, "lmfoundry_kv_cache_usage_ratio")))
-        return events
 
-    live.engine.engine.step = watched
-    try:
+def test_kv_usage_is_read_at_scrape_time() -> None:
+    """Scraped between two steps, the usage ratio is the engine's own (an engine in this process,
+    so the test can look at its block manager)."""
+    from .conftest import live_server
+
+    with live_server(in_process=True) as live:
+        llm = live.engine.engine  # type: ignore[attr-defined]
+        step = llm.step
+        used = []
+
+        def watched() -> Any:
+            events = step()
+            bm = llm.block_manager
+            used.append((bm.num_used_blocks / bm.num_blocks, metric(live.url, "lmfoundry_kv_cache_usage_ratio")))
+            return events
+
+        llm.step = watched
         r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "y" * 100, "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200
-    finally:
-        live.engine.engine.step = step
     assert any(0 < ratio < 1 and ratio == seen for ratio, seen in used), used
 
 

@@ -127,9 +127,7 @@ def _poison(kind: str, monkeypatch) -> dict:
 
 @pytest.mark.parametrize("kind", ["nan_temperature", "sampler_raises"])
 def test_poisoned_request_fails_alone(make_server, monkeypatch, kind: str) -> None:
-    with make_server(max_num_seqs=16, max_waiting_requests=16) as live:
-        step = live.engine.engine.step
-        live.engine.engine.step = lambda: (time.sleep(0.01), step())[1]
+    with make_server(max_num_seqs=16, max_waiting_requests=16, in_process=True, step_delay=0.01) as live:
         started = threading.Barrier(9)
         results: list[dict] = [{} for _ in range(8)]
 
@@ -213,9 +211,7 @@ def test_body_limit_is_configurable() -> None:
 
 
 def test_big_prompt_does_not_stall_other_streams(make_server) -> None:
-    with make_server() as live:
-        step = live.engine.engine.step
-        live.engine.engine.step = lambda: (time.sleep(0.02), step())[1]
+    with make_server(step_delay=0.02) as live:
         arrivals: list[float] = []
         stop = threading.Event()
         first = threading.Event()

@@ -44,7 +44,7 @@ def test_openai_client_streams_chat_like_offline_generation(server) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     usage = chunks[-1].usage
-    tok = server.engine.engine.tokenizer
+    tok = server.engine.tokenizer
     prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                  add_special_tokens=False).input_ids
     want = client.chat.completions.create(model="toy", messages=messages, max_tokens=24, temperature=0)
@@ -144,9 +144,7 @@ def _open_stream(client: httpx.Client, url: str, max_tokens: int = 200):
 
 def test_full_queue_gets_429_then_recovers(make_server) -> None:
     # 1 running + 1 waiting sequence allowed; a slowed engine keeps both busy while we ask for a third.
-    with make_server(max_num_seqs=1, max_waiting_requests=1) as live:
-        step = live.engine.engine.step
-        live.engine.engine.step = lambda: (time.sleep(0.01), step())[1]
+    with make_server(max_num_seqs=1, max_waiting_requests=1, step_delay=0.01) as live:
         with httpx.Client(timeout=30) as client:
             held = [_open_stream(client, live.url) for _ in range(2)]
             r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
@@ -164,9 +162,7 @@ def test_full_queue_gets_429_then_recovers(make_server) -> None:
 
 
 def test_disconnect_aborts_and_frees_blocks(make_server) -> None:
-    with make_server() as live:
-        step = live.engine.engine.step
-        live.engine.engine.step = lambda: (time.sleep(0.005), step())[1]
+    with make_server(step_delay=0.005) as live:
         with httpx.Client(timeout=30) as client:
             cm, resp = _open_stream(client, live.url, max_tokens=240)
             lines = resp.iter_lines()
@@ -224,7 +220,7 @@ def test_sampling_params_reach_the_engine(server) -> None:
 
 
 def test_engine_failure_fails_the_request_not_the_server(make_server) -> None:
-    with make_server() as live:
+    with make_server(in_process=True) as live:
         step = live.engine.engine.step
         calls = []
 

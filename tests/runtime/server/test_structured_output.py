@@ -14,6 +14,7 @@ import pytest
 
 from lmfoundry.runtime.engine import SamplingParams
 from lmfoundry.runtime.engine.toy import byte_tokenizer
+from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.protocol import ChatMessage
 from lmfoundry.runtime.server.tools import ToolCallStream, ToolPlan, parse_tool_calls
 
@@ -120,7 +121,7 @@ def test_completions_take_response_format_too(server) -> None:
 def test_json_object_outputs_are_objects_or_valid_prefixes(server) -> None:
     """json_object allows any object, so a random model may write a string until max_tokens: a
     finished output is a JSON object, a cut one is still a prefix the grammar accepts."""
-    grammars = server.engine.engine.grammars
+    grammars = RequestValidator(server.engine.info, server.engine.tokenizer).grammars
     tok = byte_tokenizer()
     finished = 0
     for path, seed in [("/v1/chat/completions", s) for s in range(3)] + [("/v1/completions", s) for s in range(3)]:

@@ -1,0 +1,174 @@
+"""The caller's side of an engine that steps somewhere else: in its own process
+(`EngineCoreClient`, what `serve` runs) or in a thread of this one (`AsyncLLMEngine`).
+
+A server talks to the engine only through `EngineClient`: `info` and `tokenizer` to validate and
+encode a request once at the API boundary, `submit` an `EngineRequest` (which the engine trusts:
+it does not check it again) and iterate its `RequestStream`, `abort`, `stats` for /metrics,
+`is_alive` for /health. Both clients share the stream bookkeeping here, so the server behaves the
+same over either.
+
+The waiting queue is bounded: a request is refused with `QueueFull` when the unfinished sequences
+would exceed max_num_seqs running plus max_waiting_requests waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterable
+
+from lmfoundry.runtime.engine.outputs import StepEvent
+from lmfoundry.runtime.engine.sampling_params import SamplingParams
+
+
+class QueueFull(Exception):
+    """The engine's waiting queue is full; retry later (HTTP 429)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone (its other requests keep running): HTTP 500."""
+
+
+class EngineDead(RuntimeError):
+    """The engine stopped (its process died): every request in flight fails, new ones get HTTP 503."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request validated at the API boundary (`RequestValidator`); the engine adds it as it is."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a caller needs to know of the engine to validate and account for requests."""
+
+    vocab_size: int
+    max_model_len: int
+    max_position_embeddings: int
+    eos_token_ids: frozenset[int]
+    capacity: int  # sequences unfinished at once: max_num_seqs running + max_waiting_requests waiting
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_seqs: int
+
+
+class RequestStream:
+    """The events of one submitted request. Leaving the iteration early (client gone, task
+    cancelled) aborts the request, which frees its blocks."""
+
+    def __init__(self, owner: "EngineClient", request_id: str, events: asyncio.Queue) -> None:
+        self.owner, self.request_id, self._events = owner, request_id, events
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[StepEvent]:
+        try:
+            while not self.finished:
+                item = await self._events.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.request_finished
+                yield item
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+class EngineClient:
+    """Stream bookkeeping shared by the clients; subclasses move commands to the engine
+    (`_send`) and deliver what it produces (`deliver`)."""
+
+    info: EngineInfo
+    tokenizer: Any
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+
+    # ---- caller side ------------------------------------------------------------------------
+    @property
+    def num_unfinished_seqs(self) -> int:
+        with self._lock:
+            return sum(s.num_seqs for s in self._streams.values())
+
+    @property
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters and gauges (`LLMEngine.stats`), as of its last step."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, command: tuple) -> None:
+        raise NotImplementedError
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Enqueue a validated request now (raising QueueFull, EngineDead or ValueError for a
+        duplicate id at once, before any response is started); iterate the returned stream for
+        its events. Must be called from the event loop that will consume the stream."""
+        if not self.is_alive:
+            raise EngineDead("the engine is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.params.n)
+        with self._lock:
+            if sum(s.num_seqs for s in self._streams.values()) + request.params.n > self.capacity:
+                raise QueueFull(f"the queue is full ({self.capacity} sequences); retry later")
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already running")
+            self._streams[request.request_id] = stream
+        self._send(("add", request))
+        return RequestStream(self, request.request_id, stream.queue)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        if self.is_alive:
+            self._send(("abort", request_id))
+
+    # ---- engine side ------------------------------------------------------------------------
+    def deliver(self, items: Iterable[tuple[str, StepEvent | BaseException]]) -> None:
+        """Hand one step's events (or a request's failure) to their streams, from any thread: one
+        wake-up of each event loop per step, not one per event."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._lock:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue  # aborted by its caller meanwhile
+                if isinstance(item, BaseException) or item.request_finished:
+                    del self._streams[request_id]
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # the caller's event loop is closed
+                pass
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every request in flight with `exc` (the engine is gone)."""
+        with self._lock:
+            ids = list(self._streams)
+        self.deliver((request_id, exc) for request_id in ids)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)

@@ -1,0 +1,188 @@
+"""The engine in a process of its own (the layout of vLLM V1 and SGLang), and this process's
+client of it.
+
+The API process keeps HTTP, tokenization, validation and detokenization; the engine process
+schedules and runs the forward passes in its main thread with all of `--threads` for intra-op
+work, so neither waits for the other's Python. Commands ("add" a validated `EngineRequest`,
+"abort", "shutdown") and each step's events cross two ZeroMQ PUSH/PULL sockets on Unix-domain
+paths in a private temporary folder, pickled: both ends are this package, started by this
+process.
+
+If the engine process dies, every request in flight fails with `EngineDead` (HTTP 503), the
+client reports not alive (/health 503) and calls `on_death`, which `serve` uses to stop with a
+non-zero exit code. If the API process dies, the engine process notices within a second and
+exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+from lmfoundry.errors import UserError
+from lmfoundry.runtime.engine.client import EngineClient, EngineDead
+from lmfoundry.runtime.engine.core import EngineSpec
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 1000  # the receiver thread looks at the engine process at least this often
+ENGINE_MAIN = "import sys; from lmfoundry.runtime.engine.core import main; main(sys.argv[1])"
+
+
+class EngineCoreClient(EngineClient):
+    """Start the engine process for `spec` and wait until its engine is built (or raise the
+    UserError it failed with). `on_death(exitcode)` is called from the receiver thread if the
+    engine process ends while the client is open."""
+
+    def __init__(self, spec: EngineSpec, on_death: Callable[[int | None], None] | None = None,
+                 start_timeout: float | None = None) -> None:
+        import zmq
+
+        self._dir = tempfile.mkdtemp(prefix="lmfoundry-engine-")  # mode 0700: this user's sockets only
+        self._ctx = zmq.Context()
+        self._commands = self._ctx.socket(zmq.PUSH)
+        self._commands.bind(f"ipc://{self._dir}/commands")
+        self._outputs = self._ctx.socket(zmq.PULL)
+        self._outputs.bind(f"ipc://{self._dir}/outputs")
+        self._send_lock = threading.Lock()
+        self._on_death = on_death
+        self._closing = False
+        self._alive = False
+        self._stats: dict[str, float] = {}
+        # A fresh interpreter, not a fork (this process holds threads and OpenMP pools) and not
+        # multiprocessing's spawn (which re-runs the caller's main script in the child).
+        with open(f"{self._dir}/spec.pickle", "wb") as f:
+            pickle.dump((sys.path, spec, os.getpid()), f)
+        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir])
+        self._exited = _exit_fd(self.process.pid)
+        try:
+            info, tokenizer, stats = self._handshake(start_timeout)
+        except BaseException:
+            self._close(kill=True)
+            raise
+        super().__init__(info.capacity)
+        self.info, self.tokenizer, self._stats = info, tokenizer, stats
+        self._alive = True
+        self._receiver = threading.Thread(target=self._receive, name="lmfoundry-engine-outputs", daemon=True)
+        self._receiver.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def is_alive(self) -> bool:
+        return self._alive
+
+    def stats(self) -> dict[str, float]:
+        return self._stats
+
+    def _handshake(self, timeout: float | None) -> tuple[Any, Any, dict[str, float]]:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._outputs, zmq.POLLIN)
+        if self._exited is not None:
+            poller.register(self._exited, zmq.POLLIN)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ready = dict(poller.poll(POLL_MS))
+            if self._outputs in ready:
+                message = self._outputs.recv_pyobj()
+                if message[0] == "failed":
+                    raise UserError(message[1])
+                _, info, tokenizer, stats = message
+                return info, tokenizer, stats
+            if self.process.poll() is not None:
+                raise UserError(f"the engine process exited while starting (exit code {self.process.returncode}); "
+                                f"see its output above")
+            if deadline is not None and time.monotonic() > deadline:
+                raise UserError(f"the engine process did not start within {timeout:g} s")
+
+    def _send(self, command: tuple) -> None:
+        with self._send_lock:
+            if not self._closing:
+                self._commands.send_pyobj(command)
+
+    def _receive(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._outputs, zmq.POLLIN)
+        if self._exited is not None:
+            poller.register(self._exited, zmq.POLLIN)
+        while not self._closing:
+            ready = dict(poller.poll(POLL_MS))
+            if self._outputs in ready:
+                self._drain()
+            if self.process.poll() is not None:
+                self._drain()  # what it sent before it went
+                self._alive = False
+                if not self._closing:
+                    self._died()
+                return
+
+    def _drain(self) -> None:
+        import zmq
+
+        while True:
+            try:
+                message = self._outputs.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            _, delivery, self._stats = message
+            self.deliver(delivery)
+
+    def _died(self) -> None:
+        code = self.process.returncode
+        log.error("the engine process died (exit code %s); failing the requests in flight", code)
+        self.fail_all(EngineDead(f"the engine process died (exit code {code})"))
+        if self._on_death is not None:
+            self._on_death(code)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine process to exit (the requests still in it are dropped), wait for it,
+        and release the sockets; kill it if it does not go."""
+        if self._alive:
+            self._send(("shutdown",))
+        self._close(kill=False, timeout=timeout)
+
+    def _close(self, kill: bool, timeout: float = 10.0) -> None:
+        with self._send_lock:
+            self._closing = True
+        if not kill:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine process did not exit within %g s; killing it", timeout)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)
+        self._alive = False
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None and receiver is not threading.current_thread():
+            receiver.join(POLL_MS / 1000 * 2)
+        self._commands.close(linger=0)
+        self._outputs.close(linger=0)
+        self._ctx.term()
+        if self._exited is not None:
+            os.close(self._exited)
+            self._exited = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process `pid` exits (Linux's pidfd), so the
+    receiver wakes at once; None where there is none (then it looks every POLL_MS)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None

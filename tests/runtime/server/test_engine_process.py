@@ -1,0 +1,99 @@
+"""The engine in a process of its own (`EngineCoreClient`, what `serve` runs): its death is a
+503 and a non-zero exit, never a hang; the API process's death ends it; a failed start is one
+line; `serve` steps with its --threads in the engine process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from lmfoundry.errors import UserError
+from lmfoundry.runtime.engine.core import EngineSpec
+from lmfoundry.runtime.engine.core_client import EngineCoreClient
+from lmfoundry.runtime.engine.toy import save_toy_checkpoint, toy_engine
+from helpers import start_serve, stop_serve, wait_for_url
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _wait(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_engine_death_fails_requests_in_flight_with_503(make_server) -> None:
+    with make_server(step_delay=0.02) as live:
+        result: dict = {}
+
+        def long_request() -> None:
+            result["r"] = httpx.post(f"{live.url}/v1/completions", timeout=60,
+                                     json={"prompt": "x", "max_tokens": 200, "ignore_eos": True})
+
+        caller = threading.Thread(target=long_request)
+        caller.start()
+        assert _wait(lambda: live.engine.stats()["requests_running"] > 0)
+        os.kill(live.engine.pid, signal.SIGKILL)
+        caller.join(timeout=30)
+        r = result["r"]
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_unavailable"
+        assert "died" in r.json()["error"]["message"]
+        assert httpx.get(f"{live.url}/health").status_code == 503
+        again = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert again.status_code == 503
+
+
+def test_failed_start_is_one_user_error() -> None:
+    with pytest.raises(UserError, match="speculative"):
+        EngineCoreClient(EngineSpec(toy_engine, kwargs=dict(speculative="bogus")))
+
+
+def test_engine_steps_in_its_own_process_and_leaves_with_the_api(tmp_path) -> None:
+    """A streamed request is served by a child process; killing `serve` outright (no chance to
+    shut the engine down) still ends the engine within seconds."""
+    folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
+    proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
+                        "--dtype", "float32", "--skip-verify"])
+    try:
+        url = wait_for_url(proc).removesuffix("/v1")
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 1  # the engine process
+        engine = children[0]
+        cpu_before = engine.cpu_times().user
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 64, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64
+        assert engine.cpu_times().user > cpu_before  # the forward passes ran there
+        proc.kill()
+        proc.wait(10)
+        assert _wait(lambda: not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE, 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_exits_non_zero_when_the_engine_dies(tmp_path) -> None:
+    folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
+    proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
+                        "--dtype", "float32", "--skip-verify"])
+    try:
+        url = wait_for_url(proc).removesuffix("/v1")
+        assert httpx.get(f"{url}/health").status_code == 200
+        psutil.Process(proc.pid).children()[0].kill()
+        code = proc.wait(30)
+        out = proc.stdout.read()
+        assert code == 1, out
+        assert "error: the engine process died" in out
+    finally:
+        if proc.poll() is None:
+            stop_serve(proc)
