@@ -224,3 +224,50 @@ def packed_linear(qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module |
     if qw.args.num_bits <= 4:
         return Int4PackLinear.from_quantized(qw, bias)
     return Int8PackLinear.from_quantized(qw, bias)
+
+
+class PrepackedLinear(nn.Module):
+    """A dense bfloat16 linear whose weight oneDNN has reordered once into its blocked layout.
+
+    `F.linear` on a plain bf16 weight makes oneDNN reorder it on every call; for the small layers
+    of a decode step that reorder costs about as much as the product (the weight-streaming rate
+    of a plain call is well below the machine's; benchmarks/results/step_profile.md). vLLM's CPU
+    backend prepacks the same way. The product is oneDNN's same kernel, so outputs equal
+    `F.linear`'s bit for bit. The packed weight is opaque: this module is for serving, not for
+    tracing (`compile --arch cpu` traces the plain model); `.weight` unpacks a copy."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = linear.bias.detach() if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain [out, in] weight, unpacked on demand (a copy: nothing dense is kept)."""
+        return self.packed.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bf16 oneDNN-prepacked"
+
+
+def can_prepack(dtype: torch.dtype) -> bool:
+    """Whether dense linears of a CPU model running in `dtype` can be prepacked (bf16 on a CPU
+    whose oneDNN has bf16 kernels)."""
+    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() \
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def prepack_dense_linears(model: nn.Module) -> int:
+    """Swap every dense bf16 `nn.Linear` of a CPU model for a `PrepackedLinear` (the runtime
+    module swap for serving); returns how many. Tied weights (an LM head sharing the embedding)
+    get a packed copy; the embedding keeps its plain tensor for lookups."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
+             and child.weight.device.type == "cpu"]
+    for parent, name, child in swaps:
+        setattr(parent, name, PrepackedLinear(child))
+    return len(swaps)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lmfoundry.model.cpu_linears import can_prepack, prepack_dense_linears
 from lmfoundry.runtime.engine.attention import Chunk, DecodeGroup, PagedAttention
 from lmfoundry.runtime.engine.config import EngineConfig
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
@@ -70,6 +71,8 @@ class ReferenceModelExecutor:
 
     def __init__(self, model: nn.Module, config: EngineConfig) -> None:
         self.model = model.eval()
+        if can_prepack(model.dtype) and model.model.embed_tokens.weight.device.type == "cpu":
+            prepack_dense_linears(model)  # serving-time module swap: oneDNN reorders each weight once
         self.engine_config = config
         self.config = model.config
         self.dtype = model.dtype

@@ -15,7 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.model.cpu_linears import DEQUANT_ROWS, Int4PackLinear, Int8PackLinear, packed_linear
+from lmfoundry.model.cpu_linears import (
+    DEQUANT_ROWS,
+    Int4PackLinear,
+    Int8PackLinear,
+    PrepackedLinear,
+    can_prepack,
+    packed_linear,
+    prepack_dense_linears,
+)
 from lmfoundry.model.linears import build_linear
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.base import QuantizedWeight
@@ -136,3 +144,41 @@ def test_act_order_groups_must_be_equal() -> None:
     qw.g_idx = torch.zeros(256, dtype=torch.long)  # every column in group 0
     reason = packed_linear(qw, None)
     assert isinstance(reason, str) and "g_idx" in reason
+
+
+needs_bf16_onednn = pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="oneDNN has no bf16 kernels here")
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_equals_f_linear_exactly(rows: int, bias: bool) -> None:
+    """oneDNN's product over the prepacked weight is F.linear's own kernel: equal bit for bit, at
+    every row count, 2-D and 3-D inputs alike."""
+    g = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(200, 96, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(200, generator=g))
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    packed = PrepackedLinear(lin)
+    assert torch.equal(packed.weight, lin.weight)
+    assert torch.equal(packed(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    x3 = x.reshape(1, rows, 96)
+    assert torch.equal(packed(x3), torch.nn.functional.linear(x3, lin.weight, lin.bias))
+
+
+@needs_bf16_onednn
+def test_prepack_swaps_the_dense_bf16_linears_and_keeps_the_model_output() -> None:
+    from lmfoundry.runtime.engine.toy import toy_model
+
+    model = toy_model(seed=3, dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids)
+        n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+        assert prepack_dense_linears(model) == n_linear > 0
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        assert torch.equal(model(ids), want)
+    assert prepack_dense_linears(toy_model(seed=3)) == 0  # float32 models stay as they are
