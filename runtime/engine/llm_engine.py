@@ -242,6 +242,8 @@ class LLMEngine:
         step that accepts several tokens stops exactly where plain decoding would."""
         p = seq.params
         seq.token_ids.append(token)
+        if seq.times.first_token is None:
+            seq.times.first_token = time.monotonic()
         self.num_generation_tokens_total += 1
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -284,6 +286,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=seq.prompt_logprobs if first else None,
+            times=seq.times,
         )
 
     def _mark_finished_requests(self, events: list[StepEvent]) -> None:

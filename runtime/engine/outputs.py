@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmfoundry.runtime.engine.sequence import TokenLogprob
+from lmfoundry.runtime.engine.sequence import SequenceTimes, TokenLogprob
 
 
 @dataclass
@@ -23,6 +23,7 @@ class StepEvent:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, on the sequence's first event
     # Why the request failed (finish_reason "error"): the engine failed it alone and freed its blocks.
     error: Exception | None = None
+    times: SequenceTimes | None = None  # when it was scheduled, got its first token, finished (so far)
 
 
 @dataclass

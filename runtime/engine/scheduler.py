@@ -18,6 +18,8 @@ anybody for a guess.
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 
 from lmfoundry.runtime.engine.block_manager import BlockManager
@@ -85,6 +87,8 @@ class Scheduler:
             bm.admit(seq, matched, len(matched) * bm.block_size + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.times.scheduled is None:
+                seq.times.scheduled = time.monotonic()  # queue time ends at first admission
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
@@ -109,3 +113,4 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.times.finished = time.monotonic()

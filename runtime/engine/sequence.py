@@ -39,6 +39,16 @@ class TokenLogprob:
 _ids = itertools.count()
 
 
+@dataclass
+class SequenceTimes:
+    """When (time.monotonic, shared by the processes of one machine) the sequence was first
+    scheduled, got its first output token and finished: its queue, prefill and decode times."""
+
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
 class Sequence:
     def __init__(
         self,
@@ -57,6 +67,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.times = SequenceTimes()
 
         # KV state: tokens [0, num_computed_tokens) have their K/V written into block_table.
         self.num_computed_tokens = 0

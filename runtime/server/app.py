@@ -153,7 +153,7 @@ class OpenAIServer:
         self.vocab_size = engine.info.vocab_size
         self.max_model_len = engine.info.max_model_len
         self.validator = RequestValidator(engine.info, self.tokenizer)
-        self.metrics = ServerMetrics(engine.stats, model_name)
+        self.metrics = ServerMetrics(engine.stats, model_name, self.max_model_len)
         self.created = int(time.time())
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
 
@@ -230,7 +230,7 @@ class OpenAIServer:
                 raise _engine_dead(exc) from None
             raise APIError(400, str(exc)) from None
         eos = self.engine.info.eos_token_ids
-        return _merge([self.metrics.observe(detokenize(st.__aiter__(), ids, params, self.tokenizer, eos), start)
+        return _merge([self.metrics.observe(detokenize(st.__aiter__(), ids, params, self.tokenizer, eos), start, params)
                        for st, ids in zip(streams, prompts)], streams)
 
     # ---- /v1/completions --------------------------------------------------------------------

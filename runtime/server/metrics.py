@@ -5,7 +5,8 @@ speculative decoding's draft and accepted tokens and their ratio) read at scrape
 Every series carries a `model_name` label (the served model name), as vLLM's do, so that one
 Prometheus and one dashboard (`dashboards/lmfoundry.json`) can tell several servers apart.
 The labelled series a dashboard plots exist from the start (zero until something happens), so
-panels show 0 rather than "no data" on a fresh server.
+panels show 0 rather than "no data" on a fresh server. vLLM's series (`vllm:*`, vllm_metrics.py)
+are exported beside ours from the same measurements.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from lmfoundry.runtime.engine.outputs import StepEvent
+from lmfoundry.runtime.engine.sampling_params import SamplingParams
+from lmfoundry.runtime.server.vllm_metrics import VllmEngineCollector, VllmRequestMetrics
 
 EngineStats = Callable[[], dict[str, float]]  # `EngineClient.stats`: the engine's counters as of its last step
 
@@ -71,7 +74,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
-    def __init__(self, stats: EngineStats, model_name: str) -> None:
+    def __init__(self, stats: EngineStats, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         label = ["model_name"]
@@ -88,6 +91,8 @@ class ServerMetrics:
         self.rejected = Counter("lmfoundry_requests_rejected", "Requests refused with an HTTP error",
                                 ["model_name", "status"], registry=self.registry)
         self.registry.register(EngineCollector(stats, model_name))
+        self.vllm = VllmRequestMetrics(self.registry, model_name, max_model_len)
+        self.registry.register(VllmEngineCollector(stats, model_name))
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(self.model_name, reason).inc()
@@ -98,10 +103,15 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def observe(self, events: AsyncIterator[StepEvent], start: float) -> AsyncIterator[StepEvent]:
-        """Pass events through, timing the first token, the gaps between tokens and the end. A
-        request the engine failed is counted with finish_reason "error", one the client left as "abort"."""
+    async def observe(self, events: AsyncIterator[StepEvent], start: float, params: SamplingParams
+                      ) -> AsyncIterator[StepEvent]:
+        """Pass one engine request's events through, timing the first token, the gaps between
+        tokens and the end. A request the engine failed is counted with finish_reason "error",
+        one the client left as "abort"."""
         last: dict[int, float] = {}
+        first_token: float | None = None
+        last_event: StepEvent | None = None
+        generated = 0
         reason = "abort"
         try:
             async for ev in events:
@@ -110,18 +120,28 @@ class ServerMetrics:
                     prev = last.get(ev.index)
                     if prev is None:
                         self.ttft.observe(now - start)
+                        if first_token is None:
+                            first_token = now
+                            self.vllm.ttft.observe(now - start)
                     else:
                         gap = (now - prev) / len(ev.token_ids)
                         for _ in ev.token_ids:
                             self.itl.observe(gap)
+                            self.vllm.itl.observe(gap)
                     last[ev.index] = now
+                    generated += len(ev.token_ids)
                 if ev.finish_reason is not None:
                     reason = ev.finish_reason
+                if ev.index == 0:
+                    last_event = ev
                 yield ev
         except Exception:
             reason = "error"
             raise
         finally:
+            end = time.monotonic()
             if reason not in ("abort", "error"):
-                self.e2e.observe(time.monotonic() - start)
+                self.e2e.observe(end - start)
             self.count_finished(reason)
+            self.vllm.observe_request(start, first_token, end, reason, last_event, generated, params.n,
+                                      params.max_tokens)

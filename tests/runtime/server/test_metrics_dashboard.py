@@ -143,3 +143,46 @@ def test_dashboard_queries_only_exported_metrics(live) -> None:
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "model_name"]
+
+
+# The vLLM series we promise (name -> Prometheus type), so that dashboards and autoscalers built
+# for vLLM find them; each carries vLLM's labels model_name and engine.
+VLLM_SERIES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:spec_decode_num_draft_tokens": "counter", "vllm:spec_decode_num_accepted_tokens": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram", "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:request_params_n": "histogram", "vllm:request_params_max_tokens": "histogram",
+}
+
+
+def test_vllm_series_are_exported_with_vllm_names_types_and_labels(live) -> None:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{live.url}/metrics").text)}
+    for name, kind in VLLM_SERIES.items():
+        assert name in families, name
+        assert families[name].type == kind, (name, families[name].type)
+        for sample in families[name].samples:
+            assert sample.labels["model_name"] == "toy" and sample.labels["engine"] == "0", sample
+
+    def value(name: str, **labels: str) -> float:
+        return sum(s.value for f in families.values() for s in f.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    # The fixture's traffic: two finished requests of 4 tokens each.
+    assert value("vllm:request_success_total", finished_reason="length") == 2
+    assert value("vllm:generation_tokens_total") == value("lmfoundry_generation_tokens_total") == 8
+    assert value("vllm:request_generation_tokens_sum") == 8
+    assert value("vllm:prompt_tokens_total") == value("lmfoundry_prompt_tokens_total")
+    for phase in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+                  "request_inference_time", "time_to_first_token"):
+        assert value(f"vllm:{phase}_seconds_count") == 2, phase
+    # the engine's phases fit inside what the server measured end to end
+    inside = sum(value(f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode"))
+    assert 0 < inside <= value("vllm:e2e_request_latency_seconds_sum")
+    assert value("vllm:inter_token_latency_seconds_count") == value("lmfoundry_inter_token_latency_seconds_count")
