@@ -257,6 +257,22 @@ def _write_metadata(writer: Any, reader: Any, config: Any, plan: Any, kinds: dic
     _write_tokenizer(writer, Path(reader.folder), config.vocab_size, pre)
 
 
+def _added_token_types(tokenizer_json: Path) -> dict[int, int]:
+    """Token id -> GGUF token type of the tokenizer's added tokens, as llama.cpp's converter types
+    them: CONTROL for special ones (and ones that look special, `<|...|>`), USER_DEFINED for the
+    rest. Typed NORMAL, llama.cpp splits `<|im_start|>` into text pieces and chat breaks."""
+    import json
+
+    import gguf
+
+    types = {}
+    for item in json.loads(tokenizer_json.read_text(encoding="utf-8")).get("added_tokens") or []:
+        content = str(item.get("content", ""))
+        special = bool(item.get("special")) or (content.startswith("<|") and content.endswith("|>"))
+        types[int(item["id"])] = int(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+    return types
+
+
 def _write_tokenizer(writer: Any, folder: Path, n_vocab: int, pre: str) -> None:
     """BPE vocabulary from tokenizer.json, padded to the embedding's rows (llama.cpp requires one
     token per row), plus merges, special token ids and the chat template."""
@@ -270,9 +286,10 @@ def _write_tokenizer(writer: Any, folder: Path, n_vocab: int, pre: str) -> None:
     except Exception as exc:  # gguf raises plain errors for tokenizers it cannot read
         raise UserError(f"{folder}/tokenizer.json: not a BPE tokenizer gguf can embed ({exc})") from None
     tokens, toktypes = [], []
-    for text, _score, toktype in vocab.all_tokens():
+    added = _added_token_types(folder / "tokenizer.json")
+    for i, (text, _score, toktype) in enumerate(vocab.all_tokens()):
         tokens.append(text.encode("utf-8") if isinstance(text, str) else text)
-        toktypes.append(int(toktype))
+        toktypes.append(int(added.get(i, toktype)))
     if len(tokens) > n_vocab:
         raise UserError(f"tokenizer has {len(tokens)} tokens but the embedding only {n_vocab} rows")
     for i in range(len(tokens), n_vocab):

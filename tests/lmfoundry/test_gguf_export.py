@@ -170,3 +170,32 @@ def test_refuses_what_has_no_exact_gguf_form(llama_src: Path, tmp_path: Path) ->
         assert not list(tmp_path.glob(f"*{label}.gguf*"))  # nothing half-written
     with pytest.raises(UserError, match="not a quantized checkpoint"):
         export_gguf(llama_src, tmp_path / "float.gguf", progress=False)
+
+
+def test_special_tokens_are_control_tokens_and_the_chat_template_rides_along(llama_src: Path,
+                                                                              tmp_path: Path) -> None:
+    """llama.cpp (and Ollama) parse `<|im_start|>` as one token only when its GGUF type is
+    CONTROL; typed NORMAL it is split into text and chat echoes the prompt. Read back with the
+    `gguf` package: every added special token of the tokenizer is CONTROL, the rest NORMAL."""
+    import json
+
+    import gguf
+
+    ckpt = _quantize(llama_src, tmp_path / "q", scheme="w4a16", group_size=32)
+    export_gguf(ckpt, tmp_path / "m.gguf", progress=False)
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    field = reader.fields["tokenizer.ggml.token_type"]
+    types = [int(field.parts[i][0]) for i in field.data]
+    tokens_field = reader.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(tokens_field.parts[i]).decode() for i in tokens_field.data]
+    added = json.loads((llama_src / "tokenizer.json").read_text())["added_tokens"]
+    special = {item["id"] for item in added if item["special"]}
+    assert "<|im_start|>" in {tokens[i] for i in special}
+    for i in special:
+        assert types[i] == gguf.TokenType.CONTROL, (tokens[i], types[i])
+    assert all(types[i] == gguf.TokenType.NORMAL for i in range(len(tokens)) if i not in special
+               and not tokens[i].startswith("[PAD"))
+    from transformers import AutoTokenizer
+
+    template = reader.fields["tokenizer.chat_template"]
+    assert bytes(template.parts[template.data[0]]).decode() == AutoTokenizer.from_pretrained(ckpt).chat_template

@@ -310,8 +310,8 @@ def test_capped_context_is_reported(capsys) -> None:
     from lmfoundry.commands.serve import _note_capped_context
 
     engine = LLMEngine(toy_model(seed=2), byte_tokenizer(), EngineConfig(num_kv_blocks=4, block_size=8))
-    _note_capped_context(engine, None, 0.001)
+    _note_capped_context(engine.info, None, 0.001)
     err = capsys.readouterr().err
     assert "holds 32 tokens" in err and "context of 512" in err and err.count("\n") == 1
-    _note_capped_context(engine, 32, 0.001)  # asked for explicitly: nothing to report
+    _note_capped_context(engine.info, 32, 0.001)  # asked for explicitly: nothing to report
     assert capsys.readouterr().err == ""
