@@ -40,22 +40,9 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_peers import free_port, loadavg, stop, wait_ready  # noqa: E402
+from _servers import LLAMA_CPP_SHIM, free_port, loadavg, stop, tree_cpu_seconds, tree_rss, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
-# xllamacpp ships llama.cpp's server as a library (no CLI): run it in the side venv until SIGINT
-LLAMA_CPP_SHIM = """
-import signal, sys
-import xllamacpp as x
-gguf, port, threads, parallel, ctx = sys.argv[1], *map(int, sys.argv[2:6])
-p = x.CommonParams()
-p.model.path, p.n_ctx, p.n_parallel, p.port, p.hostnames = gguf, ctx, parallel, port, ["127.0.0.1"]
-p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads
-p.model_alias = {"model"}
-server = x.Server(p)
-print("listening", server.listening_address, flush=True)
-signal.sigwait({signal.SIGINT, signal.SIGTERM})
-"""
 ARTIFACTS = {  # name -> quantize arguments (RTN: data-free, so every artifact is reproducible)
     "w4a16": ["--method", "rtn", "--scheme", "w4a16", "--group-size", "32", "--dtype", "float16"],
     "w8a16": ["--method", "rtn", "--scheme", "w8a16", "--per-channel"],
@@ -97,28 +84,6 @@ def server_command(peer: str, target: str, args: argparse.Namespace, port: int) 
     return [sys.executable, "-m", "lmfoundry.cli", "serve", target, "--port", str(port), "--threads",
             str(args.threads), "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
             "--max-num-batched-tokens", "512", "--served-model-name", "model"]
-
-
-def tree_cpu_seconds(proc: psutil.Process) -> float:
-    """user + system seconds of a process, its live descendants and the children it reaped."""
-    total = 0.0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def tree_rss(proc: psutil.Process) -> int:
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def measure(peer: str, target: str, args: argparse.Namespace, levels: list[int], requests: int | None = None,

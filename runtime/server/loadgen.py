@@ -3,7 +3,10 @@
 Each concurrency level sends a fixed number of streaming /v1/completions requests with at most
 `concurrency` in flight, greedy, with a fixed `max_tokens` (and `ignore_eos`, so every server
 produces the same amount of work). Prompts share a long prefix and differ in a short suffix, the
-shape of chat traffic with a common system prompt, which is what prefix caching is for.
+shape of chat traffic with a common system prompt, which is what prefix caching is for. With
+`shared_fraction` below 1, only that fraction shares the prefix; the others are distinct prompts of
+the same length that share nothing from their first token on (traffic a prefix cache cannot serve
+entirely: benchmarks/serve_peers.py uses 0.75).
 
 Per request: time to first token (TTFT), the gaps between streamed chunks (inter-token latency,
 ITL) and end-to-end latency; per level: percentiles and output tokens per second of wall time.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,17 +35,45 @@ _SENTENCES = (
 )
 
 
-def make_prompts(num: int, prefix_words: int, seed: int = 0) -> list[str]:
-    """`num` prompts: one shared prefix of about `prefix_words` words, then a distinct question."""
+def _body(prefix_words: int, seed: int) -> str:
+    """About `prefix_words` words of plain notes, starting at sentence `seed` of the pool."""
     words: list[str] = []
     i = seed
     while len(words) < prefix_words:
         words.extend(_SENTENCES[i % len(_SENTENCES)].split())
         i += 3
+    return " ".join(words[:prefix_words])
+
+
+def is_shared(k: int, shared_fraction: float) -> bool:
+    """Whether request number `k` uses the shared prefix: the distinct ones are spread evenly
+    (0.75: every 4th is distinct), so any run of requests holds about the same mix."""
+    if shared_fraction >= 1.0:
+        return True
+    rest = 1.0 - max(shared_fraction, 0.0)
+    return math.floor((k + 1) * rest + 1e-9) == math.floor(k * rest + 1e-9)
+
+
+def make_prompts(num: int, prefix_words: int, seed: int = 0, shared_fraction: float = 1.0,
+                 start: int = 0) -> list[str]:
+    """`num` prompts: one shared prefix of about `prefix_words` words, then a distinct question.
+
+    With `shared_fraction` < 1, only that fraction of the prompts carries the shared prefix; each
+    of the others opens with its own number and notes of the same length, so a prefix cache has
+    nothing to reuse for it. `start` numbers the prompts from there, so that successive calls
+    (one per concurrency level) never repeat a prompt a server may hold in its cache.
+    """
     prefix = "You are a helpful assistant. Read the notes below and answer the question.\n\n"
-    prefix += " ".join(words[:prefix_words])
-    return [f"{prefix}\n\nQuestion {k}: in one paragraph, what does note {k % 8 + 1} say about step {k}?\nAnswer:"
-            for k in range(num)]
+    prefix += _body(prefix_words, seed)
+    out = []
+    for k in range(start, start + num):
+        question = f"Question {k}: in one paragraph, what does note {k % 8 + 1} say about step {k}?\nAnswer:"
+        if is_shared(k, shared_fraction):
+            out.append(f"{prefix}\n\n{question}")
+        else:
+            own = f"Request {k}. You are a careful reader. Study these notes, then answer the question.\n\n"
+            out.append(f"{own}{_body(prefix_words, seed + 1 + k % 7)}\n\n{question}")
+    return out
 
 
 @dataclass
@@ -104,8 +136,20 @@ async def one_request(client: httpx.AsyncClient, base_url: str, model: str, prom
     return res
 
 
+def time_per_token(r: RequestResult) -> float | None:
+    """Seconds per output token after the first chunk: (last chunk - first chunk) / (tokens - 1).
+    Unlike ITL (the gaps between chunks) it does not depend on how many tokens a server puts in one
+    streamed chunk, so it compares servers that chunk differently."""
+    if r.ttft is None or r.output_tokens < 2:
+        return None
+    return sum(r.itl) / (r.output_tokens - 1)
+
+
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
-                    max_tokens: int, api_key: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+                    max_tokens: int, api_key: str | None = None, timeout: float = 600.0,
+                    per_token: bool = False) -> dict[str, Any]:
+    """One level: `num_requests` requests, at most `concurrency` in flight. `per_token` adds
+    "tpot_s" (percentiles over requests of `time_per_token`) and "chunks" (streamed chunks with text)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -120,7 +164,7 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         wall = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
     errors = [r.error for r in results if r.error is not None]
-    return {
+    level = {
         "concurrency": concurrency,
         "requests": len(ok),
         "errors": len(errors),
@@ -132,6 +176,10 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         "itl_s": percentiles([x for r in ok for x in r.itl]),
         "e2e_s": percentiles([r.e2e for r in ok]),
     }
+    if per_token:
+        level["tpot_s"] = percentiles([t for r in ok if (t := time_per_token(r)) is not None])
+        level["chunks"] = sum(len(r.itl) + 1 for r in ok if r.ttft is not None)
+    return level
 
 
 def normalize_url(url: str) -> str:
@@ -149,8 +197,13 @@ async def served_model(base_url: str, api_key: str | None = None) -> str:
 
 async def run_bench(url: str, concurrency: list[int], max_tokens: int, prefix_words: int,
                     requests_per_level: int | None = None, model: str | None = None, api_key: str | None = None,
-                    warmup: int = 1, log: Any = None) -> dict[str, Any]:
-    """The whole benchmark: levels in increasing concurrency, results in the documented schema."""
+                    warmup: int = 1, log: Any = None, shared_fraction: float = 1.0) -> dict[str, Any]:
+    """The whole benchmark: levels in increasing concurrency, results in the documented schema.
+
+    `shared_fraction` 1 (the default, `lmfoundry bench`) sends every level the same prompts, all
+    sharing one prefix. Below 1 it sends the mix of `make_prompts` and numbers each level's prompts
+    past the previous level's, so no level finds its distinct prompts already cached.
+    """
     base = normalize_url(url)
     model = model or await served_model(base, api_key)
     n_max = max(requests_per_level or 0, 2 * max(concurrency))
@@ -158,13 +211,18 @@ async def run_bench(url: str, concurrency: list[int], max_tokens: int, prefix_wo
     if warmup:
         await run_level(base, model, make_prompts(1, prefix_words, seed=1), 1, warmup, max_tokens, api_key)
     levels = []
+    start = 0
     for c in concurrency:
         n = requests_per_level or max(2 * c, 8)
+        if shared_fraction < 1.0:
+            prompts = make_prompts(n, prefix_words, shared_fraction=shared_fraction, start=start)
+            start += n
         level = await run_level(base, model, prompts, c, n, max_tokens, api_key)
         levels.append(level)
         if log:
             log(format_level(level))
-    return {"url": base, "model": model, "max_tokens": max_tokens, "prefix_words": prefix_words, "levels": levels}
+    out = {"url": base, "model": model, "max_tokens": max_tokens, "prefix_words": prefix_words, "levels": levels}
+    return out if shared_fraction >= 1.0 else out | {"shared_fraction": shared_fraction}
 
 
 def _ms(d: dict[str, float | None], key: str) -> str:

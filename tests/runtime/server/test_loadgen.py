@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmfoundry.runtime.server.loadgen import make_prompts, percentiles
+from lmfoundry.runtime.server.loadgen import RequestResult, is_shared, make_prompts, percentiles, time_per_token
 
 
 def test_percentiles_interpolate() -> None:
@@ -20,3 +20,43 @@ def test_prompts_share_a_prefix_and_differ() -> None:
     while len({p[:common] for p in ps}) > 1:
         common -= 1
     assert common > 200
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_shared_fraction_mixes_shared_and_distinct_prompts() -> None:
+    # the default keeps `lmfoundry bench`'s prompts exactly
+    assert make_prompts(6, 50, shared_fraction=1.0) == make_prompts(6, 50)
+    ps = make_prompts(16, 300, shared_fraction=0.75)
+    shared = [p for k, p in enumerate(ps) if is_shared(k, 0.75)]
+    distinct = [p for k, p in enumerate(ps) if not is_shared(k, 0.75)]
+    assert len(shared) == 12 and len(distinct) == 4 and len(set(ps)) == 16
+    assert ps[:3] == make_prompts(3, 300)  # the shared ones are today's prompts
+    # a distinct prompt shares nothing a prefix cache could reuse with the others: at most part of
+    # its label ("Request 1" of "Request 13.")
+    for d in distinct:
+        assert all(_common_prefix(d, p) <= d.index(".") for p in ps if p is not d)
+    # of similar length
+    words = [len(p.split()) for p in ps]
+    assert max(words) - min(words) <= 0.1 * min(words)
+
+
+def test_shared_fraction_numbers_successive_calls_apart() -> None:
+    first, second = make_prompts(8, 50, shared_fraction=0.75), make_prompts(8, 50, shared_fraction=0.75, start=8)
+    assert not set(first) & set(second)
+    assert sum(is_shared(k, 0.75) for k in range(100)) == 75
+    assert not any(is_shared(k, 0.0) for k in range(10)) and all(is_shared(k, 1.0) for k in range(10))
+
+
+def test_time_per_token_does_not_depend_on_chunking() -> None:
+    # 9 tokens over 0.8 s after the first chunk: one token per chunk, or two per chunk after the first
+    one = RequestResult(ttft=0.5, itl=[0.1] * 8, output_tokens=9)
+    two = RequestResult(ttft=0.5, itl=[0.2] * 4, output_tokens=9)
+    assert time_per_token(one) == pytest.approx(0.1) and time_per_token(two) == pytest.approx(0.1)
+    assert time_per_token(RequestResult(ttft=0.5, output_tokens=1)) is None
+    assert time_per_token(RequestResult(output_tokens=5)) is None
