@@ -2,9 +2,11 @@
 
 The model calls `attend(layer, q, k, v)` with the new tokens of all scheduled sequences flattened
 into one [T, heads, head_dim] batch. We write the new K/V into their slots, then attend:
-- all single-token sequences (decodes) together: their K/V are gathered into a padded
-  [B, L, kv_heads, D] tensor and one masked SDPA call serves the whole group. Query heads are
-  viewed as [kv_heads, group] so grouped-query attention needs no K/V repeat.
+- single-token sequences (decodes) in groups: a group's K/V are gathered into a padded
+  [B, L, kv_heads, D] tensor and one masked SDPA call serves it. Query heads are viewed as
+  [kv_heads, group] so grouped-query attention needs no K/V repeat. Decodes that share a prompt
+  prefix (the same leading blocks, from the prefix cache) form a group of their own whose prefix
+  is read once (cascade attention); the others form one plain group.
 - each multi-token chunk (a prefill or a prefill chunk) on its own, causally, with its earlier
   tokens (prefix-cache hits or previous chunks) read back from the cache.
 The gather indices and masks are built once per step and shared by every layer.
@@ -28,6 +30,8 @@ from lmfoundry.model.reference import AttentionSpec, spec_attention
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers
 
 KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# SDPA's CPU flash kernel, which also returns each query's log-sum-exp (cascade merging needs it).
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass
@@ -55,13 +59,13 @@ class PagedAttention:
         cache: KVCacheLayers,
         round_trips: list[KVRoundTrip | None],
         slot_mapping: torch.Tensor,
-        decode: DecodeGroup | None,
+        decodes: list[DecodeGroup],
         chunks: list[Chunk],
     ) -> None:
         self.cache = cache
         self.round_trips = round_trips
         self.slot_mapping = slot_mapping
-        self.decode = decode
+        self.decodes = decodes
         self.chunks = chunks
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -72,11 +76,10 @@ class PagedAttention:
         self.cache.write(layer_idx, self.slot_mapping, k, v)
         if spec is not None:
             return self._attend_spec(layer_idx, q, k, v, spec)
-        d, only_decode = self.decode, not self.chunks
-        if only_decode and d is not None and d.rows is None:
-            return self._decode(layer_idx, q, d)
+        if len(self.decodes) == 1 and self.decodes[0].rows is None:  # decodes only, in order
+            return self._decode(layer_idx, q, self.decodes[0])
         out = torch.empty_like(q)
-        if d is not None:
+        for d in self.decodes:
             out[d.rows] = self._decode(layer_idx, q[d.rows], d)
         for c in self.chunks:
             out[c.start : c.end] = self._chunk(layer_idx, q[c.start : c.end], k, v, c)
@@ -86,8 +89,7 @@ class PagedAttention:
                      spec: AttentionSpec) -> torch.Tensor:
         """Every group of the step under `spec` (scale, soft-cap, window), at absolute positions."""
         out = torch.empty_like(q)
-        d = self.decode
-        if d is not None:
+        for d in self.decodes:
             b = d.blocks.shape[0]
             rows = d.rows if d.rows is not None else torch.arange(b, device=q.device)
             kk, vv = self.cache.read(layer_idx, d.blocks)  # [B, L, Hkv, D]
@@ -120,31 +122,40 @@ class PagedAttention:
     def _decode_cascade(self, layer_idx: int, q: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
         """Decode attention split at the prefix all sequences share (cascade attention).
 
-        The shared blocks are read once and attended by every query of the batch in one matmul;
+        The shared blocks are read once and attended by every query of the batch in one call;
         each sequence then attends its own tail, and the two partial softmaxes are merged through
         their log-sum-exps. Without the split, each sequence would gather its own copy of the
         shared prefix in every layer: with 16 sequences on a 400-token system prompt that copy
-        is most of the memory traffic of a decode step on CPU."""
+        is most of the memory traffic of a decode step on CPU. On CPU both parts are one call
+        each of PyTorch's flash kernel, which returns the log-sum-exp; elsewhere plain matmuls."""
         b, hq, dim = q.shape
         ks, vs = self.cache.read(layer_idx, d.blocks[:1, : d.shared])  # [1, Ls, Hkv, D]
+        kt, vt = self.cache.read(layer_idx, d.blocks[:, d.shared :])  # [B, Lt, Hkv, D]
         hkv = ks.shape[2]
         g = hq // hkv
-        scale = dim**-0.5
-        qf = q.float().view(b, hkv, g, dim)
-        # shared prefix: all B*G queries of a KV head at once -> [Hkv, B*G, Ls]
-        q_all = qf.permute(1, 0, 2, 3).reshape(hkv, b * g, dim)
-        s1 = torch.matmul(q_all, ks[0].float().permute(1, 2, 0)) * scale
-        o1, lse1 = _softmax_av(s1, vs[0].float().transpose(0, 1))
-        o1 = o1.view(hkv, b, g, dim).permute(1, 0, 2, 3)
-        lse1 = lse1.view(hkv, b, g, 1).permute(1, 0, 2, 3)
-        # private tails: [B, Hkv, G, Lt]
-        kt, vt = self.cache.read(layer_idx, d.blocks[:, d.shared :])  # [B, Lt, Hkv, D]
-        s2 = torch.matmul(qf, kt.float().permute(0, 2, 3, 1)) * scale
-        s2 = s2.masked_fill(~d.mask[..., d.shared * self.cache.block_size :], float("-inf"))
-        o2, lse2 = _softmax_av(s2, vt.float().transpose(1, 2))
+        tail_mask = d.mask[..., d.shared * self.cache.block_size :]  # [B, 1, 1, Lt]
+        if q.device.type == "cpu" and ks.dtype == q.dtype:
+            qg = q.view(b, hkv, g, dim)
+            q_all = qg.transpose(0, 1).reshape(1, hkv, b * g, dim)  # every query of a KV head at once
+            o1, lse1 = _FLASH_CPU(q_all, ks.transpose(1, 2), vs.transpose(1, 2))
+            bias = torch.zeros(tail_mask.shape, dtype=q.dtype).masked_fill_(~tail_mask, float("-inf"))
+            o2, lse2 = _FLASH_CPU(qg, kt.transpose(1, 2), vt.transpose(1, 2), attn_mask=bias)
+            o1 = o1.view(hkv, b, g, dim).transpose(0, 1)
+            lse1 = lse1.view(hkv, b, g, 1).transpose(0, 1)
+            lse2 = lse2.view(b, hkv, g, 1)
+        else:
+            scale = dim**-0.5
+            qf = q.float().view(b, hkv, g, dim)
+            q_all = qf.permute(1, 0, 2, 3).reshape(hkv, b * g, dim)  # [Hkv, B*G, D]
+            s1 = torch.matmul(q_all, ks[0].float().permute(1, 2, 0)) * scale
+            o1, lse1 = _softmax_av(s1, vs[0].float().transpose(0, 1))
+            o1 = o1.view(hkv, b, g, dim).permute(1, 0, 2, 3)
+            lse1 = lse1.view(hkv, b, g, 1).permute(1, 0, 2, 3)
+            s2 = torch.matmul(qf, kt.float().permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, Lt]
+            o2, lse2 = _softmax_av(s2.masked_fill(~tail_mask, float("-inf")), vt.float().transpose(1, 2))
         top = torch.maximum(lse1, lse2)
         w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
-        return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype).reshape(b, hq, dim)
+        return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype).reshape(b, hq, dim)
 
     def _chunk(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Chunk) -> torch.Tensor:
         if c.blocks is None:

@@ -13,6 +13,7 @@ would exceed max_num_seqs running plus max_waiting_requests waiting.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import threading
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ class RequestStream:
             self.owner.abort(self.request_id)
 
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """Stream bookkeeping shared by the clients; subclasses move commands to the engine
     (`_send`) and deliver what it produces (`deliver`)."""
 
@@ -108,18 +109,21 @@ class EngineClient:
             return sum(s.num_seqs for s in self._streams.values())
 
     @property
+    @abc.abstractmethod
     def is_alive(self) -> bool:
-        raise NotImplementedError
+        """Whether the engine is stepping (or waiting for work)."""
 
+    @abc.abstractmethod
     def stats(self) -> dict[str, float]:
         """The engine's counters and gauges (`LLMEngine.stats`), as of its last step."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shutdown(self) -> None:
-        raise NotImplementedError
+        """Stop the engine; requests still in it are dropped."""
 
+    @abc.abstractmethod
     def _send(self, command: tuple) -> None:
-        raise NotImplementedError
+        """Hand ("add", EngineRequest) or ("abort", request_id) to the engine."""
 
     def submit(self, request: EngineRequest) -> RequestStream:
         """Enqueue a validated request now (raising QueueFull, EngineDead or ValueError for a

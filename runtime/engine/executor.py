@@ -107,6 +107,23 @@ class ReferenceModelExecutor:
         shared = int(torch.cumprod(same.to(torch.int64), 0).sum())
         return shared if shared * self.engine_config.block_size >= CASCADE_MIN_TOKENS else 0
 
+    def _decode_groups(self, step: StepInputs) -> list[list[int]]:
+        """The step's decodes (indices into decode_items) grouped for attention: sequences whose
+        tables start with the same block share a cached prompt prefix and attend it once as a
+        cascade group; the rest form one plain group. Grouping also pads each group only to its
+        own longest sequence."""
+        n = step.num_decode
+        if not n:
+            return []
+        if not self.engine_config.cascade_attention:
+            return [list(range(n))]
+        by_first: dict[int, list[int]] = {}
+        for i, (_, _, table) in enumerate(step.decode_items):
+            by_first.setdefault(table[0] if table else -1, []).append(i)
+        groups = [g for g in by_first.values() if len(g) > 1]
+        rest = sorted(i for g in by_first.values() if len(g) == 1 for i in g)
+        return groups + [rest] if rest else groups
+
     def forward(self, step: StepInputs) -> torch.Tensor:
         bs = step.block_size
         lossless = all(f.lossless for f in self.formats)
@@ -118,15 +135,19 @@ class ReferenceModelExecutor:
             blocks = torch.tensor(table[: -(-(c + n) // bs)], dtype=torch.long)
             mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None] if c > 0 else None
             chunks.append(Chunk(row, row + n, c, blocks, mask))
-        decode = None
-        if step.num_decode:
-            lengths = torch.tensor([c + 1 for c, _, _ in step.decode_items])
+        decodes = []
+        groups = self._decode_groups(step)
+        decode_items = step.decode_items
+        for members in groups:
+            items = [decode_items[i] for i in members]
+            lengths = torch.tensor([c + 1 for c, _, _ in items])
             width = -(-int(lengths.max()) // bs)
-            tables = torch.tensor([_table(t, width) for _, _, t in step.decode_items], dtype=torch.long)
+            tables = torch.tensor([_table(t, width) for _, _, t in items], dtype=torch.long)
             real = torch.arange(width * bs)[None, :] < lengths[:, None]
-            rows = torch.arange(step.num_decode) if chunks else None
-            decode = DecodeGroup(rows, tables, real[:, None, None, :], self._shared_blocks(tables))
-        context = PagedAttention(self.cache, self.round_trips, torch.tensor(step.slots, dtype=torch.long), decode,
+            in_order = len(groups) == 1 and not chunks
+            rows = None if in_order else torch.tensor(members, dtype=torch.long)
+            decodes.append(DecodeGroup(rows, tables, real[:, None, None, :], self._shared_blocks(tables)))
+        context = PagedAttention(self.cache, self.round_trips, torch.tensor(step.slots, dtype=torch.long), decodes,
                                  chunks)
         ids = torch.tensor(step.ids, dtype=torch.long)
         positions = torch.tensor(step.positions, dtype=torch.long)

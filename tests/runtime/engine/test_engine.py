@@ -230,6 +230,27 @@ def test_cascade_attention_over_a_shared_prefix_matches(model, monkeypatch) -> N
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_decodes_sharing_a_prefix_cascade_beside_ones_that_do_not(model, monkeypatch) -> None:
+    """A batch where only some sequences share the cached prefix (a system prompt on most
+    requests, not all): those form a cascade group, the others a plain group, and every sequence
+    decodes as alone."""
+    from lmfoundry.runtime.engine.attention import PagedAttention
+
+    shared = prompts(1, seed=14, lo=90, hi=91)[0]
+    ps = prompts(4, seed=16, lo=1, hi=12, prefix=shared) + prompts(3, seed=17, lo=20, hi=60)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=400, block_size=4, max_num_batched_tokens=64))
+    engine.generate([shared + [7]], SamplingParams(max_tokens=1, temperature=0))  # cache the prefix
+    groups: list[int] = []
+    original = PagedAttention._decode
+    monkeypatch.setattr(PagedAttention, "_decode",
+                        lambda self, *a: groups.append(len(self.decodes)) or original(self, *a))
+    outs = engine.generate(ps, [params] * len(ps))
+    assert max(groups) == 2  # the sharing sequences and the others, side by side in one step
+    for out, p in zip(outs, ps):
+        assert out.outputs[0].token_ids == reference_greedy(model, p, 16)
+
+
 def test_logit_bias_ids_outside_the_vocabulary_are_refused_up_front(model) -> None:
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=50))
     vocab = model.config.vocab_size
