@@ -1,0 +1,162 @@
+"""Where one decode step's time goes, at batch 1 and 32: scheduling, input preparation, the
+forward pass (and how much of it is inside PyTorch ops vs Python around them), the LM head,
+sampling with the token bookkeeping, and the rest of `LLMEngine.step`.
+
+    python benchmarks/step_profile.py --model smollm2-135m --threads 2 --out benchmarks/results/step_profile
+
+Each target (a checkpoint folder, model name or `--arch cpu` bundle) is loaded as `serve` loads
+it (bf16 by default), `batch` sequences are prefilled and brought into steady decode, then
+`--steps` decode steps are timed phase by phase (wrappers around the engine's own methods), and
+the same number again under torch.profiler, whose per-op self times say how much of the forward
+is spent inside ops. `--baseline` runs each target a second time with plain bf16 linears (no
+oneDNN prepacking), interleaved with the prepacked run, for the ratio in the same run. The prompts
+are short: attention over long contexts is not what this measures (serve_peers is). The profiler adds a few microseconds per op, so the step wall time comes
+from the unprofiled pass and only the op share from the profiled one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+PHASES = ("schedule", "inputs", "forward", "lm_head", "sample", "other")
+
+
+def _timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def profile_target(target: str, dtype: str, batch: int, steps: int, prepack: bool = True) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+    from lmfoundry.runtime.engine import executor as executor_module
+    from lmfoundry.runtime.engine import llm_engine as llm_module
+    from lmfoundry.runtime.loader import resolve_dtype
+
+    run_dtype = resolve_dtype(dtype, target, "cpu")
+    can_prepack = executor_module.can_prepack
+    if not prepack:  # the baseline: plain F.linear on the bf16 weights
+        executor_module.can_prepack = lambda dtype: False  # type: ignore[assignment]
+    try:
+        engine = LLMEngine.from_pretrained(target, run_dtype, EngineConfig(kv_cache_memory_gb=0.5,
+                                                                           max_num_batched_tokens=512))
+    finally:
+        executor_module.can_prepack = can_prepack
+    params = SamplingParams(max_tokens=4 * steps + 64, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(None, f"Request {i}: the history of the city, told by its oldest inhabitants,", params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()  # prefill
+    for _ in range(3):
+        engine.step()  # warm decode
+
+    phases: dict[str, float] = defaultdict(float)
+    runner, executor = engine.runner, engine.runner.executor
+    originals = {"schedule": engine.scheduler.schedule, "inputs": runner.inputs, "forward": executor.forward,
+                 "lm_head": executor.logits, "sample": llm_module.verify}
+    engine.scheduler.schedule = _timed(phases, "schedule", originals["schedule"])  # type: ignore[method-assign]
+    runner.inputs = _timed(phases, "inputs", originals["inputs"])  # type: ignore[method-assign]
+    executor.forward = _timed(phases, "forward", originals["forward"])
+    executor.logits = _timed(phases, "lm_head", originals["lm_head"])
+    llm_module.verify = _timed(phases, "sample", originals["sample"])  # type: ignore[assignment]
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+        unprofiled = dict(phases)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+        profiled_forward = phases["forward"] - unprofiled["forward"]
+    finally:
+        llm_module.verify = originals["sample"]  # type: ignore[assignment]
+    per_step = {k: unprofiled.get(k, 0.0) / steps for k in PHASES if k != "other"}
+    per_step["other"] = max(0.0, wall / steps - sum(per_step.values()))
+    events = [e for e in prof.key_averages() if e.key.split("::")[0] in ("aten", "mkldnn", "lmfoundry")]
+    op_self = sum(e.self_cpu_time_total for e in events) / 1e6  # over the profiled steps
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    return {
+        "target": target, "dtype": str(run_dtype).replace("torch.", ""), "batch": batch, "steps": steps,
+        "linears": "prepacked" if prepack else "plain",
+        "threads": torch.get_num_threads(),
+        "step_ms": 1000 * wall / steps,
+        "tok_s": batch * steps / wall,
+        "phase_ms": {k: 1000 * v for k, v in per_step.items()},
+        "ops_share_of_forward": op_self / profiled_forward if profiled_forward else None,
+        "top_ops": [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps, "calls_per_step":
+                     e.count / steps} for e in top],
+    }
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [f"# One decode step, phase by phase ({meta['threads']} threads)", "",
+             f"Command: `{meta['command']}`", "",
+             f"Machine: {meta['cpus']} CPUs, load average {meta['loadavg_before']} before, "
+             f"{meta['loadavg_after']} after.", "",
+             "| target | dtype | linears | batch | step ms | tok/s | " + " | ".join(f"{p} ms" for p in PHASES)
+             + " | forward inside ops |",
+             "| --- | --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " | ---: |"]
+    for r in results:
+        share = r["ops_share_of_forward"]
+        lines.append(f"| {Path(r['target']).name} | {r['dtype']} | {r['linears']} | {r['batch']} | {r['step_ms']:.1f} | "
+                     f"{r['tok_s']:.1f} | " + " | ".join(f"{r['phase_ms'][p]:.2f}" for p in PHASES)
+                     + f" | {'-' if share is None else f'{100 * share:.0f} %'} |")
+    lines += ["", "Heaviest ops (self time per step):", ""]
+    for r in results:
+        ops = ", ".join(f"{o['op']} {o['self_ms_per_step']:.2f} ms ({o['calls_per_step']:.0f} calls)"
+                        for o in r["top_ops"][:5])
+        lines.append(f"- {Path(r['target']).name}, {r['linears']}, batch {r['batch']}: {ops}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", default=None,
+                   help="checkpoint folder, model name or --arch cpu bundle (repeatable; default smollm2-135m)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", default="1,32")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--baseline", action="store_true",
+                   help="also run each target with plain (not prepacked) bf16 linears, interleaved")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile"))
+    args = p.parse_args()
+    import sys
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    meta = {"threads": args.threads, "cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+            "command": "python " + " ".join(sys.argv)}
+    results = []
+    for target in args.model or ["smollm2-135m"]:
+        for batch in (int(b) for b in args.batch.split(",")):
+            for prepack in ((False, True) if args.baseline else (True,)):
+                r = profile_target(target, args.dtype, batch, args.steps, prepack)
+                print(f"{Path(target).name:<24} {r['linears']:<9} batch {batch:>3}: {r['step_ms']:7.1f} ms/step "
+                      f"{r['tok_s']:7.1f} tok/s  " + "  ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items())
+                      + f"  ops {100 * (r['ops_share_of_forward'] or 0):.0f} % of forward", flush=True)
+                results.append(r)
+    meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(results, meta))
+
+
+if __name__ == "__main__":
+    main()
