@@ -1,7 +1,7 @@
 """Grammar-constrained decoding (structured output) with llguidance.
 
-A request whose `SamplingParams.json_schema` is set may only produce text that is JSON matching the
-schema. Each of its sequences carries a `GrammarMatcher` (the position of its output in the
+A request with a constraint (`SamplingParams.constraint`: a JSON schema, a regular expression, or
+a Lark grammar) may only produce text that matches it. Each of its sequences carries a `GrammarMatcher` (the position of its output in the
 grammar); at every step the sampler asks the matchers of the batch for their token masks, sets the
 logits of the tokens the grammar forbids to -inf (see `sampler.apply_grammar_masks`), and after
 choosing advances each matcher with its token. When a matcher can take nothing but EOS (the JSON
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 # llguidance's JSON compile options (see the module docstring for why whitespace is fixed).
 JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+Constraint = tuple[str, Any]  # ("json", schema dict) | ("regex", pattern) | ("lark", grammar text)
 GRAMMAR_CACHE_SIZE = 256  # compiled schemas kept per engine (tool-call schemas repeat across requests)
 MAX_SCHEMA_CHARS = 1_000_000  # a schema larger than this (as JSON text) is refused before compiling
 
@@ -173,54 +174,70 @@ class GrammarCompiler:
         """int32 words of one token bitmask."""
         return (self._llg_tokenizer().vocab_size + 31) // 32
 
-    def _compile(self, key: str) -> LLMatcher:
-        """Compile the schema `key` (its JSON text) and return its matcher at the start."""
+    def _compile(self, kind: str, source: str) -> LLMatcher:
+        """Compile a constraint (`kind` "json": a schema's JSON text, "regex", "lark") and return
+        its matcher at the start."""
         from llguidance import LLMatcher
 
         tokenizer = self._llg_tokenizer()
+        what = {"json": "JSON schema", "regex": "regular expression", "lark": "grammar"}[kind]
         try:
-            grammar = LLMatcher.grammar_from_json_schema(key, overrides=JSON_LAYOUT)
+            if kind == "json":
+                grammar = LLMatcher.grammar_from_json_schema(source, overrides=JSON_LAYOUT)
+            elif kind == "regex":
+                grammar = LLMatcher.grammar_from_regex(source)
+            else:
+                grammar = LLMatcher.grammar_from_lark(source)
         except ValueError as exc:
-            raise ValueError(f"invalid JSON schema: {exc}") from None
+            raise ValueError(f"invalid {what}: {exc}") from None
         if message := LLMatcher.validate_grammar(grammar, tokenizer):
-            raise ValueError(f"unsupported or invalid JSON schema: {message}")
+            raise ValueError(f"unsupported or invalid {what}: {message}")
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"unsupported or invalid JSON schema: {matcher.get_error()}")
+            raise ValueError(f"unsupported or invalid {what}: {matcher.get_error()}")
         return matcher
 
-    def _initial(self, schema: dict[str, Any]) -> LLMatcher:
-        """The compiled matcher of `schema` at its start (cached). The key keeps the schema's key
-        order: llguidance emits properties in the order the schema lists them."""
-        if not isinstance(schema, dict):
-            raise ValueError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
-        try:
-            key = json.dumps(schema, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as exc:  # offline callers can pass any dict
-            raise ValueError(f"a JSON schema must be plain JSON: {exc}") from None
-        if len(key) > MAX_SCHEMA_CHARS:
-            raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_CHARS} characters")
+    def _initial(self, constraint: Constraint | dict[str, Any]) -> LLMatcher:
+        """The compiled matcher of a constraint at its start (cached); a bare dict is a JSON
+        schema. A schema's key keeps its key order: llguidance emits properties in the order the
+        schema lists them."""
+        kind, source = ("json", constraint) if isinstance(constraint, dict) else constraint
+        if kind == "json":
+            if not isinstance(source, dict):
+                raise ValueError(f"a JSON schema must be a JSON object, got {type(source).__name__}")
+            try:
+                text = json.dumps(source, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError) as exc:  # offline callers can pass any dict
+                raise ValueError(f"a JSON schema must be plain JSON: {exc}") from None
+        elif kind in ("regex", "lark") and isinstance(source, str):
+            text = source
+        else:
+            raise ValueError(f"unknown output constraint {kind!r}")
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"the output constraint is larger than {MAX_SCHEMA_CHARS} characters")
+        key = f"{kind}\0{text}"
         with self._lock:
             if (hit := self._compiled.get(key)) is not None:
                 self._compiled.move_to_end(key)
                 return hit
         # Compiled outside the lock: a large schema takes a while, and the engine thread must not
         # wait for it to make matchers of cached schemas (two threads may compile the same schema).
-        compiled = self._compile(key)
+        compiled = self._compile(kind, text)
         with self._lock:
             self._compiled[key] = compiled
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def check(self, schema: dict[str, Any]) -> None:
-        """Raise ValueError (a 400 at the server) for a schema that cannot constrain decoding:
-        not a JSON object, invalid, or using keywords llguidance cannot enforce."""
-        self._initial(schema)
+    def check(self, constraint: Constraint | dict[str, Any]) -> None:
+        """Raise ValueError (a 400 at the server) for a constraint that cannot constrain decoding:
+        a schema that is not a JSON object, invalid, or uses keywords llguidance cannot enforce; a
+        regular expression or grammar that does not compile."""
+        self._initial(constraint)
 
-    def matcher(self, schema: dict[str, Any]) -> GrammarMatcher:
+    def matcher(self, constraint: Constraint | dict[str, Any]) -> GrammarMatcher:
         """A fresh matcher for one sequence (a copy of the cached compiled state)."""
-        initial = self._initial(schema)
+        initial = self._initial(constraint)
         with self._lock:  # the cached state is shared: copy it while no other thread does
             copy = initial.deep_copy()
         return GrammarMatcher(copy, self.vocab_words, frozenset(self.eos_token_ids))

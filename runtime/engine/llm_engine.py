@@ -136,8 +136,8 @@ class LLMEngine:
         seqs = [Sequence(request.request_id, i, request.prompt_ids, params, request.arrival_time)
                 for i in range(params.n)]
         for seq in seqs:
-            if params.json_schema is not None:
-                seq.grammar = self.grammars.matcher(params.json_schema)
+            if params.constraint is not None:
+                seq.grammar = self.grammars.matcher(params.constraint)
             self.detokenizer.start(seq)
             self.scheduler.add(seq)
         self._requests[request.request_id] = seqs

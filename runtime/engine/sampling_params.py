@@ -12,8 +12,9 @@ subtract count * frequency + (count > 0) * presence, counts over the generated t
 
 Structured output: `json_schema` (a JSON schema as a dict) constrains the output to JSON matching
 it (OpenAI's `response_format` `json_object` is `{"type": "object"}`); the sampler masks every
-token the grammar forbids, on greedy and sampled rows alike (see `grammar.py`). Whether the schema
-can be enforced is checked by `LLMEngine.check_request`, which compiles it.
+token the grammar forbids, on greedy and sampled rows alike (see `grammar.py`); `regex` and
+`grammar` (Lark) constrain it the same way, one constraint a request. Whether it can be enforced is
+checked by the request's validation (`RequestValidator`), which compiles it.
 
 `validate` is the only gate between a request and the engine thread, where a bad value would fail
 inside a batched step; so it checks types as well as ranges (a bool is not accepted as a number,
@@ -81,6 +82,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # 0: off
     json_schema: dict[str, Any] | None = None  # output constrained to JSON matching this schema
+    regex: str | None = None  # output constrained to match this regular expression (whole output)
+    grammar: str | None = None  # output constrained to this Lark grammar (llguidance's dialect)
     # Whether the engine turns tokens into text and ends the output at stop strings. A server sets
     # it off: its API process does both (output_processor.py), off the engine's cores.
     detokenize: bool = True
@@ -136,6 +139,12 @@ class SamplingParams:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
             _check_range(f"logit_bias[{token_id}]", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} both constrain the output; give one")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise ValueError(f"json_schema must be a JSON schema object (a dict), got {type(self.json_schema).__name__}")
 
@@ -146,6 +155,18 @@ class SamplingParams:
         bad = [t for t in self.logit_bias if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {min(bad)}")
+
+    @property
+    def constraint(self) -> tuple[str, Any] | None:
+        """What the output is constrained to, for the grammar compiler: ("json", schema),
+        ("regex", pattern), ("lark", grammar) or None (free text)."""
+        if self.json_schema is not None:
+            return ("json", self.json_schema)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.grammar is not None:
+            return ("lark", self.grammar)
+        return None
 
     @property
     def penalized(self) -> bool:

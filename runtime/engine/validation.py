@@ -48,5 +48,5 @@ class RequestValidator:
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}")
         params.check_token_ids(vocab)  # logit_bias ids: refused up front, not failed in the sampler
-        if params.json_schema is not None:
-            self.grammars.check(params.json_schema)
+        if params.constraint is not None:
+            self.grammars.check(params.constraint)

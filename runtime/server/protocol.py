@@ -72,11 +72,10 @@ class ResponseFormat(_Strict):
 
 # vLLM's request fields this server does not implement: refused by name (HTTP 400) rather than
 # ignored, so a client relying on one learns it here instead of from unconstrained output.
-VLLM_UNSUPPORTED = ("guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
-                    "guided_decoding_backend", "use_beam_search", "length_penalty", "allowed_token_ids",
+VLLM_UNSUPPORTED = ("guided_whitespace_pattern", "guided_decoding_backend", "use_beam_search", "length_penalty", "allowed_token_ids",
                     "bad_words", "truncate_prompt_tokens", "spaces_between_special_tokens", "priority",
                     "logits_processors", "vllm_xargs")
-STRUCTURED_OUTPUT_KEYS = ("json",)  # of vLLM's `structured_outputs`, the ones implemented
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar")  # of vLLM's `structured_outputs`, the ones implemented
 
 
 class _Sampling(_Strict):
@@ -103,16 +102,20 @@ class _Sampling(_Strict):
     response_format: ResponseFormat | None = None
     user: str | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM: the same constraint as a json_schema response_format
-    structured_outputs: dict[str, Any] | None = None  # vLLM >= 0.10: {"json": schema}
+    structured_outputs: dict[str, Any] | None = None  # vLLM >= 0.10: {"json" | "regex" | "choice" | "grammar": ...}
+    guided_regex: str | None = None  # vLLM: the whole output matches this regular expression
+    guided_choice: list[str] | None = None  # vLLM: the output is one of these strings
+    guided_grammar: str | None = None  # vLLM: the output follows this Lark grammar (llguidance's dialect)
 
     def unsupported(self) -> str | None:
         """Name a requested feature this server does not implement (rather than ignoring it)."""
         for name in VLLM_UNSUPPORTED:
             if (self.model_extra or {}).get(name) is not None:
-                return f"{name} (a vLLM extension) is not supported; guided_json or response_format json_schema is"
+                return (f"{name} (a vLLM extension) is not supported; response_format, guided_json, guided_regex, "
+                        f"guided_choice and guided_grammar are")
         for key, value in (self.structured_outputs or {}).items():
             if key not in STRUCTURED_OUTPUT_KEYS and value is not None:
-                return f"structured_outputs.{key} is not supported; structured_outputs.json is"
+                return f"structured_outputs.{key} is not supported; {', '.join(STRUCTURED_OUTPUT_KEYS)} are"
         return None
 
     def token_bias(self) -> dict[int, float]:
@@ -150,8 +153,41 @@ class _Sampling(_Strict):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=0.0 if self.min_p is None else self.min_p,
             logit_bias=self.token_bias(),
-            json_schema=self.output_schema(),
+            **self.output_constraint(),
         )
+
+    def _guided(self) -> list[tuple[str, Any]]:
+        """The non-JSON constraints the request gives, by field name."""
+        so = self.structured_outputs or {}
+        return [(name, v) for name, v in (
+            ("guided_regex", self.guided_regex), ("structured_outputs.regex", so.get("regex")),
+            ("guided_choice", self.guided_choice), ("structured_outputs.choice", so.get("choice")),
+            ("guided_grammar", self.guided_grammar), ("structured_outputs.grammar", so.get("grammar")))
+            if v is not None]
+
+    def output_constraint(self) -> dict[str, Any]:
+        """The SamplingParams field that constrains the output (none: free text): a JSON schema
+        (output_schema), a regular expression (guided_regex, structured_outputs.regex), one of
+        several strings (guided_choice, structured_outputs.choice: a grammar of literals) or a Lark
+        grammar (guided_grammar, structured_outputs.grammar); one at a time."""
+        given = self._guided()
+        schema = self.output_schema()
+        if schema is not None:
+            given.insert(0, ("response_format", schema))
+        if len(given) > 1:
+            raise FieldError(f"{given[0][0]} and {given[1][0]} both constrain the output; give one", given[1][0])
+        if not given:
+            return {}
+        name, value = given[0]
+        if schema is not None:
+            return {"json_schema": schema}
+        if name.endswith("choice"):
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise FieldError(f"{name} must be a non-empty list of non-empty strings", name)
+            return {"grammar": "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)}
+        if not isinstance(value, str) or not value:
+            raise FieldError(f"{name} must be a non-empty string", name)
+        return {"regex": value} if name.endswith("regex") else {"grammar": value}
 
     def output_schema(self) -> dict[str, Any] | None:
         """The JSON schema decoding is constrained to (None: free text): response_format, or vLLM's
@@ -301,9 +337,9 @@ class ChatCompletionRequest(_Sampling):
         else:
             mode: ToolMode = "none" if choice == "none" else "required" if choice == "required" else "auto"
             plan = ToolPlan(mode, functions, None, parallel)
-        if plan.constrained and _Sampling.output_schema(self) is not None:
-            raise FieldError("response_format (or guided_json) cannot be combined with tool_choice 'required' or a "
-                             "named function (the output is the tool call)", "response_format")
+        if plan.constrained and (_Sampling.output_schema(self) is not None or self._guided()):
+            raise FieldError("response_format (or a guided_* constraint) cannot be combined with tool_choice "
+                             "'required' or a named function (the output is the tool call)", "response_format")
         return plan
 
     def _tool_choice(self) -> str | NamedToolChoice | None:

@@ -264,3 +264,14 @@ def test_preempted_sequences_keep_their_grammar_state() -> None:
     for a, b in zip(roomy, tight):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         jsonschema.validate(json.loads(b.outputs[0].text), PERSON)
+
+
+def test_one_constraint_a_request_and_what_it_names() -> None:
+    assert SamplingParams().constraint is None
+    assert SamplingParams(regex="a+").constraint == ("regex", "a+")
+    assert SamplingParams(grammar='start: "a"').constraint == ("lark", 'start: "a"')
+    assert SamplingParams(json_schema={"type": "object"}).constraint == ("json", {"type": "object"})
+    with pytest.raises(ValueError, match="json_schema and regex both constrain"):
+        SamplingParams(json_schema={"type": "object"}, regex="a+").validate()
+    with pytest.raises(ValueError, match="regex must be a string"):
+        SamplingParams(regex=5).validate()  # type: ignore[arg-type]

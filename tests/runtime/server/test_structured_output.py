@@ -6,6 +6,7 @@ seed and temperature. Requests without structure must come out exactly as before
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -354,10 +355,46 @@ def test_vllm_guided_json_constrains_like_response_format(server, field: str) ->
         jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
 
 
+CHOICES = ["Paris", "Lyon", "Marseille", "Saint-Étienne"]
+GRAMMAR = 'start: "ID-" DIGIT DIGIT DIGIT ("." WORD)?\nDIGIT: /[0-9]/\nWORD: /[a-z]{2,5}/'
+
+
+@pytest.mark.parametrize("body,check", [
+    ({"guided_choice": CHOICES}, lambda text: text in CHOICES),
+    ({"structured_outputs": {"choice": CHOICES}}, lambda text: text in CHOICES),
+    ({"guided_regex": "[0-9]{3}-[a-z]{2,4}"}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2,4}", text)),
+    ({"structured_outputs": {"regex": "(yes|no), because [a-z ]{1,20}"}},
+     lambda text: re.fullmatch("(yes|no), because [a-z ]{1,20}", text)),
+    ({"guided_grammar": GRAMMAR}, lambda text: re.fullmatch(r"ID-[0-9]{3}(\.[a-z]{2,5})?", text)),
+], ids=["guided_choice", "structured_outputs.choice", "guided_regex", "structured_outputs.regex", "guided_grammar"])
+def test_vllm_guided_regex_choice_and_grammar_constrain_the_output(server, body: dict, check) -> None:
+    """vLLM's other structured-output parameters run through the same llguidance path: sampled at
+    temperature 1 from a random model, every output is one the constraint allows."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    finished = 0
+    for seed in range(3):
+        out = client.chat.completions.create(model="toy", messages=MESSAGES, max_tokens=40, temperature=1.0,
+                                             seed=seed, extra_body=body)
+        text = out.choices[0].message.content
+        if out.choices[0].finish_reason == "stop":
+            assert check(text), text
+            finished += 1
+        else:  # cut by max_tokens: the regex and grammar allow long outputs
+            assert "choice" not in json.dumps(body), text
+    comp = client.completions.create(model="toy", prompt="Answer:", max_tokens=40, temperature=1.0, seed=5,
+                                     extra_body=body)
+    if comp.choices[0].finish_reason == "stop":
+        assert check(comp.choices[0].text), comp.choices[0].text
+        finished += 1
+    assert finished >= 2  # the constraint was checked on whole outputs, not only on cut ones
+
+
 @pytest.mark.parametrize("body,name", [
-    ({"guided_choice": ["yes", "no"]}, "guided_choice"), ({"guided_regex": "[0-9]+"}, "guided_regex"),
-    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"), ({"structured_outputs": {"regex": "a+"}},
-                                                             "structured_outputs.regex"),
+    ({"guided_regex": "[0-9"}, "regular expression"), ({"guided_grammar": "start: ("}, "grammar"),
+    ({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "both constrain"),
+    ({"guided_regex": "a+", "response_format": PERSON_FORMAT}, "both constrain"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"guided_json": PERSON, "response_format": PERSON_FORMAT}, "both constrain"),
 ])
