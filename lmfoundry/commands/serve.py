@@ -105,7 +105,8 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
                    "loaded like MODEL (same --dtype and --device) with its own KV cache sized like MODEL's.")
 @click.option("--ngram-max", type=int, default=3, show_default=True,
               help="Longest n-gram looked up for --speculative ngram (shorter ones down to 1 are tried next).")
-@click.option("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS or all cores).")
+@click.option("--threads", type=int, default=None,
+              help="torch threads of the engine process (default: OMP_NUM_THREADS or all cores).")
 @click.option("--max-request-mb", type=float, default=8.0, show_default=True,
               help="Largest request body in MiB (larger: HTTP 413).")
 @click.option("--timeout-read", type=float, default=30.0, show_default=True,
@@ -125,7 +126,11 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
           ngram_max: int, threads: int | None, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
           skip_verify: bool, log_level: str) -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
-    or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device."""
+    or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device.
+
+    The engine runs in a process of its own (it loads MODEL and steps with --threads); this one
+    serves HTTP, tokenizes and detokenizes. If the engine process dies, requests in flight get
+    HTTP 503 and serve exits with code 1."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
                           timeout_keep_alive)
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
