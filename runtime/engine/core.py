@@ -83,15 +83,14 @@ class EngineSpec:
 
 def main(folder: str) -> None:
     """The engine process of an
-    `EngineCoreClient`, which wrote FOLDER/spec.pickle (its sys.path, the EngineSpec, its pid) and
+    `EngineCoreClient`, which wrote FOLDER/spec.pickle (its sys.path, its pid, then the EngineSpec) and
     binds the two sockets there."""
     import pickle
 
     with open(f"{folder}/spec.pickle", "rb") as f:
-        sys_path, _, _ = pickle.load(f)  # sys.path first: the spec may name a module only it finds
+        sys_path, parent_pid = pickle.load(f)  # sys.path first: the spec may name a module only it finds
         sys.path[:] = [p for p in sys_path if p not in sys.path] + sys.path
-        f.seek(0)
-        _, spec, parent_pid = pickle.load(f)
+        spec = pickle.load(f)
     run_engine_core(spec, f"ipc://{folder}/commands", f"ipc://{folder}/outputs", parent_pid)
 
 

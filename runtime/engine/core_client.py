@@ -60,7 +60,8 @@ class EngineCoreClient(EngineClient):
         # A fresh interpreter, not a fork (this process holds threads and OpenMP pools) and not
         # multiprocessing's spawn (which re-runs the caller's main script in the child).
         with open(f"{self._dir}/spec.pickle", "wb") as f:
-            pickle.dump((sys.path, spec, os.getpid()), f)
+            pickle.dump((sys.path, os.getpid()), f)  # first: the spec may name a module only this path finds
+            pickle.dump(spec, f)
         self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir])
         self._exited = _exit_fd(self.process.pid)
         try:

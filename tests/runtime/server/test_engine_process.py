@@ -97,3 +97,16 @@ def test_serve_exits_non_zero_when_the_engine_dies(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             stop_serve(proc)
+
+
+def test_the_engine_process_finds_a_factory_on_the_callers_path() -> None:
+    """An EngineSpec may name a module importable only through the caller's sys.path (a test
+    helper, a user's script folder): the engine process takes that path before the spec."""
+    import helpers
+
+    client = EngineCoreClient(EngineSpec(helpers.engine_outside_the_package, kwargs=dict(num_kv_blocks=16)))
+    try:
+        assert client.is_alive and client.info.vocab_size == 259
+    finally:
+        client.shutdown()
+    assert client.process.returncode == 0
