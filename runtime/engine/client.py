@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable
 
-from lmfoundry.runtime.engine.outputs import StepEvent
+from lmfoundry.runtime.engine.outputs import EmbeddingResult, StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 
 
@@ -52,6 +52,7 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     max_position_embeddings: int
+    hidden_size: int
     eos_token_ids: frozenset[int]
     capacity: int  # sequences unfinished at once: max_num_seqs running + max_waiting_requests waiting
 
@@ -71,7 +72,7 @@ class RequestStream:
         self.owner, self.request_id, self._events = owner, request_id, events
         self.finished = False
 
-    async def __aiter__(self) -> AsyncIterator[StepEvent]:
+    async def __aiter__(self) -> AsyncIterator[Any]:  # StepEvents (or one EmbeddingResult)
         try:
             while not self.finished:
                 item = await self._events.get()
@@ -129,17 +130,27 @@ class EngineClient(abc.ABC):
         """Enqueue a validated request now (raising QueueFull, EngineDead or ValueError for a
         duplicate id at once, before any response is started); iterate the returned stream for
         its events. Must be called from the event loop that will consume the stream."""
+        stream = self._open(request.request_id, request.params.n)
+        self._send(("add", request))
+        return stream
+
+    def embed(self, request_id: str, prompts: list[list[int]]) -> RequestStream:
+        """Ask for the embeddings of validated prompts; the stream yields one EmbeddingResult."""
+        stream = self._open(request_id, 1)
+        self._send(("embed", request_id, prompts))
+        return stream
+
+    def _open(self, request_id: str, num_seqs: int) -> RequestStream:
         if not self.is_alive:
             raise EngineDead("the engine is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.params.n)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), num_seqs)
         with self._lock:
-            if sum(s.num_seqs for s in self._streams.values()) + request.params.n > self.capacity:
+            if sum(s.num_seqs for s in self._streams.values()) + num_seqs > self.capacity:
                 raise QueueFull(f"the queue is full ({self.capacity} sequences); retry later")
-            if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already running")
-            self._streams[request.request_id] = stream
-        self._send(("add", request))
-        return RequestStream(self, request.request_id, stream.queue)
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = stream
+        return RequestStream(self, request_id, stream.queue)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -148,7 +159,7 @@ class EngineClient(abc.ABC):
             self._send(("abort", request_id))
 
     # ---- engine side ------------------------------------------------------------------------
-    def deliver(self, items: Iterable[tuple[str, StepEvent | BaseException]]) -> None:
+    def deliver(self, items: Iterable[tuple[str, StepEvent | EmbeddingResult | BaseException]]) -> None:
         """Hand one step's events (or a request's failure) to their streams, from any thread: one
         wake-up of each event loop per step, not one per event."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}

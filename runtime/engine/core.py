@@ -22,11 +22,11 @@ from typing import Any, Callable
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.client import EngineRequest, RequestFailed
 from lmfoundry.runtime.engine.llm_engine import LLMEngine
-from lmfoundry.runtime.engine.outputs import StepEvent
+from lmfoundry.runtime.engine.outputs import EmbeddingResult, StepEvent
 
 log = logging.getLogger(__name__)
 
-Delivery = list[tuple[str, "StepEvent | BaseException"]]
+Delivery = list[tuple[str, "StepEvent | EmbeddingResult | BaseException"]]
 PARENT_CHECK_MS = 1000  # an idle engine process looks this often whether its API process still exists
 
 
@@ -39,7 +39,15 @@ class EngineCore:
         return self.engine.has_unfinished()
 
     def apply(self, command: tuple) -> Delivery:
-        """("add", EngineRequest) or ("abort", request_id); what the caller must be told."""
+        """("add", EngineRequest), ("abort", request_id) or ("embed", request_id, prompts); what the
+        caller must be told."""
+        if command[0] == "embed":
+            _, request_id, prompts = command
+            try:
+                vectors = self.engine.embed(prompts)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                return [(request_id, RequestFailed(f"embedding failed: {exc}"))]
+            return [(request_id, EmbeddingResult(request_id, vectors, sum(len(p) for p in prompts)))]
         if command[0] == "add":
             request: EngineRequest = command[1]
             try:

@@ -30,6 +30,7 @@ from lmfoundry.runtime.engine.block_manager import BlockManager
 from lmfoundry.runtime.engine.client import EngineInfo, EngineRequest
 from lmfoundry.runtime.engine.config import EngineConfig
 from lmfoundry.runtime.engine.detokenizer import Detokenizer
+from lmfoundry.runtime.engine.executor import ReferenceModelExecutor
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
 from lmfoundry.runtime.engine.model_runner import ModelRunner
 from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
@@ -82,6 +83,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)  # structured output
         self.info = EngineInfo(vocab_size=model.config.vocab_size, max_model_len=self.max_model_len,
                                max_position_embeddings=model.config.max_position_embeddings,
+                               hidden_size=model.config.hidden_size,
                                eos_token_ids=frozenset(self.eos_token_ids),
                                capacity=config.max_num_seqs + config.max_waiting_requests)
         self.validator = RequestValidator(self.info, tokenizer, self.grammars)
@@ -360,6 +362,21 @@ class LLMEngine:
             lps = out.prompt_logprobs[len(ctx) :]
             scores.append((sum(lp.logprob for lp in lps), all(lp.top[0][0] == lp.token_id for lp in lps)))
         return scores
+
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's embedding: the final-norm hidden state of its last token, L2-normalized
+        (vLLM's default pooling for decoder models). A forward over the prompt alone, outside the
+        paged cache, run between steps."""
+        if not isinstance(self.runner.executor, ReferenceModelExecutor):
+            raise ValueError("embeddings need the PyTorch engine (a checkpoint folder or an --arch cpu bundle); "
+                             "this engine runs compiled GPU kernels")
+        out = []
+        with torch.inference_mode():
+            for ids in prompts:
+                hidden = self.runner.executor.model.hidden_states(torch.tensor([ids], dtype=torch.long))[0, -1]
+                hidden = hidden.float()
+                out.append(torch.nn.functional.normalize(hidden, dim=-1).tolist())
+        return out
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager

@@ -27,6 +27,16 @@ class StepEvent:
 
 
 @dataclass
+class EmbeddingResult:
+    """The embeddings of one /v1/embeddings request (one vector a prompt), delivered at once."""
+
+    request_id: str
+    embeddings: list[list[float]]
+    num_tokens: int
+    request_finished: bool = True
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""

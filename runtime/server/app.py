@@ -24,9 +24,11 @@ bodies are sent without a CORS preflight; application/json is not).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
+import struct
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,7 @@ from lmfoundry.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     FieldError,
     TokenizeRequest,
 )
@@ -318,6 +321,50 @@ class OpenAIServer:
         result = await self._collect(request, builder.collect(events))
         return JSONResponse(result)
 
+    # ---- /v1/embeddings ---------------------------------------------------------------------
+    def _prepare_embedding(self, body: bytes) -> tuple[EmbeddingRequest, list[list[int]]]:
+        req: EmbeddingRequest = _parse(body, EmbeddingRequest)
+        self._check_common_model(req.model)
+        hidden = self.engine.info.hidden_size
+        if req.dimensions is not None and req.dimensions != hidden:
+            raise APIError(400, f"dimensions must be this model's {hidden} (embeddings are not truncated)",
+                           param="dimensions")
+        prompts = [self._encode(p) for p in req.inputs()]
+        if not prompts or any(not p for p in prompts):
+            raise APIError(400, "input must not be empty", param="input")
+        for ids in prompts:
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise APIError(400, f"input token ids must be in [0, {self.vocab_size})", param="input")
+            if len(ids) > self.max_model_len:
+                raise APIError(400, f"an input has {len(ids)} tokens; this model's context is {self.max_model_len}",
+                               param="input")
+        return req, prompts
+
+    async def embeddings(self, request: Request) -> Response:
+        req, prompts = await self._off_loop(self._prepare_embedding, await self._body(request))
+        rid = f"embd-{uuid.uuid4().hex}"
+        try:
+            stream = self.engine.embed(rid, prompts)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), type_="rate_limit_error", code="rate_limit_exceeded") from None
+        except EngineDead as exc:
+            raise _engine_dead(exc) from None
+
+        async def result() -> Any:
+            async for item in stream:
+                return item
+            raise RuntimeError("the engine ended the request without a result")
+
+        out = await self._collect(request, result())
+        data = []
+        for i, vector in enumerate(out.embeddings):
+            value: Any = vector
+            if req.encoding_format == "base64":  # little-endian float32, as OpenAI sends it
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        return JSONResponse({"object": "list", "data": data, "model": self.model_name,
+                             "usage": {"prompt_tokens": out.num_tokens, "total_tokens": out.num_tokens}})
+
     # ---- plumbing ---------------------------------------------------------------------------
     def _stream(self, request: Request, chunks: AsyncIterator[dict], rid: str) -> StreamingResponse:
         async def sse() -> AsyncIterator[str]:
@@ -332,7 +379,7 @@ class OpenAIServer:
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
-    async def _collect(self, request: Request, work: Any) -> dict:
+    async def _collect(self, request: Request, work: Any) -> Any:
         """Await a whole response, aborting it if the client goes away first."""
         task = asyncio.ensure_future(work)
 
@@ -495,6 +542,11 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     async def chat(request: Request) -> Response:
         authorize(request)
         return await server.chat(request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        authorize(request)
+        return await server.embeddings(request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -365,6 +365,24 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings (OpenAI's shape)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if x and all(isinstance(t, int) for t in x):
+            return [x]  # type: ignore[list-item]
+        return list(x)  # type: ignore[arg-type]
+
+
 class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's endpoint; lm-eval's remote tokenizer backend uses it)."""
 

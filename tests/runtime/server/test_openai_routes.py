@@ -45,3 +45,33 @@ def test_no_gauge_is_named_like_a_counter(server) -> None:
     for f in families:
         if f.type != "counter":
             assert not any(s.name.endswith("_total") for s in f.samples), (f.name, f.type)
+
+
+def test_embeddings_with_the_openai_client(server) -> None:
+    """/v1/embeddings: one unit vector per input (the last token's final hidden state, as vLLM
+    pools decoder models), equal to the engine's own `embed` offline; base64 decodes to the same
+    float32 values; token-id inputs embed like their text."""
+    import base64
+
+    import numpy as np
+
+    from lmfoundry.runtime.engine.toy import toy_engine
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    texts = ["The capital of France is", "héllo 👋"]
+    out = client.embeddings.create(model="toy", input=texts, encoding_format="float")
+    assert [d.index for d in out.data] == [0, 1] and out.usage.prompt_tokens > 0
+    vectors = np.array([d.embedding for d in out.data])
+    assert vectors.shape == (2, 64) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    offline = toy_engine(seed=2, num_kv_blocks=16)
+    want = offline.embed([offline.encode(t) for t in texts])
+    np.testing.assert_allclose(vectors, np.array(want), rtol=0, atol=1e-6)
+    raw = httpx.post(f"{server.url}/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(decoded, vectors[0], rtol=0, atol=1e-6)
+    by_ids = client.embeddings.create(model="toy", input=[offline.encode(texts[0])])
+    np.testing.assert_allclose(by_ids.data[0].embedding, vectors[0], rtol=0, atol=1e-6)
+    for body, param in (({"input": ""}, "input"), ({"input": [999999]}, "input"), ({"input": "x", "dimensions": 8},
+                                                                                   "dimensions")):
+        r = httpx.post(f"{server.url}/v1/embeddings", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
