@@ -276,7 +276,10 @@ class OpenAIServer:
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
     def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        req: ChatCompletionRequest = _parse(body, ChatCompletionRequest)
+        return self.prepare_chat_request(_parse(body, ChatCompletionRequest))
+
+    def prepare_chat_request(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
+        """Template, tokenize and validate a parsed chat request (also /v1/responses' path)."""
         self._check_common(req)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
@@ -542,6 +545,13 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     async def chat(request: Request) -> Response:
         authorize(request)
         return await server.chat(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        authorize(request)
+        from lmfoundry.runtime.server.responses_api import create_response
+
+        return await create_response(server, request, await server._body(request))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

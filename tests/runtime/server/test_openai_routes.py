@@ -75,3 +75,45 @@ def test_embeddings_with_the_openai_client(server) -> None:
                                                                                    "dimensions")):
         r = httpx.post(f"{server.url}/v1/embeddings", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_responses_api_with_the_openai_client(server) -> None:
+    """/v1/responses for text: `instructions` and `input` become the chat the model sees (the
+    same text as /v1/chat/completions with that system message), `max_output_tokens` cuts it
+    (status incomplete), streaming events concatenate to the same text, and `text.format`
+    json_schema constrains it through the grammar path."""
+    import json
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    want = client.chat.completions.create(model="toy", messages=messages, max_tokens=12, temperature=0)
+    got = client.responses.create(model="toy", instructions="Be brief.", input="Hello there", max_output_tokens=12,
+                                  temperature=0)
+    assert got.output_text == want.choices[0].message.content
+    assert got.status == ("incomplete" if want.choices[0].finish_reason == "length" else "completed")
+    assert got.usage.input_tokens == want.usage.prompt_tokens and got.usage.output_tokens == want.usage.completion_tokens
+    as_items = client.responses.create(model="toy", max_output_tokens=12, temperature=0, input=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "input_text",
+                                                                                   "text": "Hello there"}]}])
+    assert as_items.output_text == got.output_text
+    with client.responses.stream(model="toy", instructions="Be brief.", input="Hello there", max_output_tokens=12,
+                                 temperature=0) as stream:
+        kinds, deltas = [], []
+        for ev in stream:
+            kinds.append(ev.type)
+            if ev.type == "response.output_text.delta":
+                deltas.append(ev.delta)
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(deltas) == final.output_text == got.output_text
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8}},
+              "required": ["answer"], "additionalProperties": False}
+    structured = client.responses.create(model="toy", input="Answer in JSON", max_output_tokens=60, temperature=0,
+                                         text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert structured.status == "completed", structured.output_text  # the schema's value fits 60 tokens
+    assert set(json.loads(structured.output_text)) == {"answer"}
+    for body, needle in (({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+                         ({"input": [{"type": "function_call_output", "output": "1"}]}, "only messages")):
+        r = httpx.post(f"{server.url}/v1/responses", json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
