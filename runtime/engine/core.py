@@ -97,9 +97,13 @@ def main(folder: str) -> None:
 
     with open(f"{folder}/spec.pickle", "rb") as f:
         sys_path, parent_pid = pickle.load(f)  # sys.path first: the spec may name a module only it finds
-        sys.path[:] = [p for p in sys_path if p not in sys.path] + sys.path
+        sys.path.extend(p for p in sys_path if p not in sys.path)  # added after ours: never shadows them
         spec = pickle.load(f)
     run_engine_core(spec, f"ipc://{folder}/commands", f"ipc://{folder}/outputs", parent_pid)
+    if os.getppid() != parent_pid:  # the API process died without cleaning up: its folder is ours to remove
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, parent_pid: int) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -74,9 +76,12 @@ def test_engine_steps_in_its_own_process_and_leaves_with_the_api(tmp_path) -> No
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64
         assert engine.cpu_times().user > cpu_before  # the forward passes ran there
+        folders = {Path(a) for a in engine.cmdline()[1:] if a.startswith(tempfile.gettempdir())}
+        assert len(folders) == 1 and next(iter(folders)).is_dir()  # the sockets' private folder
         proc.kill()
         proc.wait(10)
         assert _wait(lambda: not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE, 15)
+        assert _wait(lambda: not next(iter(folders)).exists(), 5)  # and it took its folder along
     finally:
         if proc.poll() is None:
             proc.kill()
