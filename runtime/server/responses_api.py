@@ -1,13 +1,15 @@
-"""POST /v1/responses, OpenAI's Responses API, for text: `input` (a string or a list of messages),
-`instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, `stream`,
-and `text.format` (json_schema / json_object through the grammar path).
+"""POST /v1/responses, OpenAI's Responses API, for text and function calls: `input` (a string, or
+messages, `function_call` and `function_call_output` items), `instructions` (a system message
+first), `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format` (json_schema /
+json_object) and function `tools` with `tool_choice`, both through the grammar path.
 
 A response is a chat completion underneath: the request becomes a `ChatCompletionRequest` and
 runs the chat path (template, one validation, engine, detokenization); its deltas become the
 Responses object, or its server-sent events (`response.created`, `response.output_item.added`,
 `response.content_part.added`, `response.output_text.delta`..., the matching `.done` events and
-`response.completed`). Responses are not stored: `previous_response_id` and `store: true`
-retrieval are not offered, nor tools (a 400 names them).
+`response.completed`; a function call is a `function_call` output item with its
+`response.function_call_arguments.delta` events). Responses are not stored:
+`previous_response_id` is a 400, as are hosted tools (web search, files, ...).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from pydantic import ConfigDict, ValidationError
 from lmfoundry.runtime.server.protocol import ChatCompletionRequest, _Strict
 from lmfoundry.runtime.server.responses import ChatBuilder
 
-UNSUPPORTED = ("previous_response_id", "tools", "tool_choice", "reasoning", "include", "background",
-               "conversation", "prompt")
+UNSUPPORTED = ("previous_response_id", "reasoning", "include", "background", "conversation", "prompt")
 
 
 class ResponsesRequest(_Strict):
@@ -42,6 +43,8 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
 
     def unsupported(self) -> str | None:
         for name in UNSUPPORTED:
@@ -53,12 +56,25 @@ class ResponsesRequest(_Strict):
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat messages: instructions as a system message, then the input."""
-        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return out + [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
-            if item.get("type", "message") != "message" or "role" not in item:
-                raise ValueError(f"input[{i}]: only messages (role and content) are supported")
+            kind = item.get("type", "message")
+            if kind == "function_call":  # a call the model made earlier: an assistant turn's tool_calls
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                continue
+            if kind == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output", ""))})
+                continue
+            if kind != "message" or "role" not in item:
+                raise ValueError(f"input[{i}]: only messages, function_call and function_call_output items "
+                                 f"are supported, got {kind!r}")
             content = item.get("content")
             if isinstance(content, list):  # parts: input_text / output_text
                 texts = []
@@ -74,6 +90,19 @@ class ResponsesRequest(_Strict):
 
     def chat_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"messages": self.messages(), "model": self.model}
+        if self.tools:
+            body["tools"] = []
+            for i, tool in enumerate(self.tools):
+                if tool.get("type") != "function":
+                    raise ValueError(f"tools[{i}].type {tool.get('type')!r} is not supported; function tools are")
+                body["tools"].append({"type": "function", "function": {
+                    k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}})
+        if isinstance(self.tool_choice, dict):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.get("name")}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = self.parallel_tool_calls
         for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                              ("top_p", "top_p")):
             if getattr(self, ours) is not None:
@@ -90,18 +119,84 @@ class ResponsesRequest(_Strict):
         return body
 
 
-def _response(rid: str, created: int, model: str, text: str, status: str, usage: dict[str, int] | None,
-              msg_id: str, req: ResponsesRequest) -> dict[str, Any]:
-    output = [] if status == "in_progress" else [{
-        "type": "message", "id": msg_id, "status": "completed" if status == "completed" else "incomplete",
-        "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+def _response(rid: str, created: int, model: str, output: list[dict[str, Any]], status: str,
+              usage: dict[str, int] | None, req: ResponsesRequest) -> dict[str, Any]:
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "error": None, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "error": None, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "text": req.text or {"format": {"type": "text"}}, "store": False, "metadata": req.metadata or {},
             "usage": usage}
+
+
+class _Output:
+    """The response's output items, built from the chat path's deltas in the order they appear:
+    one message (its text) and one function_call item per tool call. `feed` returns the streaming
+    events a delta causes, `finish` those that close the items."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.message: dict[str, Any] | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # the chat delta's call index -> its item
+
+    def feed(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        if text := delta.get("content"):
+            if self.message is None:
+                self.message = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
+                                "role": "assistant", "content": [], "_text": ""}
+                self.items.append(self.message)
+                events.append(("response.output_item.added", {"output_index": len(self.items) - 1,
+                                                               "item": _public(self.message)}))
+                events.append(("response.content_part.added", {
+                    "item_id": self.message["id"], "output_index": len(self.items) - 1, "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": []}}))
+            self.message["_text"] += text
+            events.append(("response.output_text.delta", {"item_id": self.message["id"],
+                                                          "output_index": self.items.index(self.message),
+                                                          "content_index": 0, "delta": text, "logprobs": []}))
+        for call in delta.get("tool_calls", []):
+            item = self.calls.get(call["index"])
+            if item is None:
+                item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                        "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+                self.calls[call["index"]] = item
+                self.items.append(item)
+                events.append(("response.output_item.added", {"output_index": len(self.items) - 1,
+                                                               "item": dict(item)}))
+            if args := call["function"].get("arguments"):
+                item["arguments"] += args
+                events.append(("response.function_call_arguments.delta", {
+                    "item_id": item["id"], "output_index": self.items.index(item), "delta": args}))
+        return events
+
+    def finish(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        done = "completed" if status == "completed" else "incomplete"
+        for index, item in enumerate(self.items):
+            item["status"] = done
+            if item is self.message:
+                part = {"type": "output_text", "text": item["_text"], "annotations": []}
+                item["content"] = [part]
+                events.append(("response.output_text.done", {"item_id": item["id"], "output_index": index,
+                                                             "content_index": 0, "text": item["_text"],
+                                                             "logprobs": []}))
+                events.append(("response.content_part.done", {"item_id": item["id"], "output_index": index,
+                                                              "content_index": 0, "part": part}))
+            else:
+                events.append(("response.function_call_arguments.done", {
+                    "item_id": item["id"], "output_index": index, "arguments": item["arguments"]}))
+            events.append(("response.output_item.done", {"output_index": index, "item": _public(item)}))
+        return events
+
+    def public(self) -> list[dict[str, Any]]:
+        return [_public(item) for item in self.items]
+
+
+def _public(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in item.items() if not k.startswith("_")}
 
 
 async def create_response(server: Any, request: Request, body: bytes) -> Response:
@@ -124,64 +219,55 @@ async def create_response(server: Any, request: Request, body: bytes) -> Respons
 
     start = time.monotonic()
     req, chat, ids, params = await server._off_loop(prepare, body)
-    rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+    rid = f"resp_{uuid.uuid4().hex}"
     created = int(time.time())
     events = server._submit([ids], params, rid, start)
     builder = ChatBuilder(server, chat, ids, rid)
+    output = _Output()
 
     def usage() -> dict[str, int]:
         return {"input_tokens": len(ids), "output_tokens": builder.completion_tokens,
                 "total_tokens": len(ids) + builder.completion_tokens}
 
+    def status_of(finish: str | None) -> str:
+        return "incomplete" if finish == "length" else "completed"
+
     if not req.stream:
         async def whole() -> dict[str, Any]:
-            text, finish = "", None
+            finish = None
             async for choice in builder._choices(events):
-                text += choice["delta"].get("content", "")
+                output.feed(choice["delta"])
                 finish = choice["finish_reason"] or finish
-            status = "incomplete" if finish == "length" else "completed"
-            return _response(rid, created, server.model_name, text, status, usage(), msg_id, req)
+            output.finish(status_of(finish))
+            return _response(rid, created, server.model_name, output.public(), status_of(finish), usage(), req)
 
         return JSONResponse(await server._collect(request, whole()))
 
     async def sse() -> AsyncIterator[str]:
         seq = 0
 
-        def event(kind: str, **fields: Any) -> str:
+        def event(kind: str, fields: dict[str, Any]) -> str:
             nonlocal seq
             seq += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-        part = {"type": "output_text", "text": "", "annotations": []}
-        item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
-        yield event("response.created", response=_response(rid, created, server.model_name, "", "in_progress",
-                                                             None, msg_id, req))
-        yield event("response.in_progress", response=_response(rid, created, server.model_name, "", "in_progress",
-                                                                 None, msg_id, req))
-        yield event("response.output_item.added", output_index=0, item=item)
-        yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part)
-        text, finish = "", None
+        started = _response(rid, created, server.model_name, [], "in_progress", None, req)
+        yield event("response.created", {"response": started})
+        yield event("response.in_progress", {"response": started})
+        finish = None
         try:
             async for choice in builder._choices(events):
-                delta = choice["delta"].get("content", "")
                 finish = choice["finish_reason"] or finish
-                if delta:
-                    text += delta
-                    yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                                delta=delta, logprobs=[])
+                for kind, fields in output.feed(choice["delta"]):
+                    yield event(kind, fields)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
-            yield event("error", code="server_error", message=str(exc), param=None)
+            yield event("error", {"code": "server_error", "message": str(exc), "param": None})
             return
-        status = "incomplete" if finish == "length" else "completed"
-        done_part = {**part, "text": text}
-        yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text,
-                    logprobs=[])
-        yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=done_part)
-        yield event("response.output_item.done", output_index=0,
-                    item={**item, "status": "completed" if status == "completed" else "incomplete",
-                          "content": [done_part]})
-        final = _response(rid, created, server.model_name, text, status, usage(), msg_id, req)
-        yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
+        status = status_of(finish)
+        for kind, fields in output.finish(status):
+            yield event(kind, fields)
+        final = _response(rid, created, server.model_name, output.public(), status, usage(), req)
+        yield event("response.completed" if status == "completed" else "response.incomplete", {"response": final})
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                               "X-Request-Id": rid})

@@ -114,6 +114,36 @@ def test_responses_api_with_the_openai_client(server) -> None:
     assert set(json.loads(structured.output_text)) == {"answer"}
     for body, needle in (({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-                         ({"input": [{"type": "function_call_output", "output": "1"}]}, "only messages")):
+                         ({"input": [{"type": "reasoning", "summary": []}]}, "only messages")):
         r = httpx.post(f"{server.url}/v1/responses", json=body)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_responses_api_function_calls(server) -> None:
+    """Function tools through /v1/responses: a named tool_choice yields a function_call item whose
+    arguments match the function's schema (grammar path), streamed as arguments deltas too; the
+    call and its output go back as input items for the next turn."""
+    import json
+
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "name": "weather", "description": "Weather in a city", "parameters": params}]
+    choice = {"type": "function", "name": "weather"}
+    got = client.responses.create(model="toy", input="Weather in Paris?", tools=tools, tool_choice=choice,
+                                  max_output_tokens=60, temperature=0)
+    calls = [item for item in got.output if item.type == "function_call"]
+    assert got.status == "completed" and len(calls) == 1 and calls[0].name == "weather"
+    jsonschema.validate(json.loads(calls[0].arguments), params)
+    with client.responses.stream(model="toy", input="Weather in Paris?", tools=tools, tool_choice=choice,
+                                 max_output_tokens=60, temperature=0) as stream:
+        deltas = [ev.delta for ev in stream if ev.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == calls[0].arguments == final.output[0].arguments
+    follow = client.responses.create(model="toy", tools=tools, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert follow.usage.input_tokens > got.usage.input_tokens  # the call and its output reached the prompt
