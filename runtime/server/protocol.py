@@ -211,6 +211,16 @@ class _Sampling(_Strict):
         return value
 
 
+def prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's prompt/input forms as a list of prompts: one text, one list of token ids, or a
+    list of either."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(x, int) for x in value):
+        return [value]  # type: ignore[list-item]
+    return list(value)  # type: ignore[arg-type]
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -227,12 +237,7 @@ class CompletionRequest(_Sampling):
         return super().unsupported()
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        return prompt_list(self.prompt)
 
 
 class TextPart(_Strict):
@@ -375,12 +380,7 @@ class EmbeddingRequest(_Strict):
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if x and all(isinstance(t, int) for t in x):
-            return [x]  # type: ignore[list-item]
-        return list(x)  # type: ignore[arg-type]
+        return prompt_list(self.input)
 
 
 class TokenizeRequest(_Strict):
