@@ -20,7 +20,7 @@ path reads whole block tables (no cascade split): correctness over the shared-pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -40,6 +40,15 @@ class DecodeGroup:
     blocks: torch.Tensor  # [B, nb] block tables, padded with block 0
     mask: torch.Tensor  # [B, 1, 1, nb * block_size] True where the key is real
     shared: int = 0  # leading blocks common to every table (a shared prompt prefix)
+    _tail_bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def tail_bias(self, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The tails' mask as an additive bias (0 or -inf) in `dtype`, the form the CPU flash
+        kernel takes; built once a step, not once a layer."""
+        if dtype not in self._tail_bias:
+            tail = self.mask[..., self.shared * block_size :]
+            self._tail_bias[dtype] = torch.zeros(tail.shape, dtype=dtype).masked_fill_(~tail, float("-inf"))
+        return self._tail_bias[dtype]
 
 
 @dataclass
@@ -133,13 +142,12 @@ class PagedAttention:
         kt, vt = self.cache.read(layer_idx, d.blocks[:, d.shared :])  # [B, Lt, Hkv, D]
         hkv = ks.shape[2]
         g = hq // hkv
-        tail_mask = d.mask[..., d.shared * self.cache.block_size :]  # [B, 1, 1, Lt]
         if q.device.type == "cpu" and ks.dtype == q.dtype:
             qg = q.view(b, hkv, g, dim)
             q_all = qg.transpose(0, 1).reshape(1, hkv, b * g, dim)  # every query of a KV head at once
             o1, lse1 = _FLASH_CPU(q_all, ks.transpose(1, 2), vs.transpose(1, 2))
-            bias = torch.zeros(tail_mask.shape, dtype=q.dtype).masked_fill_(~tail_mask, float("-inf"))
-            o2, lse2 = _FLASH_CPU(qg, kt.transpose(1, 2), vt.transpose(1, 2), attn_mask=bias)
+            o2, lse2 = _FLASH_CPU(qg, kt.transpose(1, 2), vt.transpose(1, 2),
+                                  attn_mask=d.tail_bias(self.cache.block_size, q.dtype))
             o1 = o1.view(hkv, b, g, dim).transpose(0, 1)
             lse1 = lse1.view(hkv, b, g, 1).transpose(0, 1)
             lse2 = lse2.view(b, hkv, g, 1)
@@ -152,6 +160,7 @@ class PagedAttention:
             o1 = o1.view(hkv, b, g, dim).permute(1, 0, 2, 3)
             lse1 = lse1.view(hkv, b, g, 1).permute(1, 0, 2, 3)
             s2 = torch.matmul(qf, kt.float().permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, Lt]
+            tail_mask = d.mask[..., d.shared * self.cache.block_size :]  # [B, 1, 1, Lt]
             o2, lse2 = _softmax_av(s2.masked_fill(~tail_mask, float("-inf")), vt.float().transpose(1, 2))
         top = torch.maximum(lse1, lse2)
         w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)

@@ -25,14 +25,20 @@ class RequestValidator:
             return list(self.tokenizer(prompt).input_ids)
         return [int(t) for t in prompt]
 
+    def check_ids(self, prompt_ids: list[int]) -> None:
+        """Raise ValueError for an empty prompt or a token id outside the vocabulary (the part of
+        the check embeddings share with generation)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.info.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run (the server turns it into a 400)."""
         params.validate()
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
+        self.check_ids(prompt_ids)
         vocab, max_len = self.info.vocab_size, self.info.max_model_len
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) >= max_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                              f"{max_len} tokens, prompt and output together")

@@ -333,11 +333,13 @@ class OpenAIServer:
             raise APIError(400, f"dimensions must be this model's {hidden} (embeddings are not truncated)",
                            param="dimensions")
         prompts = [self._encode(p) for p in req.inputs()]
-        if not prompts or any(not p for p in prompts):
+        if not prompts:
             raise APIError(400, "input must not be empty", param="input")
         for ids in prompts:
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise APIError(400, f"input token ids must be in [0, {self.vocab_size})", param="input")
+            try:
+                self.validator.check_ids(ids)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="input") from None
             if len(ids) > self.max_model_len:
                 raise APIError(400, f"an input has {len(ids)} tokens; this model's context is {self.max_model_len}",
                                param="input")
