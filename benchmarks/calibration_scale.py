@@ -41,11 +41,10 @@ def make_model(folder: Path, layers: int) -> float:
 def predicted_bytes(model: Path, method: str, num_samples: int, seq_len: int) -> int:
     """The doctor's estimate of the pipeline's peak (what it adds to the process baseline)."""
     from lmfoundry.doctor import diagnose
-    from lmfoundry.recipe import apply_overrides, load_recipe
+    from lmfoundry.recipe import Recipe
 
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method=method, scheme="w4a16", group_size=128)
-    apply_overrides(rec, "calibration", num_samples=num_samples, seq_len=seq_len)
+    rec = Recipe().with_overrides(method=method, scheme="w4a16", group_size=128)
+    rec = rec.with_overrides(num_samples=num_samples, seq_len=seq_len)
     return int(diagnose(str(model), rec).estimates["calibration"]["total"])
 
 

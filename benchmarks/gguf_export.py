@@ -138,10 +138,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from lmfoundry.calibration.data import eval_token_stream
-    from lmfoundry.commands.quantize import run_quantize
+    from lmfoundry.calibration.job import QuantizeJob, run_job
     from lmfoundry.gguf_export import export_gguf
     from lmfoundry.models import resolve_model
-    from lmfoundry.recipe import apply_overrides, load_recipe
+    from lmfoundry.recipe import Recipe
     from lmfoundry.runtime.loader import load_model
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="lmf-gguf-"))
@@ -164,15 +164,14 @@ def main() -> None:
     rows.append({"model": "ggml Q4_0 (llama-quantize's algorithm)",
                  "ppl": ppl_of(ggml_q4_0_model(source), stream, a.ctx, a.windows)})
     for method in a.methods.split(","):
-        rec = load_recipe(None)
-        apply_overrides(rec, "quantize", method=method, scheme="w4a16", group_size=32, dtype="float16")
-        apply_overrides(rec, "calibration", num_samples=a.num_samples, seq_len=a.seq_len)
+        rec = Recipe().with_overrides(method=method, scheme="w4a16", group_size=32, dtype="float16")
+        rec = rec.with_overrides(num_samples=a.num_samples, seq_len=a.seq_len)
         ckpt = work / f"{method}-g32"
         t0 = time.time()
         if a.reuse and (ckpt / "lmfoundry.json").exists():
             quantize_s = float("nan")  # made by an earlier run of this script in the same --workdir
         else:
-            run_quantize("smollm2-135m", ckpt, rec, overwrite=True, progress=False)
+            run_job(QuantizeJob("smollm2-135m", ckpt, rec, overwrite=True, progress=False))
             quantize_s = time.time() - t0
         gguf_dir = work / f"{method}-gguf"
         report = export_gguf(ckpt, gguf_dir / "model.gguf", tokenizer_pre="smollm", progress=False)

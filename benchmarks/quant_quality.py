@@ -140,24 +140,23 @@ def run_child(cmd: list[str], log: Path, env: dict[str, str] | None = None, time
 
 def child_quantize(args: argparse.Namespace) -> None:
     """Inside a child: run one of our rows through the same job as `lmfoundry quantize`."""
-    from lmfoundry.commands.quantize import run_quantize
+    from lmfoundry.calibration.job import QuantizeJob, run_job
     from lmfoundry.errors import UserError
     from lmfoundry.quantizers.base import get_quantizer
-    from lmfoundry.recipe import load_recipe
+    from lmfoundry.recipe import Recipe
 
     row = ROWS[args.child_row]
     out = Path(args.work) / args.child_row
     status = Path(args.work) / f"{args.child_row}.status.json"
-    rec = load_recipe(None)
-    rec["quantize"].update(row.quantize)
-    rec["calibration"].update(source=args.calib, num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed)
+    rec = Recipe().with_overrides(**row.quantize)
+    rec = rec.with_overrides(source=args.calib, num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed)
     try:
-        get_quantizer(rec["quantize"]["method"])  # "not available in this build" -> unavailable
+        get_quantizer(rec.quantize.method)  # "not available in this build" -> unavailable
     except UserError as exc:
         status.write_text(json.dumps({"state": "unavailable", "reason": str(exc)}))
         return
     try:
-        summary = run_quantize(args.model, out, rec, overwrite=True, doctor=False, progress=True)
+        summary = run_job(QuantizeJob(args.model, out, rec, overwrite=True, doctor=False, progress=True))
     except (UserError, ModuleNotFoundError) as exc:
         status.write_text(json.dumps({"state": "unavailable", "reason": f"{type(exc).__name__}: {exc}"}))
         return

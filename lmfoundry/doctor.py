@@ -14,25 +14,31 @@ Checks, each a row of the report (status ok / info / warn / FAIL; any FAIL block
 - memory: estimated peak host memory of calibration, and GPU memory of serving (weights + KV per
   token × context), checked against --gpu-mem.
 
-`preflight(model, recipe)` runs the same checks at the start of `quantize` and raises `UserError`
-on a blocking one.
+`preflight(config, plan, quantizer, recipe, source_dtype)` runs the same checks at the start of
+`quantize` on the objects the quantize job built (nothing is resolved or built twice) and raises
+`UserError` on a blocking one. `lmfoundry doctor` builds those objects the same way
+(`lmfoundry.quantization_plan`), reporting a step that fails as a row.
 
 The doctor judges a whole job (quantizer, calibration, compressed-tensors schema, GPU arch from
 `lmfoundry.gpus`, memory from `lmfoundry.capacity_math`), so it sits above the stages: it imports
 the quantizers and calibration, and nothing below it imports the doctor; `lmfoundry doctor`
-(lmfoundry/commands/doctor.py) and the quantize command call it.
+(lmfoundry/commands/doctor.py) and the quantize job (lmfoundry/calibration/job.py) call it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_NAMES, FP8_MIN_CAPABILITY
 from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, Scheme
 from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
+from lmfoundry.recipe import Recipe
+
+if TYPE_CHECKING:
+    from lmfoundry.quantizers.base import Quantizer
 
 FUSED_GROUPS = tuple((fused.split(".")[-1], members) for fused, members in FUSED_LINEARS.items())
 
@@ -320,59 +326,84 @@ def check_memory(report: DoctorReport, config: ModelConfig, plan: QuantizationPl
 
 
 # ------------------------------------------------------------------------------------- entry points
-def diagnose_plan(config: ModelConfig, recipe: dict[str, Any], arch: str | None = None,
-                  gpu_mem: int | None = None, ctx: int | None = None, subject: str = "",
-                  tp: int | None = None, source_dtype: Any = "float32") -> DoctorReport:
-    """Every check for quantizing a float model with `recipe` (the applied recipe dict);
-    `source_dtype` is the stored dtype of the weights (it sizes the embedding table in memory)."""
-    from lmfoundry.calibration.memory import calibration_bytes
-    from lmfoundry.calibration.pipeline import check_plan
-    from lmfoundry.quantization_plan import build_plan
-    from lmfoundry.quantizers.base import get_quantizer
-    from lmfoundry.quantizers.scheme import to_compressed_tensors
-
-    q, c = recipe["quantize"], recipe.get("calibration", {})
-    report = DoctorReport(subject or f"quantize with {q['method']} {q['scheme']}")
+def _plan_report(config: ModelConfig, recipe: Recipe, subject: str) -> DoctorReport:
+    q = recipe.quantize
+    report = DoctorReport(subject or f"quantize with {q.method} {q.scheme}")
     report.add("model", INFO, f"{config.model_type}: {config.num_layers} layers, hidden {config.hidden_size}, "
                f"{config.num_heads} heads / {config.num_kv_heads} KV heads, head_dim {config.head_dim}")
+    return report
+
+
+GROUP_SIZE_OK = "divides every targeted linear"
+
+
+def _scheme_detail(plan: QuantizationPlan) -> str:
+    return "; ".join(f"{scheme_label(g.scheme)} -> {plan.format()}" for g in plan.groups)
+
+
+def _method_detail(recipe: Recipe, plan: QuantizationPlan, quantizer: Quantizer) -> str:
+    needs_data = quantizer.needs_calibration or plan.kv_cache is not None
+    return (f"{recipe.quantize.method} produces {plan.groups[0].scheme.name}"
+            f"{'' if needs_data else ' without calibration data'}")
+
+
+def diagnose_plan(config: ModelConfig, recipe: Recipe, arch: str | None = None,
+                  gpu_mem: int | None = None, ctx: int | None = None, subject: str = "",
+                  tp: int | None = None, source_dtype: Any = "float32") -> DoctorReport:
+    """Every check for quantizing a float model with `recipe`, building the plan and the quantizer
+    as `quantize` does (lmfoundry.quantization_plan) but reporting a step that fails as a row
+    instead of stopping; `source_dtype` is the stored dtype of the weights (it sizes the embedding
+    table in memory)."""
+    from lmfoundry.calibration.pipeline import check_plan
+    from lmfoundry.quantization_plan import build_plan, build_quantizer, fit_plan
+
+    report = _plan_report(config, recipe, subject)
     try:
-        plan = build_plan(q)
+        plan = fit_plan(build_plan(recipe.quantize), config)
     except UserError as exc:
         report.add("scheme", FAIL, str(exc))
         return report
-    report.add("scheme", OK, "; ".join(f"{scheme_label(g.scheme)} -> {plan.format()}" for g in plan.groups))
-    needs_data = True
+    report.add("scheme", OK, _scheme_detail(plan))
+    quantizer = None
     try:
-        quantizer = get_quantizer(q["method"], q.get("options"))
-        for g in plan.groups:
-            quantizer.validate(g.scheme)
-        needs_data = quantizer.needs_calibration or plan.kv_cache is not None
-        report.add("method x scheme", OK, f"{q['method']} produces {plan.groups[0].scheme.name}"
-                   f"{'' if needs_data else ' without calibration data'}")
+        quantizer = build_quantizer(recipe.quantize, plan)
+        report.add("method x scheme", OK, _method_detail(recipe, plan, quantizer))
     except UserError as exc:
         report.add("method x scheme", FAIL, str(exc))
+    try:
+        check_plan(plan, config)
+        report.add("group size", OK, GROUP_SIZE_OK)
+    except UserError as exc:
+        report.add("group size", FAIL, str(exc))
+    _plan_checks(report, config, plan, quantizer, recipe, arch, gpu_mem, ctx, tp, source_dtype)
+    return report
+
+
+def _plan_checks(report: DoctorReport, config: ModelConfig, plan: QuantizationPlan, quantizer: Quantizer | None,
+                 recipe: Recipe, arch: str | None, gpu_mem: int | None, ctx: int | None, tp: int | None,
+                 source_dtype: Any) -> None:
+    """The checks of a built plan (schema, fused modules, tensor parallel, arch, KV cache, memory);
+    without a quantizer (its method refused the scheme) calibration data is assumed needed."""
+    from lmfoundry.calibration.memory import calibration_bytes
+    from lmfoundry.quantizers.scheme import to_compressed_tensors
+
+    q, c = recipe.quantize, recipe.calibration
+    needs_data = quantizer is None or quantizer.needs_calibration or plan.kv_cache is not None
     try:
         to_compressed_tensors(plan)
         report.add("quantization_config", OK, "valid compressed-tensors schema")
     except Exception as exc:  # pydantic ValidationError and friends: the message is the finding
         first = str(exc).strip().splitlines()
         report.add("quantization_config", FAIL, f"compressed-tensors rejects the plan: {' '.join(first[:3])[:300]}")
-    try:
-        check_plan(plan, config)
-        report.add("group size", OK, "divides every targeted linear")
-    except UserError as exc:
-        report.add("group size", FAIL, str(exc))
     check_fused(report, plan, config)
     check_tensor_parallel(report, plan, config, tp)
     static = [g.scheme.name for g in plan.groups if g.scheme.needs_activation_calibration]
     if static:
         report.add("activations", INFO, "static per-tensor input_scale calibrated per linear (shared by fused linears)")
     check_arch(report, plan, arch)
-    check_kv_plan(report, plan.kv_cache, config, None, int(c.get("num_samples", 1)) if needs_data else None)
-    calib = calibration_bytes(config, q["method"], int(c.get("num_samples", 128)), int(c.get("seq_len", 512)),
-                              int(c.get("batch_size", 8)), needs_data, source_dtype)
+    check_kv_plan(report, plan.kv_cache, config, None, c.num_samples if needs_data else None)
+    calib = calibration_bytes(config, q.method, c.num_samples, c.seq_len, c.batch_size, needs_data, source_dtype)
     check_memory(report, config, plan, ctx or config.max_position_embeddings, gpu_mem, calib)
-    return report
 
 
 def diagnose_checkpoint(reader: Any, arch: str | None = None, gpu_mem: int | None = None,
@@ -390,8 +421,10 @@ def diagnose_checkpoint(reader: Any, arch: str | None = None, gpu_mem: int | Non
     return report
 
 
-def diagnose(model: str, recipe: dict[str, Any], arch: str | None = None, gpu_mem: int | None = None,
+def diagnose(model: str, recipe: Recipe, arch: str | None = None, gpu_mem: int | None = None,
              ctx: int | None = None, allow_pickle: bool = False, tp: int | None = None) -> DoctorReport:
+    """`lmfoundry doctor MODEL`: the checks of an existing checkpoint, or of quantizing a float
+    model with `recipe`."""
     from lmfoundry.checkpoint import CheckpointReader
     from lmfoundry.models import resolve_model
 
@@ -400,13 +433,20 @@ def diagnose(model: str, recipe: dict[str, Any], arch: str | None = None, gpu_me
     if reader.plan is not None:
         return diagnose_checkpoint(reader, arch, gpu_mem, ctx, tp)
     config = ModelConfig.from_dict(reader.config)
-    return diagnose_plan(config, recipe, arch, gpu_mem, ctx, subject=f"{model} -> {recipe['quantize']['method']} "
-                         f"{recipe['quantize']['scheme']}", tp=tp, source_dtype=reader.dtype)
+    return diagnose_plan(config, recipe, arch, gpu_mem, ctx, subject=f"{model} -> {recipe.quantize.method} "
+                         f"{recipe.quantize.scheme}", tp=tp, source_dtype=reader.dtype)
 
 
-def preflight(model_spec: str, recipe: dict[str, Any]) -> DoctorReport:
-    """Run at the start of `quantize`: raise UserError naming every blocking problem."""
-    report = diagnose(model_spec, recipe)
+def preflight(config: ModelConfig, plan: QuantizationPlan, quantizer: Quantizer, recipe: Recipe,
+              source_dtype: Any) -> DoctorReport:
+    """Run at the start of `quantize` on the objects it built: the plan fitted to the model and
+    checked against it (`check_plan`), and the quantizer validated for its schemes, so those rows
+    are passed here, not recomputed. Raises UserError naming every blocking problem."""
+    report = _plan_report(config, recipe, "")
+    report.add("scheme", OK, _scheme_detail(plan))
+    report.add("method x scheme", OK, _method_detail(recipe, plan, quantizer))
+    report.add("group size", OK, GROUP_SIZE_OK)
+    _plan_checks(report, config, plan, quantizer, recipe, None, None, None, None, source_dtype)
     if report.blocking:
         raise UserError("pre-flight checks failed (run `lmfoundry doctor` for the full table): "
                         + "; ".join(f"{c.name}: {c.detail}" for c in report.blocking))

@@ -3,10 +3,11 @@
 CLI flags override recipe values; the recipe *as applied* (after overrides) is what the manifest
 records, so an artifact can be rebuilt from its own manifest.
 
-Every `quantize` and `calibration` value is type-checked (`check_recipe`) when the YAML is read and
-again after the overrides: YAML happily yields `"no"` for a flag (truthy!), `1.0e+23` for a seed
-or a string for a list, and such values used to fail deep inside the pipeline with a traceback or,
-worse, silently change the result. `gate` belongs to eval-gate, which checks it. A section that no
+A recipe is a `Recipe` (typed sections `QuantizeSection` and `CalibrationSection`, whose field
+defaults are the only defaults) built once from the YAML and the flags. Every `quantize` and
+`calibration` value is type-checked when the YAML is read and again after the overrides: YAML
+happily yields `"no"` for a flag (truthy!), `1.0e+23` for a seed or a string for a list, and such
+values used to fail deep inside the pipeline with a traceback or, worse, silently change the result. `gate` belongs to eval-gate, which checks it. A section that no
 stage reads (`model`, `compile`, `serve`: the model is the command's argument, compile and serve
 take flags) is refused rather than silently ignored.
 
@@ -16,9 +17,10 @@ take flags) is refused rather than silently ignored.
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -27,32 +29,6 @@ from lmfoundry.errors import UserError
 from lmfoundry.manifest import read_bounded
 from lmfoundry.resources import shipped
 
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "quantize": {
-        "method": "rtn",
-        "scheme": "w4a16",
-        "group_size": None,  # None = the scheme's default (128 for wNa16)
-        "per_channel": False,
-        "symmetric": None,  # None = the scheme's default (symmetric)
-        "observer": "minmax",
-        "actorder": None,
-        "targets": ["Linear"],
-        "ignore": ["lm_head"],
-        "kv_cache": None,
-        "kv_strategy": "tensor",
-        "dtype": "auto",
-        "options": {},
-    },
-    "calibration": {
-        "source": "c4",
-        "num_samples": 128,
-        "seq_len": 512,
-        "seed": 0,
-        "propagate": "quantized",
-        "batch_size": 8,
-        "moe_experts": "all",  # the tokens an MoE expert calibrates on: all, or those routed to it
-    },
-}
 SECTIONS = ("name", "description", "quantize", "calibration", "gate")
 # Sections earlier recipes carried that no stage ever read: refused with a reason.
 UNREAD_SECTIONS = {
@@ -138,20 +114,6 @@ CHECKS: dict[str, dict[str, Callable[[Any], str | None]]] = {
 }
 
 
-def check_recipe(recipe: dict[str, Any], where: str = "recipe") -> dict[str, Any]:
-    """Raise UserError naming the first `quantize`/`calibration` value of the wrong type or out of
-    range (`where` prefixes the message: the recipe file, or "recipe" after CLI overrides)."""
-    for section, checks in CHECKS.items():
-        values = recipe.get(section, {})
-        for key, check in checks.items():
-            if key in values and (expected := check(values[key])) is not None:
-                raise UserError(f"{where}: {section}.{key} must be {expected}, not {_show(values[key])}")
-    for key in ("name", "description"):
-        if key in recipe and not isinstance(recipe[key], str):
-            raise UserError(f"{where}: {key} must be a string, not {_show(recipe[key])}")
-    return recipe
-
-
 def _show(value: Any) -> str:
     """A short rendering of a bad value for an error line."""
     text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
@@ -206,44 +168,133 @@ def load_yaml(raw: bytes | str, where: Path | str) -> Any:
         loader.dispose()
 
 
-def load_recipe(path: str | Path | None) -> dict[str, Any]:
-    """Defaults, overlaid with the YAML file at `path` (if any); unknown keys are errors."""
-    recipe: dict[str, Any] = copy.deepcopy(DEFAULTS)
-    if path is None:
-        return recipe
-    p = resolve_recipe_path(path)
-    raw = read_bounded(p, MAX_RECIPE_BYTES, "recipe")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{p}: not UTF-8 text (a recipe is YAML)") from None
-    data = load_yaml(text, p) or {}
-    if not isinstance(data, dict):
-        raise UserError(f"{p}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
-    for key, value in data.items():
-        if key in UNREAD_SECTIONS:
-            raise UserError(f"{p}: recipe section {key!r} is not read by any stage "
-                            f"({UNREAD_SECTIONS[key]}); remove it")
-        if key not in SECTIONS:
-            raise UserError(f"{p}: unknown recipe section {key!r}; known: {', '.join(SECTIONS)}")
-        if key in DEFAULTS:
-            if not isinstance(value, dict):
-                raise UserError(f"{p}: section {key!r} must be a mapping")
-            unknown = set(value) - set(DEFAULTS[key])
-            if unknown:
-                raise UserError(f"{p}: unknown key(s) in {key}: {', '.join(sorted(map(str, unknown)))}; "
-                                f"known: {', '.join(DEFAULTS[key])}")
-            recipe[key].update(value)
-        else:
-            recipe[key] = value
-    check_recipe(recipe, str(p))
-    recipe["source_file"] = str(p)
-    return recipe
+@dataclass(frozen=True)
+class QuantizeSection:
+    """The recipe's `quantize` section: what each linear becomes. These field defaults are the
+    only defaults of a recipe (a YAML file or a flag overrides them)."""
+
+    method: str = "rtn"
+    scheme: str = "w4a16"
+    group_size: int | None = None  # None = the scheme's default (128 for wNa16)
+    per_channel: bool = False
+    symmetric: bool | None = None  # None = the scheme's default (symmetric)
+    observer: str = "minmax"
+    actorder: str | None = None
+    targets: list[str] = field(default_factory=lambda: ["Linear"])
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    kv_cache: str | None = None
+    kv_strategy: str | None = "tensor"
+    dtype: str | None = "auto"
+    options: dict[str, Any] = field(default_factory=dict)
 
 
-def apply_overrides(recipe: dict[str, Any], section: str, **overrides: Any) -> dict[str, Any]:
-    """Set every override that is not None (a CLI flag the user gave)."""
-    for key, value in overrides.items():
-        if value is not None:
-            recipe[section][key] = value
-    return recipe
+@dataclass(frozen=True)
+class CalibrationSection:
+    """The recipe's `calibration` section: the data the quantizer's statistics come from."""
+
+    source: str = "c4"
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+    propagate: str = "quantized"
+    batch_size: int = 8
+    moe_experts: str = "all"  # the tokens an MoE expert calibrates on: all, or those routed to it
+
+
+# the keys of each typed section, in the order the manifest records them
+SECTION_KEYS = {name: tuple(f.name for f in dataclasses.fields(kind))
+                for name, kind in (("quantize", QuantizeSection), ("calibration", CalibrationSection))}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe as applied: built once (`from_yaml`, then `with_overrides` for the command-line
+    flags), checked at every step, and handed to the stages whole instead of as loose values.
+    `to_dict()` is what the manifest records, so an artifact can be rebuilt from it."""
+
+    quantize: QuantizeSection = field(default_factory=QuantizeSection)
+    calibration: CalibrationSection = field(default_factory=CalibrationSection)
+    name: str | None = None
+    description: str | None = None
+    gate: Any = None  # eval-gate's section: carried into the manifest, checked by eval-gate
+    source_file: str | None = None  # the YAML it came from (recorded apart from the recipe)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path | None) -> Recipe:
+        """The defaults, overlaid with the YAML file at `path` (a path or a built-in recipe's
+        name; None = the defaults alone); unknown sections and keys are errors."""
+        if path is None:
+            return cls()
+        p = resolve_recipe_path(path)
+        raw = read_bounded(p, MAX_RECIPE_BYTES, "recipe")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{p}: not UTF-8 text (a recipe is YAML)") from None
+        data = load_yaml(text, p) or {}
+        if not isinstance(data, dict):
+            raise UserError(f"{p}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in UNREAD_SECTIONS:
+                raise UserError(f"{p}: recipe section {key!r} is not read by any stage "
+                                f"({UNREAD_SECTIONS[key]}); remove it")
+            if key not in SECTIONS:
+                raise UserError(f"{p}: unknown recipe section {key!r}; known: {', '.join(SECTIONS)}")
+            if key in SECTION_KEYS:
+                if not isinstance(value, dict):
+                    raise UserError(f"{p}: section {key!r} must be a mapping")
+                unknown = set(value) - set(SECTION_KEYS[key])
+                if unknown:
+                    raise UserError(f"{p}: unknown key(s) in {key}: {', '.join(sorted(map(str, unknown)))}; "
+                                    f"known: {', '.join(SECTION_KEYS[key])}")
+            values[key] = value
+        return cls._build(values, str(p), source_file=str(p))
+
+    def with_overrides(self, **flags: Any) -> Recipe:
+        """A copy with every flag that is not None (one the user gave) set; each flag is a key of
+        `quantize` or `calibration` (the names do not overlap). Checked again afterwards: a flag
+        may be what makes the recipe invalid."""
+        values = self.to_dict()
+        for key, value in flags.items():
+            section = next((s for s, keys in SECTION_KEYS.items() if key in keys), None)
+            if section is None:
+                raise TypeError(f"with_overrides: {key!r} is no recipe key")
+            if value is not None:
+                values[section][key] = value
+        return self._build(values, "recipe (with the command-line flags)", source_file=self.source_file)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as the manifest records it (without `source_file`, recorded apart)."""
+        out: dict[str, Any] = {"quantize": dataclasses.asdict(self.quantize),
+                               "calibration": dataclasses.asdict(self.calibration)}
+        for key in ("name", "description", "gate"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    def check(self, where: str = "recipe") -> Recipe:
+        """Raise UserError naming the first value of the wrong type or out of range (a Recipe
+        built directly rather than through `from_yaml`/`with_overrides` is checked here)."""
+        _check_values(self.to_dict(), where)
+        return self
+
+    @classmethod
+    def _build(cls, values: dict[str, Any], where: str, source_file: str | None) -> Recipe:
+        _check_values(values, where)
+        return cls(quantize=QuantizeSection(**values.get("quantize", {})),
+                   calibration=CalibrationSection(**values.get("calibration", {})), name=values.get("name"), description=values.get("description"), gate=values.get("gate"),
+                   source_file=source_file)
+
+
+def _check_values(recipe: dict[str, Any], where: str) -> None:
+    """The checks of CHECKS over a recipe's plain values (`where` prefixes the message: the
+    recipe file, or "recipe" after the command-line flags)."""
+    for section, checks in CHECKS.items():
+        values = recipe.get(section, {})
+        for key, check in checks.items():
+            if key in values and (expected := check(values[key])) is not None:
+                raise UserError(f"{where}: {section}.{key} must be {expected}, not {_show(values[key])}")
+    for key in ("name", "description"):
+        if key in recipe and not isinstance(recipe[key], str):
+            raise UserError(f"{where}: {key} must be a string, not {_show(recipe[key])}")

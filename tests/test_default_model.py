@@ -13,12 +13,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def w4_checkpoint(tmp_path_factory):
-    from lmfoundry.commands.quantize import run_quantize
-    from lmfoundry.recipe import load_recipe
+    from lmfoundry.calibration.job import QuantizeJob, run_job
+    from lmfoundry.recipe import Recipe
 
     out = tmp_path_factory.mktemp("q") / "smollm2-w4a16-g64"
-    rec = load_recipe(str(Path(__file__).resolve().parent.parent / "recipes" / "smollm2-w4a16-rtn.yaml"))
-    run_quantize("smollm2-135m", out, rec, progress=False)
+    rec = Recipe.from_yaml(str(Path(__file__).resolve().parent.parent / "recipes" / "smollm2-w4a16-rtn.yaml"))
+    run_job(QuantizeJob("smollm2-135m", out, rec, progress=False))
     return out
 
 

@@ -24,7 +24,9 @@ LAYERS = [
     (7, ("lmfoundry.compile",)),
     (8, ("lmfoundry.runtime",)),
     (9, ("lmfoundry.evals",)),
+    # the quantize job (calibration/job.py) composes every stage and runs the doctor: a verb's layer
     (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.doctor", "lmfoundry.quantization_plan",
+          "lmfoundry.calibration.job",
           "lmfoundry.capacity_inputs", "lmfoundry.capacity_math", "lmfoundry.capacity_report", "lmfoundry")),
 ]
 

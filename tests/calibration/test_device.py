@@ -11,15 +11,14 @@ import pytest
 import torch
 from helpers import tiny_model_folder, write_text
 
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.manifest import read_manifest
-from lmfoundry.recipe import apply_overrides, load_recipe
+from lmfoundry.recipe import Recipe
 
 
 def _recipe(tmp_path: Path, method: str, **q) -> dict:
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method=method, **q)
-    apply_overrides(rec, "calibration", source=str(write_text(tmp_path / "calib.txt")), num_samples=4, seq_len=32,
+    rec = Recipe().with_overrides(method=method, **q)
+    rec = rec.with_overrides(source=str(write_text(tmp_path / "calib.txt")), num_samples=4, seq_len=32,
                     batch_size=2)
     return rec
 
@@ -51,12 +50,12 @@ def test_offloaded_activations_write_the_same_bytes(tmp_path: Path, monkeypatch,
     monkeypatch.setattr(base.LayerCalibration, "store", counted_store)
     src = tiny_model_folder(tmp_path / "src", "llama")
     rec = _recipe(tmp_path, method, **q)
-    run_quantize(str(src), tmp_path / "resident", rec, progress=False, offload="no")
+    run_job(QuantizeJob(str(src), tmp_path / "resident", rec, progress=False, offload="no"))
     assert moves == {"load": 0, "store": 0}
     import lmfoundry.calibration.memory as memory
 
     monkeypatch.setattr(memory, "activations_offload", lambda *a, **k: True)  # as on a GPU that is full
-    run_quantize(str(src), tmp_path / "offloaded", rec, progress=False)
+    run_job(QuantizeJob(str(src), tmp_path / "offloaded", rec, progress=False))
     assert moves["load"] > 0 and moves["store"] > 0
     assert _shards(tmp_path / "offloaded") == _shards(tmp_path / "resident")
     assert read_manifest(tmp_path / "offloaded")["activations_offloaded"] is True
@@ -100,9 +99,9 @@ def test_cuda_calibration_agrees_with_cpu(tmp_path: Path) -> None:
 
     src = tiny_model_folder(tmp_path / "src", "llama")
     rec = _recipe(tmp_path, "gptq", scheme="w4a16", group_size=32)
-    run_quantize(str(src), tmp_path / "cpu", rec, progress=False, device="cpu")
-    run_quantize(str(src), tmp_path / "cuda", rec, progress=False, device="cuda", offload="no")
-    run_quantize(str(src), tmp_path / "cuda-off", rec, progress=False, device="cuda", offload="yes")
+    run_job(QuantizeJob(str(src), tmp_path / "cpu", rec, progress=False, device="cpu"))
+    run_job(QuantizeJob(str(src), tmp_path / "cuda", rec, progress=False, device="cuda", offload="no"))
+    run_job(QuantizeJob(str(src), tmp_path / "cuda-off", rec, progress=False, device="cuda", offload="yes"))
     assert _shards(tmp_path / "cuda") == _shards(tmp_path / "cuda-off")
     a, b = CheckpointReader(tmp_path / "cpu"), CheckpointReader(tmp_path / "cuda")
     same = total = 0

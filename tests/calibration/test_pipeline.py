@@ -7,17 +7,16 @@ import torch
 from helpers import tiny_model_folder, write_text
 from transformers import AutoModelForCausalLM
 
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import read_manifest, verify_files
-from lmfoundry.recipe import apply_overrides, load_recipe
+from lmfoundry.recipe import Recipe
 from lmfoundry.runtime.loader import load_model
 
 
 def recipe(tmp_path, **q):
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", **q)
-    apply_overrides(rec, "calibration", source=str(write_text(tmp_path / "calib.txt")), num_samples=4, seq_len=32)
+    rec = Recipe().with_overrides(**q)
+    rec = rec.with_overrides(source=str(write_text(tmp_path / "calib.txt")), num_samples=4, seq_len=32)
     return rec
 
 
@@ -35,7 +34,7 @@ def logits_pair(folder):
 def test_quantize_loads_in_transformers(tmp_path, arch, scheme, kw):
     src = tiny_model_folder(tmp_path / "src", arch)
     out = tmp_path / "out"
-    run_quantize(str(src), out, recipe(tmp_path, method="rtn", scheme=scheme, **kw), progress=False)
+    run_job(QuantizeJob(str(src), out, recipe(tmp_path, method="rtn", scheme=scheme, **kw), progress=False))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["format"] == "pack-quantized"
     if not kw.get("symmetric", True):
@@ -91,8 +90,8 @@ def test_propagation_modes_and_layer_errors(tmp_path, monkeypatch):
     outs = {}
     for mode in ("quantized", "float"):
         rec = recipe(tmp_path, method="rtn", scheme="w4a16", group_size=32)
-        rec["calibration"]["propagate"] = mode
-        run_quantize(str(src), tmp_path / mode, rec, progress=False)
+        rec = rec.with_overrides(propagate=mode)
+        run_job(QuantizeJob(str(src), tmp_path / mode, rec, progress=False))
         outs[mode] = read_manifest(tmp_path / mode)["layers"]
         assert read_manifest(tmp_path / mode)["calibration"]["used"] is True
     for mode, layers in outs.items():
@@ -124,8 +123,8 @@ def test_gptq_runs_one_sequential_pass_per_layer(tmp_path, monkeypatch, propagat
     monkeypatch.setattr(LayerCalibration, "run_sequential", counting("sequential", run_sequential))
     src = tiny_model_folder(tmp_path / "src", "llama")
     rec = recipe(tmp_path, method="gptq", scheme="w4a16", group_size=32)
-    rec["calibration"]["propagate"] = propagate
-    run_quantize(str(src), tmp_path / "out", rec, progress=False)
+    rec = rec.with_overrides(propagate=propagate)
+    run_job(QuantizeJob(str(src), tmp_path / "out", rec, progress=False))
     assert calls == expected
     layers = read_manifest(tmp_path / "out")["layers"]
     assert all(layers[f"model.layers.{i}"]["self_attn.q_proj"]["gptq_loss"] > 0 for i in range(2))
@@ -140,8 +139,8 @@ def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "load_layer", boom)
     with pytest.raises(KeyboardInterrupt):
-        run_quantize(str(src), tmp_path / "out", recipe(tmp_path, method="rtn", scheme="w4a16", group_size=32),
-                     progress=False)
+        run_job(QuantizeJob(str(src), tmp_path / "out", recipe(tmp_path, method="rtn", scheme="w4a16", group_size=32),
+                     progress=False))
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.partial*"))
 
@@ -149,8 +148,8 @@ def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
 def test_refuses_existing_output_and_quantized_input(tmp_path):
     src = tiny_model_folder(tmp_path / "src", "llama")
     rec = recipe(tmp_path, method="rtn", scheme="w4a16", group_size=32)
-    run_quantize(str(src), tmp_path / "out", rec, progress=False)
+    run_job(QuantizeJob(str(src), tmp_path / "out", rec, progress=False))
     with pytest.raises(UserError, match="not empty"):
-        run_quantize(str(src), tmp_path / "out", rec, progress=False)
+        run_job(QuantizeJob(str(src), tmp_path / "out", rec, progress=False))
     with pytest.raises(UserError, match="already quantized"):
-        run_quantize(str(tmp_path / "out"), tmp_path / "out2", rec, progress=False)
+        run_job(QuantizeJob(str(tmp_path / "out"), tmp_path / "out2", rec, progress=False))

@@ -9,16 +9,14 @@ from safetensors.torch import load_file, save_file
 from helpers import tiny_model_folder, write_text
 from lmfoundry.checkpoint import CheckpointReader
 from lmfoundry.commands.doctor import doctor
-from lmfoundry.commands.quantize import run_quantize
-from lmfoundry.doctor import FAIL, diagnose, parse_arch, parse_bytes, preflight
+from lmfoundry.calibration.job import QuantizeJob, run_job
+from lmfoundry.doctor import FAIL, diagnose, parse_arch, parse_bytes
 from lmfoundry.errors import UserError
-from lmfoundry.recipe import load_recipe
+from lmfoundry.recipe import Recipe
 
 
 def rec(**q):
-    r = load_recipe(None)
-    r["quantize"].update(q)
-    return r
+    return Recipe().with_overrides(**q)
 
 
 def failed(report):
@@ -37,9 +35,9 @@ def test_q_and_k_quantized_but_not_v_is_blocking(model, tmp_path):
     detail = next(c.detail for c in report.checks if c.name == "fused modules")
     assert "layer 0 qkv_proj" in detail and "v_proj: not quantized" in detail
     # quantize runs the doctor first and writes nothing
-    r["calibration"].update(source=str(write_text(tmp_path / "c.txt")), num_samples=2, seq_len=16)
+    r = r.with_overrides(source=str(write_text(tmp_path / "c.txt")), num_samples=2, seq_len=16)
     with pytest.raises(UserError, match="fused modules"):
-        run_quantize(model, tmp_path / "out", r, progress=False)
+        run_job(QuantizeJob(model, tmp_path / "out", r, progress=False))
     assert not (tmp_path / "out").exists()
     # the same plan with v included passes
     assert not failed(diagnose(model, rec(method="rtn", scheme="w8a16", per_channel=True)))
@@ -64,27 +62,29 @@ def test_fp8_for_ampere_is_blocking(model):
 
 def test_kv_scheme_without_scales_is_blocking(model, tmp_path):
     r = rec(method="rtn", scheme="w8a16", per_channel=True, kv_cache="fp8")
-    r["calibration"].update(source=str(write_text(tmp_path / "c.txt")), num_samples=2, seq_len=16, batch_size=2)
+    r = r.with_overrides(source=str(write_text(tmp_path / "c.txt")), num_samples=2, seq_len=16, batch_size=2)
     out = tmp_path / "kv"
-    run_quantize(model, out, r, progress=False)
-    assert not failed(diagnose(str(out), load_recipe(None)))
+    run_job(QuantizeJob(model, out, r, progress=False))
+    assert not failed(diagnose(str(out), Recipe()))
     reader = CheckpointReader(out)
     path = reader.index["model.layers.0.self_attn.k_scale"]
     tensors = load_file(str(path))
     del tensors["model.layers.0.self_attn.k_scale"]
     save_file(tensors, str(path), metadata={"format": "pt"})
-    report = diagnose(str(out), load_recipe(None))
+    report = diagnose(str(out), Recipe())
     assert failed(report) == {"kv scales"}
     assert "model.layers.0.self_attn.k_scale" in next(c.detail for c in report.checks if c.name == "kv scales")
 
 
-def test_method_scheme_mismatch_and_invalid_kv_strategy(model):
+def test_method_scheme_mismatch_and_invalid_kv_strategy(model, tmp_path):
     assert "method x scheme" in failed(diagnose(model, rec(method="fp8", scheme="w8a8")))
     assert "method x scheme" in failed(diagnose(model, rec(method="smoothquant", scheme="w4a16", group_size=32)))
     bad_kv = rec(method="rtn", scheme="w8a16", per_channel=True, kv_cache="int8", kv_strategy="channel")
     assert failed(diagnose(model, bad_kv)) >= {"kv cache"}
-    with pytest.raises(UserError, match="kv cache"):
-        preflight(model, bad_kv)
+    # quantize's pre-flight judges the plan and quantizer the job built, and blocks before any output
+    with pytest.raises(UserError, match="pre-flight checks failed.*kv cache"):
+        run_job(QuantizeJob(model, tmp_path / "out", bad_kv, progress=False))
+    assert not (tmp_path / "out").exists()
 
 
 def test_int8_kv_warns_about_vllm(model):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import tiny_model_folder
 
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
 from lmfoundry.gguf_export import export_gguf, rope_interleave_rows
-from lmfoundry.recipe import apply_overrides, load_recipe
+from lmfoundry.recipe import Recipe
 
 VOCAB = 49152  # the shipped model's BPE tokenizer (a GGUF embeds a BPE vocabulary)
 
@@ -37,9 +37,8 @@ def _bpe_model(path: Path, arch: str) -> Path:
 
 
 def _quantize(src: Path, out: Path, **q) -> Path:
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method="rtn", **q)
-    run_quantize(str(src), out, rec, progress=False)
+    rec = Recipe().with_overrides(method="rtn", **q)
+    run_job(QuantizeJob(str(src), out, rec, progress=False))
     return out
 
 
@@ -160,11 +159,10 @@ def test_refuses_what_has_no_exact_gguf_form(llama_src: Path, tmp_path: Path) ->
     }
     for label, (q, message) in cases.items():
         method = "gptq" if "actorder" in q else ("smoothquant" if q["scheme"] == "w8a8" else "rtn")
-        rec = load_recipe(None)
-        apply_overrides(rec, "quantize", method=method, **q)
-        apply_overrides(rec, "calibration", source="tiny", num_samples=2, seq_len=16)
+        rec = Recipe().with_overrides(method=method, **q)
+        rec = rec.with_overrides(source="tiny", num_samples=2, seq_len=16)
         out = tmp_path / label.replace(" ", "-")
-        run_quantize(str(llama_src), out, rec, progress=False)
+        run_job(QuantizeJob(str(llama_src), out, rec, progress=False))
         with pytest.raises(UserError, match=message):
             export_gguf(out, tmp_path / f"{label}.gguf", progress=False)
         assert not list(tmp_path.glob(f"*{label}.gguf*"))  # nothing half-written

@@ -21,7 +21,7 @@ import pytest
 from helpers import tiny_model_folder, write_text
 
 from lmfoundry.errors import UserError
-from lmfoundry.recipe import UNREAD_SECTIONS, builtin_recipes, load_recipe, resolve_recipe_path
+from lmfoundry.recipe import UNREAD_SECTIONS, Recipe, builtin_recipes, resolve_recipe_path
 from lmfoundry.resources import shipped
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,23 +44,23 @@ def shipped_files() -> set[str]:
 # ---- fast: name resolution -----------------------------------------------------------------
 def test_builtin_recipe_by_name_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    rec = load_recipe("smollm2-w4a16-rtn")
-    assert Path(rec["source_file"]) == shipped("lmfoundry.recipes", "smollm2-w4a16-rtn.yaml")
-    assert rec["name"] == "smollm2-w4a16-rtn" and rec["quantize"]["group_size"] == 64
-    assert load_recipe("smollm2-w4a16-rtn.yaml")["source_file"] == rec["source_file"]
+    rec = Recipe.from_yaml("smollm2-w4a16-rtn")
+    assert Path(rec.source_file) == shipped("lmfoundry.recipes", "smollm2-w4a16-rtn.yaml")
+    assert rec.name == "smollm2-w4a16-rtn" and rec.quantize.group_size == 64
+    assert Recipe.from_yaml("smollm2-w4a16-rtn.yaml").source_file == rec.source_file
 
 
 def test_every_builtin_recipe_loads():
     names = builtin_recipes()
     assert {"smollm2-w4a16-rtn", "smollm2-w4a16-gptq", "smollm2-w8a16-rtn", "w4a16-g128-rtn"} <= set(names)
     for name in names:
-        assert load_recipe(name)["name"] == name
+        assert Recipe.from_yaml(name).name == name
 
 
 def test_a_local_file_wins_over_a_builtin_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("smollm2-w4a16-rtn").write_text("quantize: {group_size: 32}\n")
-    assert load_recipe("smollm2-w4a16-rtn")["quantize"]["group_size"] == 32
+    assert Recipe.from_yaml("smollm2-w4a16-rtn").quantize.group_size == 32
 
 
 @pytest.mark.parametrize("spec", ["no-such-recipe", "gates/default", "../recipes/smollm2-w4a16-rtn", ""])
@@ -77,18 +77,19 @@ def test_sections_no_stage_reads_are_refused(section, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"quantize: {{method: rtn}}\n{section}: {{x: 1}}\n")
     with pytest.raises(UserError) as exc:
-        load_recipe(str(recipe))
+        Recipe.from_yaml(str(recipe))
     msg = str(exc.value)
     assert "\n" not in msg and repr(section) in msg and "not read by any stage" in msg
 
 
 def test_gates_and_tasks_are_package_data():
-    from lmfoundry.evals import gate
+    from lmfoundry.evals import gate, gate_spec, generation
 
-    assert gate.GATES_DIR == shipped("lmfoundry.recipes", "gates")
-    assert gate.resolve_gate_path(None) == gate.GATES_DIR / "default.yaml"
+    assert gate_spec.GATES_DIR == shipped("lmfoundry.recipes", "gates")
+    assert gate_spec.resolve_gate_path(None) == gate_spec.GATES_DIR / "default.yaml"
     assert sorted(p.parent.name for p in gate.TASKS_DIR.glob("*/*.yaml")) == \
         ["arc_challenge", "arc_easy", "hellaswag", "piqa"]
+    assert generation.PROMPTS == shipped("lmfoundry.evals", "data", "generation.yaml") and generation.PROMPTS.is_file()
 
 
 # ---- slow: a wheel in a clean venv -----------------------------------------------------------
@@ -153,7 +154,7 @@ def test_wheel_quantizes_with_a_builtin_recipe_from_a_clean_venv(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1", LMFOUNDRY_CACHE=str(tmp_path / "cache"))
     where = json.loads(_run([venv / "bin" / "python", "-c", (
-        "import json, importlib.metadata as md, lmfoundry, lmfoundry.recipes, lmfoundry.evals.gate as g, torch;"
+        "import json, importlib.metadata as md, lmfoundry, lmfoundry.recipes, lmfoundry.evals.gate_spec as g, torch;"
         "print(json.dumps({'pkg': lmfoundry.__file__, 'recipes': lmfoundry.recipes.__file__,"
         " 'gate': str(g.resolve_gate_path(None)), 'dists': [str(d.locate_file('')) for d in md.distributions()"
         " if d.metadata['Name'] == 'lmfoundry']}))")], timeout=120, cwd=work, env=env).stdout)

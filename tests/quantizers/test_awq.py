@@ -86,8 +86,8 @@ def test_awq_checkpoint_beats_rtn_and_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lmfoundry.calibration.data import load_calibration
-    from lmfoundry.commands.quantize import run_quantize
-    from lmfoundry.recipe import load_recipe
+    from lmfoundry.calibration.job import QuantizeJob, run_job
+    from lmfoundry.recipe import Recipe
     from lmfoundry.runtime.loader import load_model
 
     src = tiny_model_folder(tmp_path / "src")
@@ -98,10 +98,9 @@ def test_awq_checkpoint_beats_rtn_and_loads_in_transformers(tmp_path):
     ref = float_model(ids)
     errs = {}
     for method in ("rtn", "awq"):
-        rec = load_recipe(None)
-        rec["quantize"].update(method=method, group_size=32)
-        rec["calibration"].update(source=str(calib), num_samples=16, seq_len=64)
-        run_quantize(str(src), tmp_path / method, rec, progress=False, doctor=False)
+        rec = Recipe().with_overrides(method=method, group_size=32)
+        rec = rec.with_overrides(source=str(calib), num_samples=16, seq_len=64)
+        run_job(QuantizeJob(str(src), tmp_path / method, rec, progress=False, doctor=False))
         model, _ = load_model(tmp_path / method)
         ours = model(ids)
         errs[method] = float((ours - ref).norm() / ref.norm())

@@ -8,11 +8,11 @@ import torch
 
 from helpers import tiny_model_folder, write_text
 from lmfoundry.checkpoint import CheckpointReader
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.fp8 import FP8Quantizer
 from lmfoundry.quantizers.scheme import make_scheme
-from lmfoundry.recipe import load_recipe
+from lmfoundry.recipe import Recipe
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Fp8Linear
 from lmfoundry.runtime.loader import load_model
 
@@ -35,12 +35,11 @@ def static_scales_loader(monkeypatch):
 
 def quantize(tmp_path, scheme, calib=True):
     folder = tiny_model_folder(tmp_path / "float")
-    rec = load_recipe(None)
-    rec["quantize"].update(method="fp8", scheme=scheme)
+    rec = Recipe().with_overrides(method="fp8", scheme=scheme)
     source = str(write_text(tmp_path / "calib.txt")) if calib else str(tmp_path / "does-not-exist.txt")
-    rec["calibration"].update(source=source, num_samples=4, seq_len=48, batch_size=2)
+    rec = rec.with_overrides(source=source, num_samples=4, seq_len=48, batch_size=2)
     out = tmp_path / scheme
-    run_quantize(str(folder), out, rec, progress=False)
+    run_job(QuantizeJob(str(folder), out, rec, progress=False))
     return folder, out
 
 
@@ -49,11 +48,10 @@ def test_dynamic_needs_no_data_and_stores_fp8_per_channel(tmp_path):
     q.validate(make_scheme("fp8-dynamic"))
     assert q.needs_calibration is False
     folder = tiny_model_folder(tmp_path / "float")
-    rec = load_recipe(None)
-    rec["quantize"].update(method="fp8", scheme="fp8-dynamic")
-    rec["calibration"].update(source=str(write_text(tmp_path / "c.txt")), num_samples=2, seq_len=16)
+    rec = Recipe().with_overrides(method="fp8", scheme="fp8-dynamic")
+    rec = rec.with_overrides(source=str(write_text(tmp_path / "c.txt")), num_samples=2, seq_len=16)
     out = tmp_path / "dyn"
-    run_quantize(str(folder), out, rec, progress=False)
+    run_job(QuantizeJob(str(folder), out, rec, progress=False))
     reader = CheckpointReader(out)
     t = reader.prefixed("model.layers.1.mlp.down_proj")
     assert t["weight"].dtype == FP8_DTYPE and t["weight_scale"].shape == (t["weight"].shape[0], 1)

@@ -257,13 +257,12 @@ def test_hopeless_hessian_falls_back_to_rtn():
 
 
 def _quantize(src: Path, out: Path, calib: Path, **quant):
-    from lmfoundry.commands.quantize import run_quantize
-    from lmfoundry.recipe import load_recipe
+    from lmfoundry.calibration.job import QuantizeJob, run_job
+    from lmfoundry.recipe import Recipe
 
-    rec = load_recipe(None)
-    rec["quantize"].update(method="gptq", group_size=32, **quant)
-    rec["calibration"].update(source=str(calib), num_samples=8, seq_len=64)
-    run_quantize(str(src), out, rec, progress=False, doctor=False)
+    rec = Recipe().with_overrides(method="gptq", group_size=32, **quant)
+    rec = rec.with_overrides(source=str(calib), num_samples=8, seq_len=64)
+    run_job(QuantizeJob(str(src), out, rec, progress=False, doctor=False))
     return json.loads((out / "lmfoundry.json").read_text())
 
 

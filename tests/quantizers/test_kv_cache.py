@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from helpers import tiny_model_folder, write_text
 from lmfoundry.checkpoint import CheckpointReader
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration
 from lmfoundry.quantizers.kv_cache import calibrate_kv_scales, kv_round_trip_from_checkpoint
 from lmfoundry.quantizers.scheme import QuantArgs
-from lmfoundry.recipe import load_recipe
+from lmfoundry.recipe import Recipe
 from lmfoundry.model.kv_quant import kv_scales_from_absmax
 from lmfoundry.runtime.loader import load_model
 from lmfoundry.model.reference import causal_attention
@@ -113,11 +113,10 @@ def test_calibrated_scales_are_absmax_of_post_rotary_kv(tmp_path):
 
 def quantize_with_kv(tmp_path, kv: str, strategy: str = "tensor"):
     folder = tiny_model_folder(tmp_path / "float")
-    rec = load_recipe(None)
-    rec["quantize"].update(method="rtn", scheme="w8a16", per_channel=True, kv_cache=kv, kv_strategy=strategy)
-    rec["calibration"].update(source=str(write_text(tmp_path / "c.txt")), num_samples=4, seq_len=32, batch_size=2)
+    rec = Recipe().with_overrides(method="rtn", scheme="w8a16", per_channel=True, kv_cache=kv, kv_strategy=strategy)
+    rec = rec.with_overrides(source=str(write_text(tmp_path / "c.txt")), num_samples=4, seq_len=32, batch_size=2)
     out = tmp_path / f"kv-{kv}-{strategy}"
-    run_quantize(str(folder), out, rec, progress=False)
+    run_job(QuantizeJob(str(folder), out, rec, progress=False))
     return folder, out
 
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from helpers import tiny_model_folder, write_text
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.base import LayerCalibration
 from lmfoundry.quantizers.scheme import make_scheme, with_static_activations
 from lmfoundry.quantizers.smoothquant import SmoothQuantQuantizer, smoothing_factors
-from lmfoundry.recipe import load_recipe
+from lmfoundry.recipe import Recipe
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Int8Linear
 from lmfoundry.runtime.loader import load_model
 
@@ -49,9 +49,8 @@ def outlier_model(tmp_path, **overrides):
 
 
 def recipe(method, scheme, tmp_path, **q):
-    rec = load_recipe(None)
-    rec["quantize"].update(method=method, scheme=scheme, **q)
-    rec["calibration"].update(source=str(write_text(tmp_path / "calib.txt")), num_samples=8, seq_len=48,
+    rec = Recipe().with_overrides(method=method, scheme=scheme, **q)
+    rec = rec.with_overrides(source=str(write_text(tmp_path / "calib.txt")), num_samples=8, seq_len=48,
                               batch_size=4)
     return rec
 
@@ -100,7 +99,7 @@ def test_smoothing_factor_formula():
 def _w8a8_layer_error(folder, tmp_path, method, options=None):
     out = tmp_path / f"{method}-{len(options or {})}"
     rec = recipe(method, "w8a8", tmp_path, options=options or {})
-    run_quantize(str(folder), out, rec, progress=False)
+    run_job(QuantizeJob(str(folder), out, rec, progress=False))
     return out
 
 
@@ -134,12 +133,12 @@ def test_static_w8a8_writes_shared_input_scales(tmp_path, monkeypatch):
     from lmfoundry.checkpoint import CheckpointReader
     from lmfoundry.quantizers.scheme import QuantizationPlan, SchemeGroup
 
-    import lmfoundry.commands.quantize as qcmd
+    import lmfoundry.calibration.job as job
 
     static = with_static_activations(make_scheme("w8a8"))
-    monkeypatch.setattr(qcmd, "build_plan", lambda q: QuantizationPlan([SchemeGroup(static)], ["lm_head"]))
+    monkeypatch.setattr(job, "build_plan", lambda q: QuantizationPlan([SchemeGroup(static)], ["lm_head"]))
     out = tmp_path / "static"
-    run_quantize(str(folder), out, recipe("smoothquant", "w8a8", tmp_path), progress=False)
+    run_job(QuantizeJob(str(folder), out, recipe("smoothquant", "w8a8", tmp_path), progress=False))
     reader = CheckpointReader(out)
     assert reader.plan.groups[0].scheme.input_activations.dynamic is False
     p = "model.layers.0"

@@ -17,10 +17,10 @@ import pytest
 import torch
 from helpers import hf_eager, reference_greedy, save_transformers_model
 
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.recipe import apply_overrides, load_recipe
+from lmfoundry.recipe import Recipe
 from lmfoundry.runtime.loader import load_model
 
 WINDOW = 8
@@ -135,11 +135,10 @@ def test_every_method_quantizes_into_a_checkpoint_transformers_loads(gemma: Path
     (`LOGIT_ERROR`)."""
     from transformers import AutoModelForCausalLM
 
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method=method, **q)
-    apply_overrides(rec, "calibration", source="tiny", num_samples=4, seq_len=32)
+    rec = Recipe().with_overrides(method=method, **q)
+    rec = rec.with_overrides(source="tiny", num_samples=4, seq_len=32)
     out = tmp_path / "q"
-    run_quantize(str(gemma), out, rec, progress=False)
+    run_job(QuantizeJob(str(gemma), out, rec, progress=False))
     ours, _ = load_model(str(out))
     ref, _ = load_model(str(gemma))
     with torch.no_grad():
@@ -214,11 +213,10 @@ def test_pipeline_feeds_each_layer_what_the_model_computes(gemma: Path, tmp_path
             return super().quantize_layer(layer, schemes, calib, layer_idx)
 
     monkeypatch.setattr(base, "get_quantizer", lambda method, options=None: Recording(options))
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method="rtn", scheme="w4a16", group_size=32)
-    apply_overrides(rec, "calibration", source="tiny", num_samples=4, seq_len=32)
-    rec["calibration"]["propagate"] = "float"
-    run_quantize(str(gemma), tmp_path / "q", rec, progress=False)
+    rec = Recipe().with_overrides(method="rtn", scheme="w4a16", group_size=32)
+    rec = rec.with_overrides(source="tiny", num_samples=4, seq_len=32)
+    rec = rec.with_overrides(propagate="float")
+    run_job(QuantizeJob(str(gemma), tmp_path / "q", rec, progress=False))
 
     model, _ = load_model(str(gemma))
     table = model.model.embed_tokens.weight * 128**0.5
@@ -315,9 +313,8 @@ def test_engine_serves_gemma_like_transformers_generate(gemma: Path, tmp_path: P
         engine_logprobs = [lp.logprob for lp in o.outputs[0].logprobs]
         assert max(abs(a - b) for a, b in zip(engine_logprobs, hf_logprobs)) <= 1e-4
 
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method="rtn", scheme="w4a16", group_size=32)
-    run_quantize(str(gemma), tmp_path / "q", rec, progress=False)
+    rec = Recipe().with_overrides(method="rtn", scheme="w4a16", group_size=32)
+    run_job(QuantizeJob(str(gemma), tmp_path / "q", rec, progress=False))
     qmodel, _ = load_model(str(tmp_path / "q"))
     engine = LLMEngine(qmodel, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
     outs = engine.generate(prompts, params)

@@ -15,11 +15,11 @@ import pytest
 import torch
 from helpers import assert_engine_serves_like_reference, tiny_tokenizer
 
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.reference import SparseMoE
-from lmfoundry.recipe import apply_overrides, load_recipe
+from lmfoundry.recipe import Recipe
 from lmfoundry.runtime.loader import load_model
 
 IDS = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -79,9 +79,8 @@ def test_reference_forward_equals_transformers(moe: Path) -> None:
 
 
 def recipe(method: str, q: dict, **calibration) -> dict:
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method=method, **q)
-    apply_overrides(rec, "calibration", **{"source": "tiny", "num_samples": 4, "seq_len": 32, **calibration})
+    rec = Recipe().with_overrides(method=method, **q)
+    rec = rec.with_overrides(**{"source": "tiny", "num_samples": 4, "seq_len": 32, **calibration})
     return rec
 
 
@@ -95,7 +94,7 @@ def test_every_method_quantizes_every_expert_and_transformers_loads(moe: Path, t
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "q"
-    run_quantize(str(moe), out, recipe(method, q), progress=False)
+    run_job(QuantizeJob(str(moe), out, recipe(method, q), progress=False))
     config = ModelConfig.from_file(out)
     source, names = stored_names(moe), stored_names(out)
     router = "block_sparse_moe.gate" if config.model_type == "mixtral" else "mlp.gate"
@@ -172,10 +171,10 @@ def test_routed_calibration_gives_unchosen_experts_statistics(tmp_path: Path) ->
     src = build("qwen3_moe", tmp_path / "src")
     rec = recipe("gptq", {"scheme": "w4a16", "group_size": 32}, num_samples=1, seq_len=2, moe_experts="routed",
                  batch_size=1)
-    run_quantize(str(src), tmp_path / "gptq", rec, progress=False)
+    run_job(QuantizeJob(str(src), tmp_path / "gptq", rec, progress=False))
     rec = recipe("awq", {"scheme": "w4a16", "group_size": 32}, num_samples=1, seq_len=2, moe_experts="routed",
                  batch_size=1)
-    run_quantize(str(src), tmp_path / "awq", rec, progress=False)
+    run_job(QuantizeJob(str(src), tmp_path / "awq", rec, progress=False))
     for out in (tmp_path / "gptq", tmp_path / "awq"):
         names = stored_names(out)
         assert sum(".experts." in n and n.endswith("weight_scale") for n in names) == 2 * 8 * 3
@@ -269,7 +268,7 @@ def test_cli_quantize_routed_experts(moe: Path, tmp_path: Path) -> None:
 
 
 def test_engine_serves_quantized_moe(moe: Path, tmp_path: Path) -> None:
-    run_quantize(str(moe), tmp_path / "q", recipe("rtn", {"scheme": "w4a16", "group_size": 32}), progress=False)
+    run_job(QuantizeJob(str(moe), tmp_path / "q", recipe("rtn", {"scheme": "w4a16", "group_size": 32}), progress=False))
     model, _ = load_model(str(tmp_path / "q"))
     assert_engine_serves_like_reference(model, [IDS[0, :7].tolist(), IDS[1, :13].tolist()])
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers import assert_engine_serves_like_reference, tiny_tokenizer
 
-from lmfoundry.commands.quantize import run_quantize
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
-from lmfoundry.recipe import apply_overrides, load_recipe
+from lmfoundry.recipe import Recipe
 from lmfoundry.runtime.loader import load_model
 
 IDS = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -67,11 +67,10 @@ def test_every_method_writes_fused_tensors_transformers_loads(phi3: Path, tmp_pa
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method=method, **q)
-    apply_overrides(rec, "calibration", source="tiny", num_samples=4, seq_len=32)
+    rec = Recipe().with_overrides(method=method, **q)
+    rec = rec.with_overrides(source="tiny", num_samples=4, seq_len=32)
     out = tmp_path / "q"
-    run_quantize(str(phi3), out, rec, progress=False)
+    run_job(QuantizeJob(str(phi3), out, rec, progress=False))
     names = set()
     for f in out.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
@@ -92,18 +91,16 @@ def test_every_method_writes_fused_tensors_transformers_loads(phi3: Path, tmp_pa
 
 
 def test_engine_serves_quantized_phi3(phi3: Path, tmp_path: Path) -> None:
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method="rtn", scheme="w4a16", group_size=32)
-    run_quantize(str(phi3), tmp_path / "q", rec, progress=False)
+    rec = Recipe().with_overrides(method="rtn", scheme="w4a16", group_size=32)
+    run_job(QuantizeJob(str(phi3), tmp_path / "q", rec, progress=False))
     model, _ = load_model(str(tmp_path / "q"))
     assert_engine_serves_like_reference(model, [IDS[0, :7].tolist(), IDS[1, :13].tolist()])
 
 
 def test_refuses_what_a_fused_checkpoint_cannot_hold(phi3: Path, tmp_path: Path) -> None:
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method="gptq", scheme="w4a16", group_size=32, actorder="dynamic")
+    rec = Recipe().with_overrides(method="gptq", scheme="w4a16", group_size=32, actorder="dynamic")
     with pytest.raises(UserError, match="fused"):
-        run_quantize(str(phi3), tmp_path / "q", rec, progress=False)
+        run_job(QuantizeJob(str(phi3), tmp_path / "q", rec, progress=False))
     assert not (tmp_path / "q").exists()
     cfg = json.loads((phi3 / "config.json").read_text())
     from lmfoundry.model.config import ModelConfig

@@ -114,12 +114,11 @@ def test_engine_generates_past_the_window_like_transformers(windowed: Path) -> N
 
 
 def test_gguf_export_refuses_a_window(windowed: Path, tmp_path: Path) -> None:
-    from lmfoundry.commands.quantize import run_quantize
+    from lmfoundry.calibration.job import QuantizeJob, run_job
     from lmfoundry.gguf_export import export_gguf
-    from lmfoundry.recipe import apply_overrides, load_recipe
+    from lmfoundry.recipe import Recipe
 
-    rec = load_recipe(None)
-    apply_overrides(rec, "quantize", method="rtn", scheme="w4a16", group_size=32)
-    run_quantize(str(windowed), tmp_path / "q", rec, progress=False)
+    rec = Recipe().with_overrides(method="rtn", scheme="w4a16", group_size=32)
+    run_job(QuantizeJob(str(windowed), tmp_path / "q", rec, progress=False))
     with pytest.raises(UserError, match="sliding window of 8 tokens"):
         export_gguf(tmp_path / "q", tmp_path / "out.gguf")
