@@ -1,250 +1,47 @@
-"""eval-gate: score a candidate and its baseline on the same documents, decide with paired statistics.
+"""eval-gate: score a candidate and its baseline on the same units, decide with paired statistics.
 
-Flow: load the gate spec (thresholds, tiers, pinned prompt settings) -> for each model: load it
-with the runtime loader (the module tree the server runs), run the tier's lm-eval tasks through
-`RuntimeLM`, and score perplexity windows of the held-out text -> pair the per-document results
-and decide each gated metric (`lmfoundry.evals.stats`) -> one overall verdict.
+Flow: load the gate spec (`gate_spec.py`: thresholds, tiers, pinned prompt settings) -> evaluate
+the baseline: load it with the runtime loader (the module tree the server runs), run the tier's
+lm-eval tasks through `RuntimeLM`, score the perplexity windows while keeping its next-token
+distributions as the reference (`divergence.py`), decode the generation prompts greedily on the
+serving engine (`generation.py`) -> evaluate the candidate the same way, scoring its distributions
+against the reference token by token -> pair the results and decide each gated statistic
+(`comparison.py`, `stats.py`) -> one overall verdict, the report, the promotion record.
 
 Per-model results are cached under `<cache>/eval-gate/`, keyed by the sha256 of the model's
 weights, config and tokenizer, the task files, the tier and prompt settings and the library
-versions: gating five candidates against one baseline evaluates the baseline once. The cache only
-skips recomputation of a deterministic function of those inputs; `--no-cache` recomputes.
+versions; a baseline's reference is cached beside its results and a candidate's key includes the
+reference's digest. Gating five candidates against one baseline evaluates the baseline once. The
+cache only skips recomputation of a deterministic function of those inputs; `--no-cache`
+recomputes.
 """
 
 from __future__ import annotations
 
-import copy
+import gc
 import hashlib
 import importlib.metadata
 import json
 import logging
-import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
 from lmfoundry.errors import UserError
 from lmfoundry.evals import stats
-from lmfoundry.evals.lm_adapter import parse_add_bos
+from lmfoundry.evals.comparison import compare
+from lmfoundry.evals.divergence import DivergenceScorer, Reference, ReferenceRecorder, TokenStatistics, summary
+from lmfoundry.evals.gate_spec import GateSpec, TaskSpec, Tier, load_gate
+from lmfoundry.evals.generation import Prompt, common_prefix, generate, tier_prompts, validity
 from lmfoundry.resources import shipped
 
-# Package data (shipped in the wheel; see lmfoundry.resources.shipped).
 TASKS_DIR = shipped("lmfoundry.evals", "tasks")
-GATES_DIR = shipped("lmfoundry.recipes", "gates")
-DEFAULT_GATE = "default"
-SCHEMA_VERSION = 1
-PPL_METRICS = ("word_perplexity", "byte_perplexity")
-
-
-# ---- gate spec ------------------------------------------------------------------------------
-@dataclass
-class TaskSpec:
-    name: str
-    limit: int | None
-    gate: dict[str, float | None]  # metric -> threshold (None: the gate's default)
-
-
-@dataclass
-class PerplexitySpec:
-    text: str | None
-    ctx: int
-    windows: int
-    max_ratio: float
-
-
-@dataclass
-class GateSpec:
-    name: str
-    source: str
-    sha256: str
-    seed: int
-    confidence: float
-    resamples: int
-    inconclusive_exit_code: int
-    add_bos: str
-    chat_template: bool
-    num_fewshot: int
-    min_recovery: float
-    max_ppl_ratio: float
-    tiers: dict[str, dict[str, Any]] = field(repr=False)
-
-    def tier(self, name: str) -> tuple[list[TaskSpec], PerplexitySpec | None]:
-        """The tasks and perplexity settings of tier `name` (every field type- and range-checked:
-        a gate file is hand-written, and a wrong type must be one line naming the field)."""
-        if name not in self.tiers:
-            raise UserError(f"gate {self.name!r} has no tier {name!r}; tiers: {', '.join(map(str, self.tiers))}")
-        where = f"{self.source}: tiers.{name}"
-        raw = _mapping(self.tiers[name], where, ("description", "tasks", "perplexity"))
-        tasks = []
-        for task, body in _mapping(raw.get("tasks"), f"{where}.tasks").items():
-            tw = f"{where}.tasks.{task}"
-            if not isinstance(task, str):
-                raise UserError(f"{tw}: a task name must be a string")
-            body = _mapping(body, tw, ("limit", "gate"))
-            gate = body.get("gate", [])
-            if isinstance(gate, str):
-                gate = [gate]
-            if isinstance(gate, list):
-                gate = {m: None for m in gate if _text(m, f"{tw}.gate")}
-            if not isinstance(gate, dict):
-                raise UserError(f"{tw}.gate must be a list of metrics or a mapping metric -> threshold")
-            limit = body.get("limit")
-            if limit is not None:
-                limit = _int(limit, f"{tw}.limit", 1)
-            thresholds = {_text(k, f"{tw}.gate"): None if v is None else _positive(v, f"{tw}.gate.{k}")
-                          for k, v in gate.items()}
-            tasks.append(TaskSpec(task, limit, thresholds))
-        ppl = raw.get("perplexity")
-        pspec = None
-        if ppl:
-            pw = f"{where}.perplexity"
-            ppl = _mapping(ppl, pw, ("text", "ctx", "windows", "max_ratio"))
-            text = ppl.get("text")
-            if text is not None:
-                text = _text(text, f"{pw}.text")
-            max_ratio = ppl.get("max_ratio")
-            pspec = PerplexitySpec(text, _int(ppl.get("ctx", 512), f"{pw}.ctx", 2),
-                                   _int(ppl.get("windows", 20), f"{pw}.windows", 1),
-                                   self.max_ppl_ratio if max_ratio is None else _positive(max_ratio, f"{pw}.max_ratio"))
-        if not tasks and pspec is None:
-            raise UserError(f"{self.source}: tier {name!r} has neither tasks nor perplexity")
-        return tasks, pspec
-
-
-# A gate file is hand-written YAML: every field is checked for type and range here, so that a
-# string where a number belongs (or a list where a mapping belongs) is one `error:` line naming
-# the field instead of a ValueError/AttributeError traceback, and so that a value that would only
-# fail deep inside lm-eval or numpy (seed >= 2**32, a million resamples) is refused up front.
-MAX_SEED = 2**32 - 1  # lm-eval seeds numpy's legacy generator, which takes 32-bit seeds
-RESAMPLES_RANGE = (100, 100_000)  # fewer: a meaningless interval; more: GBs of bootstrap indices
-
-
-def _show(value: Any) -> str:
-    """A value for an error message: its repr, cut short (a YAML value can be a whole document)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _mapping(value: Any, where: str, known: tuple[str, ...] | None = None) -> dict[Any, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise UserError(f"{where} must be a mapping, got {type(value).__name__} {_show(value)}")
-    if known is not None:
-        unknown = sorted(str(k) for k in value if k not in known)
-        if unknown:
-            raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return value
-
-
-def _int(value: Any, where: str, minimum: int | None = None, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UserError(f"{where} must be an integer, got {_show(value)}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-        raise UserError(f"{where} must be {bounds}, got {value}")
-    return value
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UserError(f"{where} must be a number, got {_show(value)}")
-    return float(value)
-
-
-def _positive(value: Any, where: str) -> float:
-    number = _number(value, where)
-    if number <= 0:
-        raise UserError(f"{where} must be positive, got {_show(value)}")
-    return number
-
-
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise UserError(f"{where} must be true or false, got {_show(value)}")
-    return value
-
-
-def _text(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise UserError(f"{where} must be a non-empty string, got {_show(value)}")
-    return value
-
-
-def resolve_gate_path(spec: str | None) -> Path:
-    spec = spec or DEFAULT_GATE
-    p = Path(spec).expanduser()
-    if p.exists():
-        if not p.is_file():
-            raise UserError(f"{spec}: not a gate file")
-        return p
-    builtin = GATES_DIR / f"{spec}.yaml"
-    if builtin.exists():
-        return builtin
-    known = ", ".join(sorted(f.stem for f in GATES_DIR.glob("*.yaml")))
-    raise UserError(f"{spec}: no such gate file (built-in gates: {known})")
-
-
-MAX_GATE_BYTES = 1 << 20  # a gate file is a page of YAML
-
-
-def load_gate(spec: str | None = None) -> GateSpec:
-    """A gate YAML (or a recipe YAML whose `gate` section overrides the default gate), with every
-    field and every tier checked before anything is evaluated."""
-    path = resolve_gate_path(spec)
-    if path.stat().st_size > MAX_GATE_BYTES:
-        raise UserError(f"{path}: {path.stat().st_size} bytes is too large for a gate file")
-    from lmfoundry.recipe import load_yaml
-
-    raw_bytes = path.read_bytes()
-    data = load_yaml(raw_bytes, path) or {}
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: a gate file is a mapping")
-    if "gate" in data and "tiers" not in data:  # a recipe: its gate section overlays the default
-        base = yaml.safe_load((GATES_DIR / f"{DEFAULT_GATE}.yaml").read_text())
-        data = _overlay(base, _mapping(data["gate"], f"{path}: gate"))
-    known = {"name", "description", "seed", "confidence", "resamples", "inconclusive_exit_code", "prompt",
-             "defaults", "tiers"}
-    unknown = set(data) - known
-    if unknown:
-        raise UserError(f"{path}: unknown gate key(s) {', '.join(sorted(map(str, unknown)))}; "
-                        f"known: {', '.join(sorted(known))}")
-    prompt = _mapping(data.get("prompt"), f"{path}: prompt", ("add_bos", "chat_template", "num_fewshot"))
-    defaults = _mapping(data.get("defaults"), f"{path}: defaults", ("min_recovery", "max_ppl_ratio"))
-    confidence = _number(data.get("confidence", 0.95), f"{path}: confidence")
-    if not 0.5 <= confidence < 1:
-        raise UserError(f"{path}: confidence must be in [0.5, 1)")
-    code = _int(data.get("inconclusive_exit_code", 2), f"{path}: inconclusive_exit_code")
-    if code not in (0, 1, 2):
-        raise UserError(f"{path}: inconclusive_exit_code must be 0, 1 or 2")
-    if not isinstance(data.get("tiers"), dict) or not data["tiers"]:
-        raise UserError(f"{path}: a gate needs `tiers` (e.g. quick, full)")
-    gate = GateSpec(
-        name=str(data.get("name", path.stem)), source=str(path), sha256=hashlib.sha256(raw_bytes).hexdigest(),
-        seed=_int(data.get("seed", 0), f"{path}: seed", 0, MAX_SEED), confidence=confidence,
-        resamples=_int(data.get("resamples", 2000), f"{path}: resamples", *RESAMPLES_RANGE),
-        inconclusive_exit_code=code, add_bos=parse_add_bos(prompt.get("add_bos", "tokenizer")),
-        chat_template=_bool(prompt.get("chat_template", False), f"{path}: prompt.chat_template"),
-        num_fewshot=_int(prompt.get("num_fewshot", 0), f"{path}: prompt.num_fewshot", 0),
-        min_recovery=_positive(defaults.get("min_recovery", 0.95), f"{path}: defaults.min_recovery"),
-        max_ppl_ratio=_positive(defaults.get("max_ppl_ratio", 1.05), f"{path}: defaults.max_ppl_ratio"),
-        tiers=data["tiers"],
-    )
-    for tier in gate.tiers:  # a typo in a tier not run today is still an error today
-        gate.tier(tier)
-    return gate
-
-
-def _overlay(base: dict, top: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in top.items():
-        out[k] = _overlay(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+SCHEMA_VERSION = 2
 
 
 # ---- tasks ----------------------------------------------------------------------------------
@@ -424,35 +221,48 @@ def _cache_path(key: dict[str, Any]) -> Path:
     return cache_dir() / "eval-gate" / f"{digest}.json"
 
 
-def evaluate_model(spec: str, tasks: list[TaskSpec], ppl: PerplexitySpec | None, gate: GateSpec,
-                   include_paths: list[Path], task_hashes: dict[str, str], use_cache: bool = True,
-                   progress: bool = False, device: str = "cpu", dtype: str = "auto") -> dict[str, Any]:
+def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Path], task_hashes: dict[str, str],
+                   use_cache: bool = True, progress: bool = False, device: str = "cpu", dtype: str = "auto",
+                   reference: Reference | None = None) -> dict[str, Any]:
     """Per-document results of one model on the tier (from the cache when the inputs match). An
     engine bundle runs its compiled kernels on `device` (what `serve` would run); a checkpoint runs
-    in `dtype` (`auto`: what `serve` picks on this CPU)."""
+    in `dtype` (`auto`: what `serve` picks on this CPU).
+
+    Without `reference` the model is a baseline: its next-token distributions on the perplexity
+    windows are kept (`data["reference"]`, cached beside the results). With one, the model is a
+    candidate scored against it token by token (`data["divergence"]`), and the reference's digest
+    is part of the cache key."""
     import torch
 
     from lmfoundry.models import resolve_model
     from lmfoundry.runtime.loader import is_engine_bundle, resolve_dtype
 
+    tasks, ppl, gen = tier.tasks, tier.perplexity, tier.generation
     bundle = is_engine_bundle(spec)
     run_dtype = resolve_dtype(dtype, spec, device)
     folder = Path(spec) if bundle else resolve_model(spec)
     fp = fingerprint(folder / "weights" if bundle else folder)
+    prompts = None if gen is None else tier_prompts(gen)
     key = {"schema": SCHEMA_VERSION, "model": fp["sha256"], "versions": _versions(),
            "tasks": [[t.name, t.limit, task_hashes.get(t.name)] for t in tasks],
-           "ppl": None if ppl is None else [ppl.text, ppl.ctx, ppl.windows],
+           "ppl": None if ppl is None else [ppl.text, ppl.ctx, ppl.windows, ppl.top_k],
+           "reference": None if reference is None else reference.digest(),
+           "generation": None if gen is None else [gen.max_tokens, [p.__dict__ for p in prompts or []]],
            "prompt": [gate.add_bos, gate.chat_template, gate.num_fewshot], "seed": gate.seed,
            "threads": torch.get_num_threads(), **({"device": device} if bundle else {}),
            **({"dtype": str(run_dtype)} if run_dtype is not None else {})}
     cache = _cache_path(key)
-    if use_cache and cache.exists():
+    keeps_reference = ppl is not None and reference is None
+    ref_file = cache.with_name(cache.stem + ".reference.npz")
+    if use_cache and cache.exists() and (ref_file.exists() or not keeps_reference):
         try:
-            data = json.loads(cache.read_text())
+            cached: dict[str, Any] = json.loads(cache.read_text())
+            if keeps_reference:
+                cached["reference"] = Reference.load(ref_file)
             # the cached numbers belong to these exact files, wherever they were found then
-            data.update(spec=spec, path=str(folder), from_cache=str(cache))
-            return data
-        except json.JSONDecodeError:
+            cached.update(spec=spec, path=str(folder), from_cache=str(cache))
+            return cached
+        except (json.JSONDecodeError, OSError, ValueError, KeyError):
             cache.unlink(missing_ok=True)
 
     from lmfoundry.calibration.data import eval_token_stream, token_hash
@@ -460,7 +270,7 @@ def evaluate_model(spec: str, tasks: list[TaskSpec], ppl: PerplexitySpec | None,
     from lmfoundry.evals.perplexity import perplexity
     from lmfoundry.runtime.loader import load_model
 
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     model, tokenizer = load_model(folder, dtype=run_dtype, device=device)
     lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos)
     data: dict[str, Any] = {"spec": spec, "path": str(folder), "fingerprint": fp, "dtype": str(model.dtype),
@@ -470,78 +280,42 @@ def evaluate_model(spec: str, tasks: list[TaskSpec], ppl: PerplexitySpec | None,
     t1 = time.time()
     data["tasks"] = run_lm_eval(lm, tasks, gate, include_paths, progress=progress)
     t2 = time.time()
+    recorder: ReferenceRecorder | None = None
+    scorer: DivergenceScorer | None = None
     if ppl is not None:
         stream, source, digest = eval_token_stream(ppl.text, tokenizer)
-        res = perplexity(model, stream, ctx=ppl.ctx, max_windows=ppl.windows, progress=progress)
+        observe: Callable[[torch.Tensor, torch.Tensor], None]
+        if reference is None:
+            observe = recorder = ReferenceRecorder(ppl.top_k)
+        else:
+            observe = scorer = DivergenceScorer(reference)
+        res = perplexity(model, stream, ctx=ppl.ctx, max_windows=ppl.windows, progress=progress, observe=observe)
         used = stream[: res.windows * ppl.ctx]
         data["perplexity"] = {"source": source, "source_sha256": digest, "token_sha256": token_hash(used),
                               "ctx": ppl.ctx, "windows": res.windows, "ppl": res.ppl,
                               "window_nll": res.window_nll, "window_tokens": [ppl.ctx - 1] * res.windows}
-    data["seconds"] = {"load": round(t1 - t0, 2), "tasks": round(t2 - t1, 2), "perplexity": round(time.time() - t2, 2)}
+        if scorer is not None:
+            data["divergence"] = scorer.statistics().to_lists()
+    t3 = time.time()
+    if gen is not None and prompts is not None:
+        data["generation"] = generate(lm, prompts, gen.max_tokens)
+    data["seconds"] = {"load": round(t1 - t0, 2), "tasks": round(t2 - t1, 2), "perplexity": round(t3 - t2, 2),
+                       "generation": round(time.time() - t3, 2),
+                       "cpu": round(time.process_time() - cpu0, 2)}  # this process's CPU seconds, all threads
     del model, lm
+    gc.collect()  # the next model (an 8B candidate after its baseline) must find this one's memory free
+    kept = None if recorder is None else recorder.reference()
     if use_cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
+        if kept is not None:
+            kept.save(ref_file)
         tmp = cache.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(cache)
+    if kept is not None:
+        data["reference"] = kept
     data["from_cache"] = None
     return data
-
-
-# ---- comparison -----------------------------------------------------------------------------
-def compare(cand: dict[str, Any], base: dict[str, Any], tasks: list[TaskSpec], ppl: PerplexitySpec | None,
-            gate: GateSpec) -> list[dict[str, Any]]:
-    """One record per metric: gated metrics carry interval, threshold and verdict; the others
-    carry both models' values for the report."""
-    rows = []
-    for i, t in enumerate(tasks):
-        c, b = cand["tasks"][t.name], base["tasks"][t.name]
-        if c["doc_ids"] != b["doc_ids"] or c["doc_hashes"] != b["doc_hashes"]:
-            raise UserError(f"{t.name}: candidate and baseline were scored on different documents")
-        unknown = set(t.gate) - set(c["metrics"])
-        if unknown:
-            raise UserError(f"{t.name}: gated metric(s) {', '.join(sorted(unknown))} not produced by the task "
-                            f"(it reports {', '.join(sorted(c['metrics']))})")
-        for m in sorted(c["metrics"]):
-            cv, bv = c["metrics"][m], b["metrics"][m]
-            name = f"{t.name}/{m}"
-            seed = gate.seed + 1000 * (i + 1)
-            is_ppl = m.split(",")[0] in PPL_METRICS
-            if m not in t.gate:
-                rows.append({"name": name, "gated": False, "n": len(cv), **_plain_values(m, cv, bv)})
-                continue
-            threshold = t.gate[m]
-            if is_ppl:
-                comp = stats.paired_perplexity([-x[0] for x in cv], [-x[0] for x in bv], [x[1] for x in cv],
-                                               threshold or gate.max_ppl_ratio, gate.confidence, gate.resamples, seed)
-            elif c["higher_is_better"].get(m.split(",")[0], True) and all(isinstance(x, float) for x in cv):
-                comp = stats.paired_accuracy(cv, bv, threshold or gate.min_recovery, gate.confidence,
-                                             gate.resamples, seed)
-            else:
-                raise UserError(f"{name}: only higher-is-better per-document scores and "
-                                f"{'/'.join(PPL_METRICS)} can be gated")
-            rows.append({"name": name, "gated": True, **comp.to_dict()})
-    if ppl is not None:
-        cp, bp = cand["perplexity"], base["perplexity"]
-        if cp["token_sha256"] != bp["token_sha256"]:
-            raise UserError("candidate and baseline tokenize the perplexity text differently; "
-                            "perplexities are not comparable (different tokenizers?)")
-        comp = stats.paired_perplexity(cp["window_nll"], bp["window_nll"], cp["window_tokens"], ppl.max_ratio,
-                                       gate.confidence, gate.resamples, gate.seed)
-        rows.append({"name": f"perplexity/{ppl.text or 'wiki-tail'}@{ppl.ctx}", "gated": True, **comp.to_dict()})
-    return rows
-
-
-def _plain_values(metric: str, cv: list[Any], bv: list[Any]) -> dict[str, float]:
-    import math
-
-    if metric.split(",")[0] in PPL_METRICS:
-        val = lambda v: math.exp(-sum(x[0] for x in v) / sum(x[1] for x in v))  # noqa: E731
-    elif all(isinstance(x, float) for x in cv + bv):
-        val = lambda v: sum(v) / len(v)  # noqa: E731
-    else:
-        return {}
-    return {"candidate": val(cv), "baseline": val(bv)}
 
 
 # ---- the whole gate -------------------------------------------------------------------------
@@ -567,10 +341,12 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     from lmfoundry.evals.report import write_markdown, write_plot
 
     gate = load_gate(gate_spec)
-    tasks, ppl = gate.tier(tier)
+    plan = gate.tier(tier)
+    tasks, ppl = plan.tasks, plan.perplexity
     for name in extra_tasks:
         if name not in {t.name for t in tasks}:
             tasks.append(TaskSpec(name, None, {}))
+    prompts = None if plan.generation is None else tier_prompts(plan.generation)  # a broken file: an error now
     user_paths = [Path(p).expanduser().resolve() for p in include_paths]
     for p in user_paths:
         if not p.is_dir():
@@ -592,9 +368,10 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     with tempfile.TemporaryDirectory(prefix="lmfoundry-gate-") as tmp:
         ours, task_hashes = materialize_tasks(Path(tmp))
         paths = [ours, *user_paths]
-        base = evaluate_model(baseline, tasks, ppl, gate, paths, task_hashes, use_cache, progress, device, dtype)
-        cand = evaluate_model(candidate, tasks, ppl, gate, paths, task_hashes, use_cache, progress, device, dtype)
-    metrics = compare(cand, base, tasks, ppl, gate)
+        base = evaluate_model(baseline, plan, gate, paths, task_hashes, use_cache, progress, device, dtype)
+        cand = evaluate_model(candidate, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
+                              reference=base.get("reference"))
+    metrics = compare(cand, base, plan, gate)
     gated = [m for m in metrics if m["gated"]]
     verdict = stats.combine([m["verdict"] for m in gated])
     code = {stats.PASS: 0, stats.FAIL: 1}.get(verdict)
@@ -611,7 +388,8 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
                  "confidence": gate.confidence, "resamples": gate.resamples,
                  "rule": "fail if the interval lies entirely on the wrong side of the threshold; pass if "
                          "entirely on the right side; else inconclusive",
-                 "defaults": {"min_recovery": gate.min_recovery, "max_ppl_ratio": gate.max_ppl_ratio}},
+                 "defaults": {"min_recovery": gate.min_recovery, "max_ppl_ratio": gate.max_ppl_ratio,
+                              "max_flip_rate": gate.max_flip_rate, **gate.limits}},
         "prompt": {"add_bos": gate.add_bos, "chat_template": gate.chat_template, "num_fewshot": gate.num_fewshot},
         "metrics": metrics,
         "candidate": _model_summary(cand),
@@ -620,6 +398,8 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
                            "sha256": task_hashes.get(t.name, "user task")} for t in tasks},
         "perplexity_text": None if ppl is None else {k: cand["perplexity"][k] for k in
                                                      ("source", "source_sha256", "token_sha256", "ctx", "windows")},
+        "divergence": None if ppl is None else summary(TokenStatistics.from_lists(cand["divergence"])),
+        "generation": None if prompts is None else _answers(prompts, cand["generation"], base["generation"]),
         "versions": {**_versions(), "lm-eval": importlib.metadata.version("lm_eval")},
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -631,6 +411,14 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     if write_promotion:
         promoted = record_promotion(candidate, report, json_path, md_path)
     return GateResult(verdict, code, report, json_path, md_path, png_path, promoted)
+
+
+def _answers(prompts: list[Prompt], cand: list[dict[str, Any]], base: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prompt by prompt: where the candidate's greedy answer left the baseline's, and validity."""
+    return [{"id": c["id"], "kind": c["kind"], "tokens": len(b["tokens"]),
+             "same_until": common_prefix(c["tokens"], b["tokens"]), "identical": c["tokens"] == b["tokens"],
+             "candidate_valid": cv, "baseline_valid": bv, "candidate": c["text"], "baseline": b["text"]}
+            for c, b, cv, bv in zip(cand, base, validity(prompts, cand), validity(prompts, base))]
 
 
 def _check_output_folder(out: Path) -> None:

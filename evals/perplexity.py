@@ -2,13 +2,15 @@
 
 The text is tokenized as one stream (BOS before each document) and cut into windows of `ctx`
 tokens; every window predicts its `ctx - 1` next tokens with no context carried over, so results
-do not depend on batching. Per-window NLL sums are returned for paired statistics (eval-gate).
+do not depend on batching. Per-window NLL sums are returned for paired statistics (eval-gate);
+`observe` sees each batch's logits and next tokens (eval-gate's divergence statistics).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,7 @@ def windows_of(stream: torch.Tensor, ctx: int, max_windows: int | None = None) -
 def perplexity(
     model: CausalLM, stream: torch.Tensor, ctx: int = 512, max_windows: int | None = None,
     batch_size: int = 4, progress: bool = True,
+    observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> PerplexityResult:
     if batch_size < 1:  # torch's split(0) would raise deep inside; say which option is wrong
         raise UserError(f"--batch-size must be at least 1, got {batch_size}")
@@ -53,6 +56,8 @@ def perplexity(
     sums: list[float] = []
     for batch in tqdm(wins.split(batch_size), desc="perplexity", unit="batch", disable=not progress):
         logits = model(batch)
+        if observe is not None:
+            observe(logits[:, :-1], batch[:, 1:])
         nll = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1).to(logits.device), reduction="none"
         ).view(batch.shape[0], -1)

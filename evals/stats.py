@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -38,7 +38,7 @@ class Comparison:
     point: float  # the statistic (recovery or ratio)
     low: float
     high: float
-    threshold: float
+    threshold: float | None  # None: reported with its interval, not gated
     higher_is_better: bool
     verdict: str
     samples_needed: int | None  # for inconclusive: documents that would decide it (None: cannot)
@@ -139,6 +139,61 @@ def paired_perplexity(candidate_nll: Sequence[float], baseline_nll: Sequence[flo
              "documents_worse": int((c > b).sum()), "documents_better": int((c < b).sum())}
     return Comparison("ppl_ratio", n, float(math.exp(c.sum() / t.sum())), float(math.exp(b.sum() / t.sum())),
                       point, low, high, max_ratio, False, verdict, needed, confidence, resamples, extra)
+
+
+REPORTED = "reported"
+
+
+def window_statistic(statistic: str, values: np.ndarray, reduce: Callable[[np.ndarray], np.ndarray],
+                     threshold: float | None, higher_is_better: bool, reference: float,
+                     confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> Comparison:
+    """A statistic of per-token values [windows, positions] (mean KLD, its p99, the same-top
+    rate, ...), with a bootstrap interval that resamples whole windows: tokens of one window are
+    correlated, windows are not. `reduce` maps [resamples, tokens] to [resamples]; `reference`
+    is the statistic's value for a candidate identical to its baseline (0 for KLD, 1 for the
+    same-top rate). A None threshold reports the statistic without gating it."""
+    if values.ndim != 2 or values.size == 0:
+        raise ValueError("a window statistic needs a non-empty [windows, positions] array")
+    n = values.shape[0]
+    point = float(reduce(values.reshape(1, -1))[0])
+    idx = bootstrap_indices(n, resamples, seed)
+    boot = np.concatenate([reduce(values[chunk].reshape(len(chunk), -1))
+                           for chunk in np.array_split(idx, max(1, resamples // 200))])
+    low, high = percentile_interval(boot, confidence)
+    verdict, needed = (REPORTED, None) if threshold is None else decide(point, low, high, threshold,
+                                                                          higher_is_better, n)
+    return Comparison(statistic, n, point, reference, point, low, high, threshold, higher_is_better, verdict,
+                      needed, confidence, resamples, {"tokens": int(values.size)})
+
+
+def mean_of(values: np.ndarray) -> np.ndarray:
+    return values.mean(axis=1)
+
+
+def quantile_of(q: float) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda values: np.quantile(values, q, axis=1)
+
+
+def max_of(values: np.ndarray) -> np.ndarray:
+    return values.max(axis=1)
+
+
+def rms_of(values: np.ndarray) -> np.ndarray:
+    return np.sqrt((values ** 2).mean(axis=1))
+
+
+def flip_rate(candidate: Sequence[float], baseline: Sequence[float], max_rate: float | None,
+              confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> Comparison:
+    """The share of documents whose 0/1 score differs between the two models. Accuracy hides
+    flips when right->wrong and wrong->right cancel; the flip rate does not."""
+    c = np.asarray(candidate, dtype=np.float64) > 0.5
+    b = np.asarray(baseline, dtype=np.float64) > 0.5
+    if c.shape != b.shape or c.ndim != 1 or c.size == 0:
+        raise ValueError("a flip rate needs two equal-length, non-empty per-document lists")
+    comp = window_statistic("flip_rate", (c != b).astype(np.float64)[:, None], mean_of, max_rate, False, 0.0,
+                            confidence, resamples, seed)
+    comp.extra = {"right_to_wrong": int((b & ~c).sum()), "wrong_to_right": int((c & ~b).sum())}
+    return comp
 
 
 def mcnemar_exact_p(b: int, c: int) -> float:

@@ -22,21 +22,14 @@ from pathlib import Path
 
 import torch
 
+from lmfoundry.evals.generation import common_prefix
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "Once upon a time, in a small village at the edge of a forest, there lived",
 ]
 HERE = Path(__file__).resolve().parent
-
-
-def leading_match(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def ours(folder: Path, prompt_ids: list[list[int]], max_tokens: int,
@@ -108,10 +101,10 @@ def write_markdown(report: dict, path: Path, notes: list[str]) -> None:
         v = e["vllm"]
         mv = e.get("match_vllm")
         exact = "-" if mv is None else ("yes" if all(m == n for m in mv) else "no")
-        q_ours = "-" if name == float_name else str([leading_match(a, b) for a, b in zip(e["ours"], fl["ours"])])
+        q_ours = "-" if name == float_name else str([common_prefix(a, b) for a, b in zip(e["ours"], fl["ours"])])
         q_vllm = "-"
         if name != float_name and v["accepted"] and vfloat:
-            q_vllm = str([leading_match(a, b) for a, b in zip(v["token_ids"], vfloat)])
+            q_vllm = str([common_prefix(a, b) for a, b in zip(v["token_ids"], vfloat)])
         if e.get("match_vllm_same_dtype") is not None:
             ms = e["match_vllm_same_dtype"]
             mv = f"{mv} (ours {e['ours_dtype']}); {ms} (ours also {v['dtype']})"
@@ -188,15 +181,15 @@ def main() -> None:
         entry["vllm"] = {k: v.get(k) for k in ("accepted", "dtype", "error", "attempts", "quantization",
                                                "load_s", "gen_s", "token_ids")}
         if v["accepted"]:
-            entry["match_vllm"] = [leading_match(a, b) for a, b in zip(entry["ours"], v["token_ids"])]
+            entry["match_vllm"] = [common_prefix(a, b) for a, b in zip(entry["ours"], v["token_ids"])]
             if v["dtype"] != entry["ours_dtype"]:  # vLLM refused ours' dtype: also run ours in vLLM's
                 entry["ours_in_vllm_dtype"], _ = ours(folder, prompt_ids, args.max_tokens, v["dtype"])
-                entry["match_vllm_same_dtype"] = [leading_match(a, b) for a, b in
+                entry["match_vllm_same_dtype"] = [common_prefix(a, b) for a, b in
                                                   zip(entry["ours_in_vllm_dtype"], v["token_ids"])]
         if "hf" in entry:
-            entry["match_hf"] = [leading_match(a, b) for a, b in zip(entry["ours"], entry["hf"])]
+            entry["match_hf"] = [common_prefix(a, b) for a, b in zip(entry["ours"], entry["hf"])]
             if v["accepted"]:
-                entry["match_vllm_hf"] = [leading_match(a, b) for a, b in zip(entry["hf"], v["token_ids"])]
+                entry["match_vllm_hf"] = [common_prefix(a, b) for a, b in zip(entry["hf"], v["token_ids"])]
     args.out.write_text(json.dumps(report, indent=2))
     write_markdown(report, args.out.with_suffix(".md"), args.note)
     print(json.dumps({n: {k: e.get(k) for k in ("match_vllm", "match_hf", "match_vllm_hf")} | {

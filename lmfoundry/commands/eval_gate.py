@@ -37,9 +37,13 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
               no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str, skip_verify: bool) -> None:
     """Evaluate CANDIDATE and --baseline on the same documents through the serving runtime's
-    model execution (lm-eval tasks + perplexity), decide each gated metric with a paired bootstrap
-    interval, and write eval-gate.json, a markdown report and a plot. The verdict and the report's
-    sha256 go into CANDIDATE's lmfoundry.json (`promotion`).
+    model execution: lm-eval tasks (accuracy and flips), perplexity windows with the per-token
+    KL divergence, same-top-token rate and Δp against the baseline's next-token distributions
+    (llama.cpp's --kl-divergence statistics), and greedy answers to fixed prompts (divergence,
+    JSON and tool-call validity). Each gated statistic is decided with a paired bootstrap interval;
+    eval-gate.json, a markdown report and a plot are written. The verdict and the report's sha256
+    go into CANDIDATE's lmfoundry.json (`promotion`). The baseline's results and next-token
+    reference are cached: gating N candidates evaluates it once.
 
     Exit codes: 0 pass, 1 fail, 2 inconclusive (configurable) or error."""
     if quiet:  # lm-eval draws its own tqdm bars; tqdm honours TQDM_DISABLE

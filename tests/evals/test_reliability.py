@@ -139,7 +139,8 @@ def test_recipe_gate_section_of_the_wrong_type(tmp_path):
 def test_good_gate_file_still_loads(tmp_path):
     path = tmp_path / "gate.yaml"
     path.write_text(yaml.safe_dump(_gate_dict(tmp_path)))
-    tasks, ppl = load_gate(str(path)).tier("quick")
+    quick = load_gate(str(path)).tier("quick")
+    tasks, ppl = quick.tasks, quick.perplexity
     assert [t.name for t in tasks] == ["lmf_arc_easy", "lmf_piqa"] and tasks[1].gate == {"acc": 0.95}
     assert ppl.ctx == 32 and ppl.windows == 6 and ppl.max_ratio == 1.05
 

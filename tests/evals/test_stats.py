@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from lmfoundry.evals.stats import (FAIL, INCONCLUSIVE, PASS, combine, decide, mcnemar_exact_p,
-                                   paired_accuracy, paired_perplexity)
+from lmfoundry.evals.stats import (FAIL, INCONCLUSIVE, PASS, REPORTED, combine, decide, flip_rate, max_of, mean_of,
+                                   mcnemar_exact_p, paired_accuracy, paired_perplexity, quantile_of, rms_of,
+                                   window_statistic)
 
 
 def _pair(n: int, acc_b: float, flips_down: int, flips_up: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -106,3 +107,41 @@ def test_combine_and_input_validation():
         paired_accuracy([1, 0], [1], 0.95)
     with pytest.raises(ValueError):
         paired_perplexity([1.0], [1.0], [0], 1.05)
+
+
+def test_window_statistic_mean_interval_matches_the_window_standard_error():
+    """Resampling whole windows: for many windows the interval of the mean approaches
+    mean +- z * sd(window means) / sqrt(windows), whatever the correlation inside a window."""
+    rng = np.random.default_rng(1)
+    windows = rng.gamma(2.0, 0.01, size=(400, 1)) + rng.gamma(2.0, 0.002, size=(400, 50))  # correlated rows
+    r = window_statistic("mean_kld", windows, mean_of, 0.05, False, 0.0, resamples=4000, seed=3)
+    se = windows.mean(1).std(ddof=1) / math.sqrt(400)
+    assert r.point == pytest.approx(windows.mean())
+    assert (r.high - r.low) == pytest.approx(2 * 1.96 * se, rel=0.1)
+    assert r.verdict == PASS and r.n == 400 and r.extra["tokens"] == 400 * 50
+    # the same data against a bar inside its interval is inconclusive, with a size that would decide it
+    mid = window_statistic("mean_kld", windows, mean_of, r.point + 0.3 * (r.high - r.point), False, 0.0, seed=3)
+    assert mid.verdict == INCONCLUSIVE and mid.samples_needed > 400
+
+
+def test_window_statistic_reductions_and_reported_rows():
+    values = np.arange(1.0, 101.0).reshape(4, 25)
+    assert window_statistic("m", values, max_of, None, False, 0.0).point == 100.0
+    assert window_statistic("q", values, quantile_of(0.5), None, False, 0.0).point == pytest.approx(50.5)
+    assert window_statistic("r", values, rms_of, None, False, 0.0).point == pytest.approx(
+        math.sqrt((values ** 2).mean()))
+    r = window_statistic("same_top", np.ones((5, 7)), mean_of, None, True, 1.0)
+    assert (r.verdict, r.threshold, r.samples_needed) == (REPORTED, None, None)
+    assert window_statistic("same_top", np.full((5, 7), 0.5), mean_of, 0.9, True, 1.0).verdict == FAIL
+    with pytest.raises(ValueError):
+        window_statistic("x", np.ones(5), mean_of, None, False, 0.0)
+
+
+def test_flip_rate_counts_both_directions_where_accuracy_cancels():
+    c, b = _pair(300, 0.5, 30, 30)  # same accuracy, 60 answers changed
+    acc = paired_accuracy(c, b, 0.95)
+    assert acc.point == 1.0
+    flips = flip_rate(c, b, 0.1)
+    assert flips.point == pytest.approx(0.2) and flips.extra == {"right_to_wrong": 30, "wrong_to_right": 30}
+    assert flips.verdict == FAIL and flips.low > 0.1
+    assert flip_rate(b, b, 0.1).verdict == PASS and flip_rate(c, b, None).verdict == REPORTED
