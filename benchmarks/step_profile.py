@@ -8,9 +8,10 @@ Each target (a checkpoint folder, model name or `--arch cpu` bundle) is loaded a
 it (bf16 by default), `batch` sequences are prefilled and brought into steady decode, then
 `--steps` decode steps are timed phase by phase (wrappers around the engine's own methods), and
 the same number again under torch.profiler, whose per-op self times say how much of the forward
-is spent inside ops. `--baseline` runs each target a second time with plain bf16 linears (no
-oneDNN prepacking), interleaved with the prepacked run, for the ratio in the same run. The prompts
-are short: attention over long contexts is not what this measures (serve_peers is). The profiler adds a few microseconds per op, so the step wall time comes
+is spent inside ops. The linears run as the engine serves them ("fused": oneDNN-prepacked, with
+q/k/v and gate/up one product each); `--baseline` also runs each target with plain bf16 linears
+(`F.linear`, no prepacking) and with every linear prepacked on its own ("prepacked", no fusion),
+interleaved, for the ratios in the same run. The prompts are short: attention over long contexts is not what this measures (serve_peers is). The profiler adds a few microseconds per op, so the step wall time comes
 from the unprofiled pass and only the op share from the profiled one.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 PHASES = ("schedule", "inputs", "forward", "lm_head", "sample", "other")
+LINEARS = ("plain", "prepacked", "fused")  # how the executor's module swap leaves the bf16 linears
 
 
 def _timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -37,7 +39,7 @@ def _timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Calla
     return wrapper
 
 
-def profile_target(target: str, dtype: str, batch: int, steps: int, prepack: bool = True) -> dict[str, Any]:
+def profile_target(target: str, dtype: str, batch: int, steps: int, linears: str = "fused") -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -47,14 +49,16 @@ def profile_target(target: str, dtype: str, batch: int, steps: int, prepack: boo
     from lmfoundry.runtime.loader import resolve_dtype
 
     run_dtype = resolve_dtype(dtype, target, "cpu")
-    can_prepack = executor_module.can_prepack
-    if not prepack:  # the baseline: plain F.linear on the bf16 weights
+    can_prepack, prepack = executor_module.can_prepack, executor_module.prepack_dense_linears
+    if linears == "plain":  # the baseline: plain F.linear on the bf16 weights
         executor_module.can_prepack = lambda dtype: False  # type: ignore[assignment]
+    elif linears == "prepacked":  # each linear prepacked on its own, q/k/v and gate/up not fused
+        executor_module.prepack_dense_linears = lambda model, fuse=False: prepack(model)  # type: ignore[assignment]
     try:
         engine = LLMEngine.from_pretrained(target, run_dtype, EngineConfig(kv_cache_memory_gb=0.5,
                                                                            max_num_batched_tokens=512))
     finally:
-        executor_module.can_prepack = can_prepack
+        executor_module.can_prepack, executor_module.prepack_dense_linears = can_prepack, prepack
     params = SamplingParams(max_tokens=4 * steps + 64, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(None, f"Request {i}: the history of the city, told by its oldest inhabitants,", params)
@@ -92,7 +96,7 @@ def profile_target(target: str, dtype: str, batch: int, steps: int, prepack: boo
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
     return {
         "target": target, "dtype": str(run_dtype).replace("torch.", ""), "batch": batch, "steps": steps,
-        "linears": "prepacked" if prepack else "plain",
+        "linears": linears,
         "threads": torch.get_num_threads(),
         "step_ms": 1000 * wall / steps,
         "tok_s": batch * steps / wall,
@@ -108,13 +112,14 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"Command: `{meta['command']}`", "",
              f"Machine: {meta['cpus']} CPUs, load average {meta['loadavg_before']} before, "
              f"{meta['loadavg_after']} after.", "",
-             "| target | dtype | linears | batch | step ms | tok/s | " + " | ".join(f"{p} ms" for p in PHASES)
-             + " | forward inside ops |",
-             "| --- | --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in PHASES) + " | ---: |"]
+             "| target | dtype | linears | batch | step ms (median round) | every round | tok/s | "
+             + " | ".join(f"{p} ms" for p in PHASES) + " | forward inside ops |",
+             "| --- | --- | --- | ---: | ---: | --- | ---: | " + " | ".join("---:" for _ in PHASES) + " | ---: |"]
     for r in results:
         share = r["ops_share_of_forward"]
+        rounds = ", ".join(f"{x:.1f}" for x in r.get("step_ms_rounds", [r["step_ms"]]))
         lines.append(f"| {Path(r['target']).name} | {r['dtype']} | {r['linears']} | {r['batch']} | {r['step_ms']:.1f} | "
-                     f"{r['tok_s']:.1f} | " + " | ".join(f"{r['phase_ms'][p]:.2f}" for p in PHASES)
+                     f"{rounds} | {r['tok_s']:.1f} | " + " | ".join(f"{r['phase_ms'][p]:.2f}" for p in PHASES)
                      + f" | {'-' if share is None else f'{100 * share:.0f} %'} |")
     lines += ["", "Heaviest ops (self time per step):", ""]
     for r in results:
@@ -133,7 +138,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--baseline", action="store_true",
-                   help="also run each target with plain (not prepacked) bf16 linears, interleaved")
+                   help="also run each target with plain (not prepacked) bf16 linears and with prepacked, "
+                        "unfused ones, interleaved")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every measurement, alternating the order of the linears (A B, B A); the table "
+                        "shows each one's median round")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile"))
     args = p.parse_args()
     import sys
@@ -143,15 +152,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     meta = {"threads": args.threads, "cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in os.getloadavg()],
             "command": "python " + " ".join(sys.argv)}
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for rnd in range(args.rounds):
+        for target in args.model or ["smollm2-135m"]:
+            for batch in (int(b) for b in args.batch.split(",")):
+                order = LINEARS if args.baseline else ("fused",)
+                for linears in (order if rnd % 2 == 0 else tuple(reversed(order))):  # A B, then B A
+                    r = profile_target(target, args.dtype, batch, args.steps, linears)
+                    print(f"round {rnd + 1} {Path(target).name:<20} {r['linears']:<9} batch {batch:>3}: "
+                          f"{r['step_ms']:7.1f} ms/step {r['tok_s']:7.1f} tok/s  "
+                          + "  ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items())
+                          + f"  ops {100 * (r['ops_share_of_forward'] or 0):.0f} % of forward", flush=True)
+                    runs.setdefault((target, batch, linears), []).append(r)
     results = []
-    for target in args.model or ["smollm2-135m"]:
-        for batch in (int(b) for b in args.batch.split(",")):
-            for prepack in ((False, True) if args.baseline else (True,)):
-                r = profile_target(target, args.dtype, batch, args.steps, prepack)
-                print(f"{Path(target).name:<24} {r['linears']:<9} batch {batch:>3}: {r['step_ms']:7.1f} ms/step "
-                      f"{r['tok_s']:7.1f} tok/s  " + "  ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items())
-                      + f"  ops {100 * (r['ops_share_of_forward'] or 0):.0f} % of forward", flush=True)
-                results.append(r)
+    for (target, batch, linears), done in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                                 LINEARS.index(kv[0][2]))):
+        median = sorted(done, key=lambda r: r["step_ms"])[len(done) // 2]  # the round with the median step
+        results.append({**median, "step_ms_rounds": [round(r["step_ms"], 2) for r in done]})
     meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -26,10 +26,13 @@ keeps the dequantized dense linear and says so).
 
 from __future__ import annotations
 
+from typing import Sequence, TypeGuard
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.quantizers.base import QuantizedWeight
 
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu accepts
@@ -254,6 +257,63 @@ class PrepackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bf16 oneDNN-prepacked"
 
 
+class FusedPrepackedLinear(PrepackedLinear):
+    """Linears that read the same input (q/k/v, gate/up) as one prepacked product.
+
+    With one decode token a product streams its weight once, and each call also pays oneDNN's
+    fixed dispatch cost; one call over the weights concatenated along the output dimension pays it
+    once (vLLM's qkv_proj and gate_up_proj; the speed-up is in benchmarks/results/step_profile.md).
+    Every output element is the same dot product as in the separate linear, so outputs equal theirs
+    up to the GEMM's summation order. `parts` hands back each linear's output as a view."""
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        first = linears[0]
+        whole = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=first.bias is not None,
+                          device="meta")
+        whole.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+        if first.bias is not None:
+            whole.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None]),
+                                      requires_grad=False)
+        super().__init__(whole)
+        self.sizes = [lin.out_features for lin in linears]
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each linear's output [..., out_i]: views of the one product (strided, not copied)."""
+        return self(x).split(self.sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fused {self.sizes}"
+
+
+class PrepackedPart(nn.Module):
+    """One linear of a `FusedPrepackedLinear`, left under its own name (q_proj, up_proj, ...) so
+    that code calling or reading that linear alone keeps working after the swap. The parent's
+    forward calls the fused module instead; calling a part runs the whole fused product and keeps
+    its block. `.weight` is a copy (as `PrepackedLinear`'s), `.bias` a view of the fused bias."""
+
+    fused: FusedPrepackedLinear
+
+    def __init__(self, fused: FusedPrepackedLinear, index: int) -> None:
+        super().__init__()
+        self.__dict__["fused"] = fused  # not a submodule: the parent holds it (qkv_proj, gate_up_proj)
+        self.index = index
+        self.in_features, self.out_features = fused.in_features, fused.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.parts(x)[self.index]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight.split(self.fused.sizes)[self.index].clone()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.fused.bias is None else self.fused.bias.split(self.fused.sizes)[self.index]
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of the fused linear, in={self.in_features}, out={self.out_features}"
+
+
 def can_prepack(dtype: torch.dtype) -> bool:
     """Whether dense linears of a CPU model running in `dtype` can be prepacked (bf16 on a CPU
     whose oneDNN has bf16 kernels)."""
@@ -261,13 +321,43 @@ def can_prepack(dtype: torch.dtype) -> bool:
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def prepack_dense_linears(model: nn.Module) -> int:
+def _prepackable(module: object) -> TypeGuard[nn.Linear]:
+    """A plain `nn.Linear` (not a quantized, LoRA or other subclass) with a bf16 weight on CPU."""
+    return type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 \
+        and module.weight.device.type == "cpu"
+
+
+def _fuse_groups(model: nn.Module) -> int:
+    """Swap each group of `FUSED_LINEARS` for one `FusedPrepackedLinear` where the group's parent
+    reads the fused attribute (it declares it, None until here: `Attention.qkv_proj`,
+    `MLP.gate_up_proj`) and its members are prepackable, over one input size, all with a bias or
+    all without; returns how many linears were fused. Other groups stay separate linears."""
+    fused = 0
+    for parent in list(model.modules()):
+        for group, members in FUSED_LINEARS.items():
+            attr, names = group.rsplit(".", 1)[-1], [m.rsplit(".", 1)[-1] for m in members]
+            if not hasattr(parent, attr) or getattr(parent, attr) is not None:
+                continue
+            linears = [lin for lin in (getattr(parent, name, None) for name in names) if _prepackable(lin)]
+            if len(linears) < len(names) or len({(lin.in_features, lin.bias is None) for lin in linears}) != 1:
+                continue
+            whole = FusedPrepackedLinear(linears)
+            setattr(parent, attr, whole)
+            for i, name in enumerate(names):
+                setattr(parent, name, PrepackedPart(whole, i))
+            fused += len(names)
+    return fused
+
+
+def prepack_dense_linears(model: nn.Module, fuse: bool = False) -> int:
     """Swap every dense bf16 `nn.Linear` of a CPU model for a `PrepackedLinear` (the runtime
     module swap for serving); returns how many. Tied weights (an LM head sharing the embedding)
-    get a packed copy; the embedding keeps its plain tensor for lookups."""
+    get a packed copy; the embedding keeps its plain tensor for lookups. With `fuse`, q/k/v and
+    gate/up become one `FusedPrepackedLinear` each where their linears can share one product
+    (`_fuse_groups`)."""
+    fused = _fuse_groups(model) if fuse else 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
-             and child.weight.device.type == "cpu"]
+             if _prepackable(child)]
     for parent, name, child in swaps:
         setattr(parent, name, PrepackedLinear(child))
-    return len(swaps)
+    return fused + len(swaps)

@@ -19,13 +19,16 @@ its half: that keeps the (cos, sin) pair every caller already passes layer by la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmfoundry.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from lmfoundry.model.cpu_linears import FusedPrepackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -175,12 +178,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset)
         self.kv_round_trip: KVRoundTrip | None = None
+        # q/k/v as one prepacked product: set by the CPU serving swap (cpu_linears.prepack_dense_linears)
+        self.qkv_proj: FusedPrepackedLinear | None = None
 
     def project_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [..., T, Hq, D] and k [..., T, Hkv, D] with rotary applied (what attention scores need)."""
-        shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        return self.rotated_qk(self.q_proj(x), self.k_proj(x), cos, sin)
+
+    def rotated_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_proj's and k_proj's outputs [..., T, Hq * D], [..., T, Hkv * D] as heads, normalized
+        where the model does, with rotary applied."""
+        shape = q.shape[:-1]
+        q = q.view(*shape, self.num_heads, self.head_dim)
+        k = k.view(*shape, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos.shape[-1] != self.head_dim:  # several rotary tables side by side: this layer's
@@ -192,8 +204,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns q [..., T, Hq, D] and k, v [..., T, Hkv, D] with rotary applied to q and k."""
-        q, k = self.project_qk(x, cos, sin)
-        return q, k, self.v_proj(x).view(*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj.parts(x)
+            q, k = self.rotated_qk(q, k, cos, sin)
+        else:
+            q, k = self.project_qk(x, cos, sin)
+            v = self.v_proj(x)
+        return q, k, v.view(*x.shape[:-1], self.num_kv_heads, self.head_dim)
 
     def heads_output(
         self,
@@ -285,13 +302,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
         self.gelu = GELU_ACTIVATIONS.get(config.hidden_act)  # None: SiLU (Llama); "tanh"/"none": Gemma
+        # gate/up as one prepacked product: set by the CPU serving swap (cpu_linears.prepack_dense_linears)
+        self.gate_up_proj: FusedPrepackedLinear | None = None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """down_proj's input: act(gate(x)) * up(x), in place on gate's output (no third
         intermediate-sized tensor: measured 2.7x less CPU time for the elementwise part)."""
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj.parts(x)
+            return self.activation(gate).mul_(up)
+        return self.activation(self.gate_proj(x)).mul_(self.up_proj(x))
+
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        """act(gate): SiLU in place on gate_proj's output, or GELU (Gemma) into a new tensor."""
         if self.gelu is not None:
-            return F.gelu(self.gate_proj(x), approximate=self.gelu).mul_(self.up_proj(x))
-        return F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+            return F.gelu(gate, approximate=self.gelu)
+        return F.silu(gate, inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.hidden(x))

@@ -72,7 +72,9 @@ class ReferenceModelExecutor:
     def __init__(self, model: nn.Module, config: EngineConfig) -> None:
         self.model = model.eval()
         if can_prepack(model.dtype) and model.model.embed_tokens.weight.device.type == "cpu":
-            prepack_dense_linears(model)  # serving-time module swap: oneDNN reorders each weight once
+            # serving-time module swap: oneDNN reorders each weight once; q/k/v and gate/up run as
+            # one product each
+            prepack_dense_linears(model, fuse=True)
         self.engine_config = config
         self.config = model.config
         self.dtype = model.dtype

@@ -17,14 +17,17 @@ import torch
 
 from lmfoundry.model.cpu_linears import (
     DEQUANT_ROWS,
+    FusedPrepackedLinear,
     Int4PackLinear,
     Int8PackLinear,
     PrepackedLinear,
+    PrepackedPart,
     can_prepack,
     packed_linear,
     prepack_dense_linears,
 )
 from lmfoundry.model.linears import build_linear
+from lmfoundry.model.reference import MLP, Attention
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.scheme import QuantArgs, make_scheme
@@ -182,3 +185,148 @@ def test_prepack_swaps_the_dense_bf16_linears_and_keeps_the_model_output() -> No
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
         assert torch.equal(model(ids), want)
     assert prepack_dense_linears(toy_model(seed=3)) == 0  # float32 models stay as they are
+
+
+# Fused q/k/v and gate/up (FusedPrepackedLinear). Each fused output element is the dot product of
+# the separate linear, but the fused GEMM has another shape, for which oneDNN may block (and so sum)
+# K differently: equality is not promised. Each side accumulates K bf16 products in fp32 (error at
+# most K 2^-24 of sum_k |x_k w_nk|) and rounds once to bf16 (u |y|), so the two differ by at most
+#     2 (u + K 2^-24) (sum_k |x_k| |w_nk| + |b_n|)
+# per element, and by at most a few bf16 steps of the output's scale after the layer's elementwise
+# work (rotary, norms, activation); a wrong split (q and k swapped, gate and up swapped, a bias
+# block misplaced) is off by the output's whole scale.
+FUSE_SIZES = [(128, 32, 32), (200, 200)]  # q/k/v (GQA) and gate/up
+
+
+def fused_linears(sizes: tuple[int, ...], k: int, bias: bool, seed: int) -> list[torch.nn.Linear]:
+    g = torch.Generator().manual_seed(seed)
+    linears = []
+    for n in sizes:
+        lin = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, k, generator=g) + 0.1)  # random, non-zero
+            if bias:
+                lin.bias.copy_(torch.randn(n, generator=g) + 0.1)
+        linears.append(lin)
+    return linears
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("sizes", FUSE_SIZES)
+@pytest.mark.parametrize("rows", [1, 4, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_prepacked_linear_matches_each_f_linear(sizes: tuple[int, ...], rows: int, bias: bool) -> None:
+    k = 96
+    linears = fused_linears(sizes, k, bias, seed=rows)
+    fused = FusedPrepackedLinear(linears)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    outs = fused.parts(x)
+    assert len(outs) == len(sizes)
+    base = fused(x).untyped_storage().nbytes()
+    for out, lin in zip(outs, linears):
+        ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        assert out.shape == ref.shape and bool(out.isfinite().all())  # every element written
+        bound = torch.abs(x.double()) @ torch.abs(lin.weight.double()).t()
+        if bias:
+            bound += torch.abs(lin.bias.double())
+        assert bool(((out.double() - ref.double()).abs() <= 2 * (U + k * 2.0**-24) * bound).all())
+        assert out.untyped_storage().nbytes() == base  # a view of the one product, not a copy
+    parts = fused.parts(x.reshape(1, rows, k))  # 3-D input, as the model passes
+    assert [p.shape for p in parts] == [(1, rows, n) for n in sizes]
+
+
+def fusable_model(model_type: str = "llama", **overrides: object) -> torch.nn.Module:
+    from lmfoundry.runtime.engine.toy import toy_model
+
+    return toy_model(seed=3, dtype=torch.bfloat16, model_type=model_type, **overrides)
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v biases
+    ("qwen3", {"head_dim": 16}),  # q/k norms
+    ("llama", {"hidden_act": "gelu_pytorch_tanh"}),  # GELU into a new tensor instead of SiLU in place
+    ("qwen3_moe", {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}),
+])
+def test_fused_layers_compute_what_the_unfused_prepacked_layers_do(model_type: str, overrides: dict) -> None:
+    fused, unfused = fusable_model(model_type, **overrides), fusable_model(model_type, **overrides)
+    plain = {name: (m.weight.clone(), None if m.bias is None else m.bias.clone())
+             for name, m in fused.named_modules() if type(m) is torch.nn.Linear}
+    n_linear = len(plain)
+    assert prepack_dense_linears(unfused) == n_linear
+    assert prepack_dense_linears(fused, fuse=True) == n_linear
+    assert not any(type(m) is torch.nn.Linear for m in fused.modules())
+    attns = [layer.self_attn for layer in fused.model.layers]
+    mlps = [m for m in fused.modules() if isinstance(m, MLP)]
+    assert all(type(a.qkv_proj) is FusedPrepackedLinear for a in attns)
+    assert mlps and all(type(m.gate_up_proj) is FusedPrepackedLinear for m in mlps)
+    for name, (weight, bias) in plain.items():  # the fused linears still read as themselves
+        part = fused.get_submodule(name)
+        assert torch.equal(part.weight, weight) and (bias is None) == (part.bias is None)
+        assert bias is None or torch.equal(part.bias, bias)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, fused.config.hidden_size, generator=g).to(torch.bfloat16)
+    cos, sin = fused.model.rotary_emb(torch.arange(7).expand(2, 7), torch.bfloat16)
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        assert got.shape == want.shape and bool(got.isfinite().all())
+        assert float((got.float() - want.float()).abs().max()) <= 4 * U * float(want.float().abs().max())
+
+    with torch.no_grad():
+        for a, b in zip(attns, (layer.self_attn for layer in unfused.model.layers)):
+            for got, want in zip(a.project_qkv(x, cos, sin), b.project_qkv(x, cos, sin)):
+                close(got, want)
+            for got, want in zip(a.project_qk(x, cos, sin), b.project_qk(x, cos, sin)):  # the parts alone
+                close(got, want)
+        for a, b in zip(mlps, (m for m in unfused.modules() if isinstance(m, MLP))):
+            close(a.hidden(x), b.hidden(x))
+            close(a(x), b(x))
+        ids = torch.randint(0, 256, (2, 9), generator=g)
+        close(fused(ids), unfused(ids))
+
+
+class Adapted(torch.nn.Linear):
+    """Stands for any linear that is not a plain nn.Linear (LoRA, quantized, ...)."""
+
+
+@needs_bf16_onednn
+def test_fusion_only_swaps_groups_of_plain_linears_that_agree() -> None:
+    model = fusable_model()
+    first, second = (layer.self_attn for layer in model.model.layers)
+    first.q_proj = Adapted(64, 64, bias=False).to(torch.bfloat16)
+    second.k_proj = torch.nn.Linear(64, 32, bias=True).to(torch.bfloat16)  # q and v have none
+    prepack_dense_linears(model, fuse=True)
+    assert first.qkv_proj is None and type(first.q_proj) is Adapted and type(first.k_proj) is PrepackedLinear
+    assert second.qkv_proj is None and type(second.k_proj) is PrepackedLinear
+    assert all(type(layer.mlp.gate_up_proj) is FusedPrepackedLinear for layer in model.model.layers)
+
+    unfused = fusable_model()
+    prepack_dense_linears(unfused)  # fuse=False: every linear packed alone
+    assert all(m.qkv_proj is None for m in unfused.modules() if isinstance(m, Attention))
+    assert not any(isinstance(m, (FusedPrepackedLinear, PrepackedPart)) for m in unfused.modules())
+    float_model = fusable_model().float()
+    assert prepack_dense_linears(float_model, fuse=True) == 0
+    assert all(m.qkv_proj is None for m in float_model.modules() if isinstance(m, Attention))
+
+
+@needs_bf16_onednn
+def test_engine_decodes_the_same_tokens_with_fused_linears() -> None:
+    """The engine fuses when it prepacks; a model prepacked beforehand without fusion (nothing left
+    for the engine to swap) is the unfused engine. Greedy tokens are the same."""
+    from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = [[5, 17, 99, 3, 250, 42, 7], [200, 1, 64], list(range(30, 52))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    tokens = []
+    for fuse in (False, True):
+        model = fusable_model()
+        if not fuse:
+            prepack_dense_linears(model)
+        engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
+        fused = [m.qkv_proj is not None for m in model.modules() if isinstance(m, Attention)]
+        assert fused and all(f == fuse for f in fused)
+        tokens.append([o.outputs[0].token_ids for o in engine.generate(prompts, params)])
+    assert tokens[0] == tokens[1]
+    assert len(set(t for out in tokens[1] for t in out)) > 3  # not a degenerate repeat
