@@ -113,7 +113,7 @@ def ggml_q4_0_model(folder: Path):
     model, _ = load_model(str(folder))
     q4 = gguf.GGMLQuantizationType.Q4_0
     with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
+        for _i, layer in enumerate(model.model.layers):
             for local in LAYER_LINEARS:
                 lin = layer.get_submodule(local)
                 w = lin.weight.detach().float().numpy()

@@ -283,7 +283,7 @@ def targets(table: dict[str, dict[int, dict[str, Any]]], levels: list[int], thre
             continue
         m, v = a[c]["mean"], b.get(c, {}).get("mean", {})
 
-        def ratio(key: str) -> float | None:
+        def ratio(key: str, m: dict = m, v: dict = v) -> float | None:
             x, y = m.get(key), v.get(key)
             return x / y if x is not None and y else None
 

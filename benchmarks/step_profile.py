@@ -165,8 +165,7 @@ def main() -> None:
                           + f"  ops {100 * (r['ops_share_of_forward'] or 0):.0f} % of forward", flush=True)
                     runs.setdefault((target, batch, linears), []).append(r)
     results = []
-    for (target, batch, linears), done in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1],
-                                                                                 LINEARS.index(kv[0][2]))):
+    for _key, done in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], LINEARS.index(kv[0][2]))):
         median = sorted(done, key=lambda r: r["step_ms"])[len(done) // 2]  # the round with the median step
         results.append({**median, "step_ms_rounds": [round(r["step_ms"], 2) for r in done]})
     meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]

@@ -271,7 +271,11 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     """`run_job` after the output checks: build the checkpoint in `staging`, then swap it in.
     A data-parallel rank other than 0 (out and staging None) runs the same steps on its share of
     the calibration data, in the work folder rank 0 names, and writes no checkpoint."""
+    # loaded before the baseline: start-up, not model work (compressed-tensors, which the doctor
+    # and the writer's config use, pulls in transformers' modules and pydantic: ~250 MB of RSS)
+    import compressed_tensors  # noqa: F401
     import torch
+    import transformers  # noqa: F401
 
     from lmfoundry.calibration.data import load_calibration
     from lmfoundry.calibration.journal import LayerJournal, run_key
@@ -282,11 +286,6 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     from lmfoundry.manifest import sha256_file, tool_versions
     from lmfoundry.models import safetensors_files
     from lmfoundry.runtime.loader import load_tokenizer
-
-    # loaded before the baseline: start-up, not model work (compressed-tensors, which the doctor
-    # and the writer's config use, pulls in transformers' modules and pydantic: ~250 MB of RSS)
-    import compressed_tensors  # noqa: F401
-    import transformers  # noqa: F401
 
     t0 = time.time()
     baseline_rss = current_rss_bytes()

@@ -28,11 +28,12 @@ from lmfoundry.calibration.journal import LayerJournal
 from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, checkpoint_names, encode_linear
 from lmfoundry.distributed import ranks
 from lmfoundry.errors import UserError
+from lmfoundry.model.config import ModelConfig
+from lmfoundry.model.reference import DecoderLayer, ExpertCalibration, RotaryEmbedding, SparseMoE
+from lmfoundry.model.reference import embed as embed_rows
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
 from lmfoundry.quantizers.qmath import all_finite, check_group_size
 from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme
-from lmfoundry.model.config import ModelConfig
-from lmfoundry.model.reference import DecoderLayer, ExpertCalibration, RotaryEmbedding, SparseMoE, embed as embed_rows
 
 Propagate = Literal["quantized", "float"]
 

@@ -257,7 +257,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
     (out / "compile.log").unlink(missing_ok=True)
 
     kernels = []
-    for spec, job, reply in zip(plan.specs, jobs, replies):
+    for spec, _job, reply in zip(plan.specs, jobs, replies):
         rel = Path("kernels") / spec.sm / spec.key()
         files = {ext: str(rel.with_suffix(f".{ext}")) for ext in ("cubin", "ptx", "json")}
         kernels.append({

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmfoundry.errors import UserError
+from lmfoundry.manifest import contained_file
+from lmfoundry.model.config import LAYER_LINEARS, ModelConfig
+from lmfoundry.models import safetensors_files
 from lmfoundry.quantizers.scheme import Scheme, plan_from_compressed_tensors
 from lmfoundry.tensor_files import read_safetensors_header
-from lmfoundry.manifest import contained_file
-from lmfoundry.models import safetensors_files
-from lmfoundry.model.config import LAYER_LINEARS, ModelConfig
-
 
 
 @dataclass(frozen=True)

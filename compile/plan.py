@@ -24,9 +24,9 @@ from typing import Any
 from lmfoundry.compile import tiles
 from lmfoundry.compile.checkpoint import Checkpoint, LinearScheme
 from lmfoundry.errors import UserError
-from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.kernels import registry
 from lmfoundry.kernels.spec import TileConfig, Variant, triton_type
+from lmfoundry.model.config import FUSED_LINEARS
 
 KV_TYPE = {"int8": "i8", "fp8": "fp8e4nv"}
 QUANT_OF_KIND = {"w8a8": 1, "fp8": 2}

@@ -153,8 +153,8 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     a folder without a usable config or tokenizer, or one of two mismatched models is reported in
     seconds, before minutes of evaluating the other. With `allow_bundle`, an engine bundle (which
     `load_model` runs) is read from its weights/ folder."""
-    from lmfoundry.models import resolve_model
     from lmfoundry.model.config import ModelConfig
+    from lmfoundry.models import resolve_model
 
     path = Path(spec).expanduser()
     bundle = allow_bundle and (path / "engine.json").is_file()

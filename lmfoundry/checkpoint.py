@@ -22,11 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lmfoundry.errors import UserError
+from lmfoundry.manifest import MANIFEST, hash_folder
 from lmfoundry.models import safetensors_files
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme, plan_from_compressed_tensors, to_compressed_tensors
-
-from lmfoundry.manifest import MANIFEST, hash_folder
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_NAMES, FP8_MIN_CAPABILITY
-from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, Scheme
 from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
+from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, Scheme
 from lmfoundry.recipe import Recipe
 
 if TYPE_CHECKING:

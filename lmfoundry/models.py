@@ -24,16 +24,16 @@ import os
 import shutil
 import stat
 import sys
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from lmfoundry.errors import UserError
-from lmfoundry.tensor_files import read_safetensors_header
 from lmfoundry.manifest import contained_file, new_unique_folder, parse_json_object, read_bounded
 from lmfoundry.manifest import sha256_file as file_sha256
-from lmfoundry.resources import SMOLLM2_GGUF, cache_dir, packaged_file
 from lmfoundry.model.config import ModelConfig
+from lmfoundry.resources import SMOLLM2_GGUF, cache_dir, packaged_file
+from lmfoundry.tensor_files import read_safetensors_header
 
 DEFAULT_MODEL = "smollm2-135m"
 BUILTIN_MODELS = {DEFAULT_MODEL: SMOLLM2_GGUF}

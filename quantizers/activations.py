@@ -21,6 +21,7 @@ from lmfoundry.model.config import input_groups
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
+
 class InputRecorder:
     """Per-channel absmax of one linear input over all calibration batches, plus an optional
     evenly spaced subsample of rows (at most `rows_per_batch` per batch)."""

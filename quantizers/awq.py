@@ -42,8 +42,8 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import QKV, ROUTER
 from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
+from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 

@@ -168,9 +168,11 @@ class LayerCalibration:
             tokens = [flat if every else flat[rows] for flat, (rows, _, every) in zip(flats, picked)]
             del flats
             prefix = layer_prefixes[e]
-            mids = step((prefix + "gate_proj", prefix + "up_proj"), tokens, lambda i, x: expert.hidden(x))
+            # `step` runs these closures before the next expert: binding the loop's values is exact
+            mids = step((prefix + "gate_proj", prefix + "up_proj"), tokens,
+                        lambda i, x, expert=expert: expert.hidden(x))
 
-            def add(i: int, m: torch.Tensor) -> torch.Tensor:
+            def add(i: int, m: torch.Tensor, expert: nn.Module = expert, picked: list = picked) -> torch.Tensor:
                 rows, slots, every = picked[i]
                 y = expert.down_proj(m)
                 y = y[rows] if every else y
@@ -205,7 +207,7 @@ class Quantizer(ABC):
         value = self.options.get(key, default)
         return value.strip().lower() in ("1", "true", "yes") if isinstance(value, str) else bool(value)
 
-    def validate(self, scheme: Scheme) -> None:
+    def validate(self, scheme: Scheme) -> None:  # noqa: B027 - a no-op default: most methods take every scheme
         """Refuse a scheme this method cannot produce (before any work)."""
 
     def calibration_hooks(

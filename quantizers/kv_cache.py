@@ -18,8 +18,6 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.quantizers.base import LayerCalibration, LayerResult
-from lmfoundry.quantizers.scheme import QuantArgs
 from lmfoundry.model.kv_quant import (
     PER_HEAD,
     PER_TENSOR,
@@ -27,6 +25,8 @@ from lmfoundry.model.kv_quant import (
     kv_scales_from_absmax,
     quantize_kv,
 )
+from lmfoundry.quantizers.base import LayerCalibration, LayerResult
+from lmfoundry.quantizers.scheme import QuantArgs
 
 KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

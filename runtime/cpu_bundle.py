@@ -33,8 +33,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lmfoundry.compile.bundle import (ENGINE_FORMAT, _check_output, _install, _remove_dirs, _staging, place_files,
-                                      sha256_file)
+from lmfoundry.compile.bundle import (
+    ENGINE_FORMAT,
+    _check_output,
+    _install,
+    _remove_dirs,
+    _staging,
+    place_files,
+    sha256_file,
+)
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import verify_artifact
 from lmfoundry.model.config import ModelConfig

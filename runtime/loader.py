@@ -17,10 +17,10 @@ from torch import nn
 
 from lmfoundry.checkpoint import CheckpointReader, decode_linear
 from lmfoundry.errors import UserError
-from lmfoundry.models import resolve_model
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.linears import build_linear, dense_linear
 from lmfoundry.model.reference import CausalLM, RotaryEmbedding
+from lmfoundry.models import resolve_model
 
 log = logging.getLogger("lmfoundry.runtime")
 
@@ -188,7 +188,7 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
         log.warning("%s: %d linear(s) dequantized to dense %s: %s", reader.folder, count, dtype, reason)
     # everything that is not a linear: embeddings, norms, KV scales
     rest = {}
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, _p in list(model.named_parameters()) + list(model.named_buffers()):
         module = name.rsplit(".", 1)[0]
         if module in linear_names or name.endswith("inv_freq"):
             continue

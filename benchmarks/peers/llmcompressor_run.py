@@ -88,9 +88,8 @@ def main() -> None:
     t0, c0 = time.time(), time.process_time()
 
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(a.model)

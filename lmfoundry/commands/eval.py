@@ -30,8 +30,9 @@ def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
     import os
     import sys
 
-    import lmfoundry.evals.lm_adapter  # noqa: F401 - registers the model with lm-eval
     from lm_eval.__main__ import cli_evaluate
+
+    import lmfoundry.evals.lm_adapter  # noqa: F401 - registers the model with lm-eval
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub here
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -133,14 +133,13 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     HTTP 503 and serve exits with code 1."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
                           timeout_keep_alive)
+    from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
     from lmfoundry.runtime.engine.core import EngineSpec
     from lmfoundry.runtime.engine.core_client import EngineCoreClient
+    from lmfoundry.runtime.loader import check_device, is_engine_bundle, resolve_dtype
     from lmfoundry.runtime.server.app import create_app
     from lmfoundry.runtime.server.background import uvicorn_config
-
-    from lmfoundry.runtime import cpu_isa
-    from lmfoundry.runtime.loader import check_device, is_engine_bundle, resolve_dtype
 
     device = check_device(device)
     run_dtype = resolve_dtype(dtype, model, device)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lmfoundry.errors import UserError
 
@@ -416,10 +416,13 @@ def _rename(name: str, pairs: list[tuple[str, str]]) -> str:
     A module name (no tensor leaf after it) is renamed like its tensors."""
     import re
 
+    def replacement(dst: str) -> Callable[[re.Match[str]], str]:
+        return lambda m: dst.replace("{e}", m.group(1)) if m.groups() else dst
+
     name += "."
     for src, dst in pairs:
         pattern = re.escape(src).replace(re.escape("{e}"), r"(\d+)")
-        name = re.sub(pattern, lambda m: dst.replace("{e}", m.group(1)) if m.groups() else dst, name)
+        name = re.sub(pattern, replacement(dst), name)
     return name[:-1]
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.kernels.norm_quant import QUANT_FP8, QUANT_INT8, QMAX, quantize_reference
+from lmfoundry.kernels.norm_quant import QMAX, QUANT_FP8, QUANT_INT8, quantize_reference
 from lmfoundry.kernels.scaled_mm import reference as scaled_mm_reference
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.scheme import Scheme

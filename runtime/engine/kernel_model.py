@@ -346,7 +346,7 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
                                                   "mlp.down_proj")}
         entries = [e for es in groups.values() for e in es]
         formats = {}
-        for local, tensors, scheme, k in entries:
+        for local, _tensors, scheme, k in entries:
             w = scheme.weights if scheme is not None and scheme.format == "pack-quantized" else None
             formats[local] = (w.num_bits, w.group_size if w.strategy == "group" else 0, k) if w is not None else None
         if any(f is not None and "weight_packed" in t for (_, t, _, _), f in zip(entries, formats.values())):

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.model.kv_quant import FP8_DTYPE as FP8, broadcast_scale, dequantize_kv, quantize_kv
+from lmfoundry.model.kv_quant import FP8_DTYPE as FP8
+from lmfoundry.model.kv_quant import broadcast_scale, dequantize_kv, quantize_kv
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZED = {"int8": ("int", torch.int8), "fp8": ("float", FP8)}

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 from torch import nn
@@ -358,7 +359,7 @@ class LLMEngine:
                 for i, out in zip(wave, self.generate([prompts[i] for i in wave], [params[i] for i in wave])):
                     outs[i] = out
         scores = []
-        for (ctx, cont), out in zip(requests, outs):
+        for (ctx, _cont), out in zip(requests, outs):
             lps = out.prompt_logprobs[len(ctx) :]
             scores.append((sum(lp.logprob for lp in lps), all(lp.top[0][0] == lp.token_id for lp in lps)))
         return scores

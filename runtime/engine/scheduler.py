@@ -19,7 +19,6 @@ anybody for a guess.
 from __future__ import annotations
 
 import time
-
 from collections import deque
 
 from lmfoundry.runtime.engine.block_manager import BlockManager

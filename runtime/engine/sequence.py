@@ -10,7 +10,6 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch

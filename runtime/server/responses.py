@@ -60,7 +60,7 @@ class CompletionBuilder:
         offsets: list[int] = []
         offset = self.text_offsets.get(idx, 0)
         prompt_ids = self.prompts[prompt_idx]
-        for j, lp in enumerate(entries):
+        for _j, lp in enumerate(entries):
             token_id = lp.token_id if lp is not None else prompt_ids[0]
             text = self.s.token_text(token_id)
             tokens.append(text)

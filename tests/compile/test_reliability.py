@@ -36,8 +36,8 @@ from safetensors.torch import save_file
 
 from lmfoundry.compile import bundle, loader
 from lmfoundry.compile.checkpoint import load_checkpoint
-from lmfoundry.tensor_files import read_safetensors_header
 from lmfoundry.errors import UserError
+from lmfoundry.tensor_files import read_safetensors_header
 
 
 def _one_line(exc: pytest.ExceptionInfo) -> str:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmfoundry.evals.lm_adapter import RuntimeLM, ScoreRequest, parse_add_bos
 from lmfoundry.errors import UserError
+from lmfoundry.evals.lm_adapter import RuntimeLM, ScoreRequest, parse_add_bos
 from lmfoundry.runtime.loader import load_model
 
 

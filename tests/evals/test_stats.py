@@ -7,9 +7,23 @@ import math
 import numpy as np
 import pytest
 
-from lmfoundry.evals.stats import (FAIL, INCONCLUSIVE, PASS, REPORTED, combine, decide, flip_rate, max_of, mean_of,
-                                   mcnemar_exact_p, paired_accuracy, paired_perplexity, quantile_of, rms_of,
-                                   window_statistic)
+from lmfoundry.evals.stats import (
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    REPORTED,
+    combine,
+    decide,
+    flip_rate,
+    max_of,
+    mcnemar_exact_p,
+    mean_of,
+    paired_accuracy,
+    paired_perplexity,
+    quantile_of,
+    rms_of,
+    window_statistic,
+)
 
 
 def _pair(n: int, acc_b: float, flips_down: int, flips_up: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import gpu_kernels_benchmark
+
 from lmfoundry.kernels import examples
 from lmfoundry.kernels.checks import U32
 from lmfoundry.kernels.dispatch import JitExecutor

@@ -24,8 +24,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import gpu_kernels_benchmark
+
 from lmfoundry.kernels import examples, kv_cache, paged_attention
 from lmfoundry.kernels.checks import assert_within, assert_written, attention_bound, poisoned
 from lmfoundry.kernels.dispatch import JitExecutor, ReferenceExecutor

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from helpers import tiny_model_folder, write_text
 from safetensors.torch import load_file, save_file
 
-from helpers import tiny_model_folder, write_text
+from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.checkpoint import CheckpointReader
 from lmfoundry.commands.doctor import doctor
-from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.doctor import FAIL, diagnose, parse_arch, parse_bytes
 from lmfoundry.errors import UserError
 from lmfoundry.recipe import Recipe

@@ -212,9 +212,10 @@ def test_llama_cpp_chats_on_our_gguf_like_serve(tmp_path: Path) -> None:
     import httpx
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from helpers import start_serve, stop_serve, wait_for_url
+
     from benchmarks._servers import LLAMA_CPP_SHIM, free_port, stop, wait_ready
     from benchmarks.peers.venvs import is_installed, python_of
-    from helpers import start_serve, stop_serve, wait_for_url
 
     if not is_installed("xllamacpp"):
         pytest.skip("no xllamacpp venv (python benchmarks/peers/venvs.py xllamacpp)")

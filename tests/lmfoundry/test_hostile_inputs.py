@@ -27,9 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from helpers import assert_one_error, run_cli
+from safetensors.torch import load_file, save_file
 
 QUANT = ["--quiet", "--scheme", "w4a16", "--group-size", "32", "--num-samples", "2", "--seq-len", "16"]
 

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from helpers import tiny_model_folder, write_text
+
 from lmfoundry.cli import main
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import verify_artifact

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import tiny_decoder_layer
-from lmfoundry.quantizers.base import LayerCalibration
+
 from lmfoundry.model.reference import DecoderLayer
+from lmfoundry.quantizers.base import LayerCalibration
 
 GROUPS = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]

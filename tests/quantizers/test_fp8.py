@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import tiny_model_folder, write_text
-from lmfoundry.checkpoint import CheckpointReader
+
 from lmfoundry.calibration.job import QuantizeJob, run_job
+from lmfoundry.checkpoint import CheckpointReader
 from lmfoundry.errors import UserError
+from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Fp8Linear
 from lmfoundry.quantizers.fp8 import FP8Quantizer
 from lmfoundry.quantizers.scheme import make_scheme
 from lmfoundry.recipe import Recipe
-from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Fp8Linear
 from lmfoundry.runtime.loader import load_model
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import tiny_decoder_layer, tiny_model_folder, write_text
+
 from lmfoundry.quantizers.gptq import GPTQQuantizer, HessianAccumulator, gptq_quantize, inverse_hessian
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
 from lmfoundry.quantizers.scheme import QuantArgs
@@ -282,9 +282,10 @@ def test_repeated_token_calibration_does_not_crash(tmp_path):
 
 
 def test_hooks_share_one_hessian_per_input():
+    from helpers import TINY_CONFIGS
+
     from lmfoundry.model.config import ModelConfig
     from lmfoundry.model.reference import DecoderLayer
-    from helpers import TINY_CONFIGS
 
     layer = DecoderLayer(ModelConfig.from_dict(TINY_CONFIGS["llama"]), 0)
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -16,19 +16,19 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_model_folder, write_text
 from safetensors.torch import load_file, save_file
 
-from helpers import tiny_model_folder, write_text
-from lmfoundry.checkpoint import CheckpointReader
 from lmfoundry.calibration.job import QuantizeJob, run_job
+from lmfoundry.checkpoint import CheckpointReader
 from lmfoundry.errors import UserError
+from lmfoundry.model.kv_quant import kv_scales_from_absmax
+from lmfoundry.model.reference import causal_attention
 from lmfoundry.quantizers.base import LayerCalibration
 from lmfoundry.quantizers.kv_cache import calibrate_kv_scales, kv_round_trip_from_checkpoint
 from lmfoundry.quantizers.scheme import QuantArgs
 from lmfoundry.recipe import Recipe
-from lmfoundry.model.kv_quant import kv_scales_from_absmax
 from lmfoundry.runtime.loader import load_model
-from lmfoundry.model.reference import causal_attention
 
 U = 2.0**-24
 

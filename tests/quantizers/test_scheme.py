@@ -2,7 +2,12 @@ import pytest
 
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.scheme import (
-    QuantizationPlan, SchemeGroup, make_scheme, matches_any, plan_from_compressed_tensors, to_compressed_tensors,
+    QuantizationPlan,
+    SchemeGroup,
+    make_scheme,
+    matches_any,
+    plan_from_compressed_tensors,
+    to_compressed_tensors,
 )
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import tiny_model_folder, write_text
+
 from lmfoundry.cli import main
 from lmfoundry.compile.loader import EngineIntegrityError
 from lmfoundry.errors import UserError

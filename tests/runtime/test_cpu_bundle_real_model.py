@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import w4a16_checkpoint
+
 from lmfoundry.runtime import cpu_isa
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.loader import load_model
@@ -21,8 +21,8 @@ def test_packed_w4a16_scores_like_the_dense_dequantized_model() -> None:
     same codes and scales; only the kernels' rounding differs, well under 1 %)."""
     from lmfoundry.calibration.data import eval_token_stream
     from lmfoundry.evals.perplexity import perplexity
-    from lmfoundry.model.cpu_linears import Int4PackLinear
     from lmfoundry.model import linears
+    from lmfoundry.model.cpu_linears import Int4PackLinear
 
     ckpt = w4a16_checkpoint()
     packed, tok = load_model(ckpt, dtype=torch.bfloat16)

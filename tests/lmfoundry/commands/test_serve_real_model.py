@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from helpers import w4a16_checkpoint
 
 from .test_serve import _serve, _wait_for_url  # noqa: TID252

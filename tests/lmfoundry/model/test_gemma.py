@@ -34,12 +34,14 @@ def _build(folder: Path, model_type: str) -> Path:
     """A random transformers Gemma saved with save_pretrained (+ a tokenizer). Weights get real
     signal: unit-scale linears (transformers' init is std 0.02) and norm gains 1 + N(0, 0.1²)."""
     if model_type == "gemma2":
-        from transformers import Gemma2Config as Config, Gemma2ForCausalLM as Model
+        from transformers import Gemma2Config as Config
+        from transformers import Gemma2ForCausalLM as Model
 
         cfg = Config(**COMMON, attn_logit_softcapping=4.0, final_logit_softcapping=10.0,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     else:
-        from transformers import Gemma3ForCausalLM as Model, Gemma3TextConfig as Config
+        from transformers import Gemma3ForCausalLM as Model
+        from transformers import Gemma3TextConfig as Config
 
         cfg = Config(**COMMON, final_logit_softcapping=10.0,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],

@@ -60,11 +60,13 @@ def test_config_reads_windows_as_transformers_does() -> None:
 def _build(folder: Path, model_type: str) -> Path:
     """A random transformers model with a window of 8, saved with save_pretrained (+ a tokenizer)."""
     if model_type == "mistral":
-        from transformers import MistralConfig as Config, MistralForCausalLM as Model
+        from transformers import MistralConfig as Config
+        from transformers import MistralForCausalLM as Model
 
         cfg = Config(**COMMON, sliding_window=WINDOW)
     else:  # Qwen2: full attention on layer 0, windows on layers 1 and 2
-        from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
 
         cfg = Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     return save_transformers_model(Model, cfg, folder, embed_std=0.5)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmfoundry.runtime.engine.block_manager import BlockManager

@@ -220,7 +220,7 @@ def test_cascade_attention_over_a_shared_prefix_matches(model, monkeypatch) -> N
         engine.generate([shared + [7]], SamplingParams(max_tokens=1, temperature=0))  # cache the prefix
         calls = []
         monkeypatch.setattr(PagedAttention, "_decode_cascade",
-                            lambda self, *a: calls.append(1) or original(self, *a))
+                            lambda self, *a, calls=calls: calls.append(1) or original(self, *a))
         results[cascade] = engine.generate(ps, params)
         assert bool(calls) == cascade
     for off, on, p in zip(results[False], results[True], ps):

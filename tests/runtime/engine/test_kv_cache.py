@@ -9,7 +9,7 @@ from helpers import reference_greedy
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.kv_cache import FP8, KVFormat, KVCacheLayers
+from lmfoundry.runtime.engine.kv_cache import FP8, KVCacheLayers, KVFormat
 from lmfoundry.runtime.engine.toy import toy_model
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import reference_greedy
 from click.testing import CliRunner
+from helpers import reference_greedy
 
 from lmfoundry.cli import cli
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams

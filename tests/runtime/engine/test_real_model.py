@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from helpers import reference_greedy, w4a16_checkpoint

@@ -23,10 +23,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import poison_sampler
 
+from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 VOCAB = 259

@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from helpers import start_serve, stop_serve, wait_for_url
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.core import EngineSpec
 from lmfoundry.runtime.engine.core_client import EngineCoreClient
 from lmfoundry.runtime.engine.toy import save_toy_checkpoint, toy_engine
-from helpers import start_serve, stop_serve, wait_for_url
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,7 +14,6 @@ from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 
-
 def metric(url: str, name: str, labels: str = "") -> float:
     """The value of the one sample `name` of /metrics whose labels include `labels` (written
     '{key="value",...}'); every series also carries model_name, the served name ("toy")."""
