@@ -187,3 +187,43 @@ class EngineClient(abc.ABC):
 def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
     for queue, item in puts:
         queue.put_nowait(item)
+
+
+async def merge_events(gens: list[AsyncIterator[StepEvent]], streams: list[RequestStream]
+                       ) -> AsyncIterator[tuple[int, StepEvent]]:
+    """Interleave several requests' events (the n choices of one API request), tagged with the
+    request's index; closing this iterator early aborts all of them."""
+    try:
+        if len(gens) == 1:
+            async for ev in gens[0]:
+                yield 0, ev
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done_marker = object()
+
+        async def pump(i: int) -> None:
+            try:
+                async for ev in gens[i]:
+                    queue.put_nowait((i, ev))
+            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+                queue.put_nowait((i, exc))
+            finally:
+                queue.put_nowait((i, done_marker))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(gens))]
+        try:
+            remaining = len(gens)
+            while remaining:
+                i, item = await queue.get()
+                if item is done_marker:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for st in streams:
+            st.abort()  # no-op for finished requests; frees the blocks of abandoned ones

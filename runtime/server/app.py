@@ -13,7 +13,8 @@ process has died.
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
 aborted, which frees its KV blocks.
 
-The event loop only moves bytes: the body is read with a size limit and a deadline, then parsing,
+The event loop only moves bytes: the body is read with a size limit and a deadline
+(request_body.py, which also holds the error type), then parsing,
 the chat template, tokenization (seconds for a multi-megabyte prompt) and the request's one
 validation run in a small thread pool, so the other streams keep flowing. The engine streams token
 ids; their text and stop strings are worked out here (output_processor.py). Requiring application/json on POST keeps browsers from
@@ -36,11 +37,16 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from lmfoundry.runtime.engine.client import EngineClient, EngineDead, EngineRequest, QueueFull, RequestStream
+from lmfoundry.runtime.engine.client import (
+    EngineClient,
+    EngineDead,
+    EngineRequest,
+    QueueFull,
+    RequestStream,
+    merge_events,
+)
 from lmfoundry.runtime.engine.output_processor import detokenize
 from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
@@ -55,6 +61,14 @@ from lmfoundry.runtime.server.protocol import (
     FieldError,
     TokenizeRequest,
 )
+from lmfoundry.runtime.server.request_body import (
+    APIError,
+    ClientGone,
+    engine_dead,
+    parse_body,
+    read_body,
+    require_json,
+)
 from lmfoundry.runtime.server.responses import ChatBuilder, CompletionBuilder
 
 MAX_N = 8
@@ -63,81 +77,6 @@ DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 PREP_THREADS = 4  # parse + chat template + tokenize, off the event loop
 
 T = TypeVar("T")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, close: bool = False) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.close = close  # the body was not read to its end: end the connection rather than drain it
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers={"Connection": "close"} if self.close else None)
-
-
-class ClientGone(Exception):
-    pass
-
-
-def _engine_dead(exc: EngineDead) -> APIError:
-    return APIError(503, f"the engine is not running: {exc}", type_="server_error", code="engine_unavailable")
-
-
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()))
-    return (f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))), loc or None
-
-
-def _require_json(request: Request) -> None:
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != "application/json":
-        raise APIError(415, f"the request body must be sent as Content-Type: application/json, got "
-                            f"{media_type or 'no Content-Type'}", code="unsupported_media_type", close=True)
-
-
-async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, refused (413) past `limit` bytes without reading the rest, and (408) when it has
-    not all arrived `timeout` seconds after the headers: a stalled client must not hold a slot."""
-    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
-                         code="request_too_large", close=True)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-
-    async def receive() -> bytes:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        return bytes(body)
-
-    try:
-        return await asyncio.wait_for(receive(), timeout)
-    except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
-                       close=True) from None
-    except ClientDisconnect:
-        raise ClientGone() from None
-
-
-def _parse(body: bytes, schema: type[BaseModel]) -> Any:
-    try:
-        data = json.loads(body)
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-    except ValueError as exc:  # also UnicodeDecodeError and over-long integer literals
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as exc:
-        message, param = _validation_message(exc)
-        raise APIError(400, message, param=param) from None
 
 
 class OpenAIServer:
@@ -161,8 +100,8 @@ class OpenAIServer:
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
 
     async def _body(self, request: Request) -> bytes:
-        _require_json(request)
-        return await _read_body(request, self.max_body_bytes, self.read_timeout)
+        require_json(request)
+        return await read_body(request, self.max_body_bytes, self.read_timeout)
 
     async def _off_loop(self, fn: Callable[[bytes], T], body: bytes) -> T:
         """Run request preparation (parse, template, tokenize) in the prep pool."""
@@ -230,15 +169,15 @@ class OpenAIServer:
             if isinstance(exc, QueueFull):
                 raise APIError(429, str(exc), type_="rate_limit_error", code="rate_limit_exceeded") from None
             if isinstance(exc, EngineDead):
-                raise _engine_dead(exc) from None
+                raise engine_dead(exc) from None
             raise APIError(400, str(exc)) from None
         eos = self.engine.info.eos_token_ids
-        return _merge([self.metrics.observe(detokenize(st.__aiter__(), ids, params, self.tokenizer, eos), start, params)
+        return merge_events([self.metrics.observe(detokenize(st.__aiter__(), ids, params, self.tokenizer, eos), start, params)
                        for st, ids in zip(streams, prompts)], streams)
 
     # ---- /v1/completions --------------------------------------------------------------------
     def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
-        req: CompletionRequest = _parse(body, CompletionRequest)
+        req: CompletionRequest = parse_body(body, CompletionRequest)
         self._check_common(req)
         prompts = [self._encode(p) for p in req.prompts()]
         if not prompts:
@@ -276,7 +215,7 @@ class OpenAIServer:
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
     def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        return self.prepare_chat_request(_parse(body, ChatCompletionRequest))
+        return self.prepare_chat_request(parse_body(body, ChatCompletionRequest))
 
     def prepare_chat_request(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         """Template, tokenize and validate a parsed chat request (also /v1/responses' path)."""
@@ -326,7 +265,7 @@ class OpenAIServer:
 
     # ---- /v1/embeddings ---------------------------------------------------------------------
     def _prepare_embedding(self, body: bytes) -> tuple[EmbeddingRequest, list[list[int]]]:
-        req: EmbeddingRequest = _parse(body, EmbeddingRequest)
+        req: EmbeddingRequest = parse_body(body, EmbeddingRequest)
         self._check_common_model(req.model)
         hidden = self.engine.info.hidden_size
         if req.dimensions is not None and req.dimensions != hidden:
@@ -353,7 +292,7 @@ class OpenAIServer:
         except QueueFull as exc:
             raise APIError(429, str(exc), type_="rate_limit_error", code="rate_limit_exceeded") from None
         except EngineDead as exc:
-            raise _engine_dead(exc) from None
+            raise engine_dead(exc) from None
 
         async def result() -> Any:
             async for item in stream:
@@ -399,7 +338,7 @@ class OpenAIServer:
             try:
                 return task.result()
             except EngineDead as exc:
-                raise _engine_dead(exc) from None
+                raise engine_dead(exc) from None
             except Exception as exc:  # noqa: BLE001 - the engine failed this request (logged by its thread)
                 raise APIError(500, str(exc), type_="server_error") from None
         task.cancel()
@@ -432,13 +371,13 @@ class OpenAIServer:
                 "model_max_length": self.max_model_len}
 
     def _tokenize(self, body: bytes) -> dict:
-        req: TokenizeRequest = _parse(body, TokenizeRequest)
+        req: TokenizeRequest = parse_body(body, TokenizeRequest)
         self._check_common_model(req.model)
         ids = list(self._tokenizer()(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     def _detokenize(self, body: bytes) -> dict:
-        req: DetokenizeRequest = _parse(body, DetokenizeRequest)
+        req: DetokenizeRequest = parse_body(body, DetokenizeRequest)
         self._check_common_model(req.model)
         if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= self.vocab_size):
             raise APIError(400, f"tokens must be token ids in [0, {self.vocab_size})", param="tokens")
@@ -449,45 +388,6 @@ class OpenAIServer:
 
     async def detokenize(self, request: Request) -> dict:
         return await self._off_loop(self._detokenize, await self._body(request))
-
-
-async def _merge(gens: list[AsyncIterator[StepEvent]], streams: list[RequestStream]
-                 ) -> AsyncIterator[tuple[int, StepEvent]]:
-    """Interleave several requests' events; closing this iterator early aborts all of them."""
-    try:
-        if len(gens) == 1:
-            async for ev in gens[0]:
-                yield 0, ev
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        done_marker = object()
-
-        async def pump(i: int) -> None:
-            try:
-                async for ev in gens[i]:
-                    queue.put_nowait((i, ev))
-            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
-                queue.put_nowait((i, exc))
-            finally:
-                queue.put_nowait((i, done_marker))
-
-        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(gens))]
-        try:
-            remaining = len(gens)
-            while remaining:
-                i, item = await queue.get()
-                if item is done_marker:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-    finally:
-        for st in streams:
-            st.abort()  # no-op for finished requests; frees the blocks of abandoned ones
 
 
 def create_app(engine: EngineClient, model_name: str, api_key: str | None = None,

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, ValidationError
 
 from lmfoundry.runtime.server.protocol import ChatCompletionRequest, _Strict
+from lmfoundry.runtime.server.request_body import APIError, parse_body
 from lmfoundry.runtime.server.responses import ChatBuilder
 
 UNSUPPORTED = ("previous_response_id", "reasoning", "include", "background", "conversation", "prompt")
@@ -201,12 +202,8 @@ def _public(item: dict[str, Any]) -> dict[str, Any]:
 
 async def create_response(server: Any, request: Request, body: bytes) -> Response:
     """The /v1/responses handler; `server` is the app's OpenAIServer (its chat path and plumbing)."""
-    from lmfoundry.runtime.server.app import APIError
-
     def prepare(raw: bytes) -> tuple[ResponsesRequest, ChatCompletionRequest, list[int], Any]:
-        from lmfoundry.runtime.server.app import _parse
-
-        req: ResponsesRequest = _parse(raw, ResponsesRequest)
+        req: ResponsesRequest = parse_body(raw, ResponsesRequest)
         if (reason := req.unsupported()) is not None:
             raise APIError(400, reason)
         try:
