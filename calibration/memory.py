@@ -56,7 +56,7 @@ def gptq_statistics_bytes(config: ModelConfig) -> int:
     A group of width k with a accumulators (q/k/v has two: plain and attention-weighted) holds a
     float64 sums (8k² each) plus one batch's float32 product (4k²) while it accumulates; reading
     turns one sum at a time into a float32 Hessian, and factoring it adds one reordered copy and
-    the factor: (8a + 4)·k² bytes either way (quantizers/gptq.py)."""
+    the factor: (8a + 4)·k² bytes either way (quantizers/hessian.py)."""
     h, i = config.hidden_size, config.mlp_width  # an MoE layer: one expert's statistics at a time
     widths = {"qkv": (h, 2), "o": (config.num_heads * config.head_dim, 1), "gate_up": (h, 1), "down": (i, 1)}
     return max((8 * a + 4) * k * k for k, a in widths.values())

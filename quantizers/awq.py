@@ -24,7 +24,7 @@ How this implementation searches, and why:
 The output is the same pack-quantized checkpoint as RTN/GPTQ: AWQ only chooses better scales.
 
 - Optionally (`kv_attention_weights=true`) k_proj/v_proj's H weights each token by the attention
-  it receives, as GPTQ does by default (see `gptq.received_attention`); for AWQ it measured no
+  it receives, as GPTQ does by default (see `hessian.received_attention`); for AWQ it measured no
   clear gain, so it is off.
 
 Options: n_grid (20), duo_scaling (both | true | false; default both), clip (true), token_cap (10,
@@ -43,7 +43,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.model.config import QKV, ROUTER
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
-from lmfoundry.quantizers.gptq import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
+from lmfoundry.quantizers.hessian import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
@@ -247,7 +247,7 @@ class AWQQuantizer(Quantizer):
 
     def calibration_hooks(self, layer: nn.Module, schemes: dict[str, Scheme], layer_idx: int):
         # with kv_attention_weights, k/v's error objective weights each token by the attention it
-        # receives (see gptq.received_attention); q's and the channel magnitudes stay per token
+        # receives (see hessian.received_attention); q's and the channel magnitudes stay per token
         self._stats, hooks = group_statistics(layer, schemes, self.calib, lambda: InputStats(self.token_cap),
                                               self.kv_attention_weights)
         return hooks

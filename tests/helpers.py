@@ -324,3 +324,11 @@ def engine_outside_the_package(**config: Any) -> Any:
     from lmfoundry.runtime.engine.toy import toy_engine
 
     return toy_engine(seed=2, **config)
+
+
+def correlated_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Calibration-like inputs [n, cols]: correlated columns with outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(cols, cols, generator=g) / cols**0.5
+    mags = torch.logspace(-1, 1, cols)[torch.randperm(cols, generator=g)]  # outlier channels
+    return (torch.randn(n, cols, generator=g) @ mix + 0.1 * torch.randn(n, cols, generator=g)) * mags

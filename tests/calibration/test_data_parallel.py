@@ -71,7 +71,7 @@ def test_calibration_batches_keep_single_process_batches(two_ranks) -> None:
 def test_hessian_sums_over_ranks(two_ranks) -> None:
     """Two ranks that each saw x: the Hessian is 2·(2xᵀx)/(2N), the single-process one (the
     sum and the count both doubled), read once; adding after the read is a bug and says so."""
-    from lmfoundry.quantizers.gptq import HessianAccumulator
+    from lmfoundry.quantizers.hessian import HessianAccumulator
 
     x = torch.randn(3, 40, 24)
     acc = HessianAccumulator()
