@@ -21,6 +21,7 @@ layers stay loaded beside the package (whole-window scoring in `eval` runs them)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import platform
@@ -168,6 +169,29 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
         _remove_dirs(created)  # the parents made for -o, only while empty
         raise
     return final, manifest, time.perf_counter() - t0
+
+
+def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_tokens: int = DEFAULT_MAX_TOKENS,
+                      log_line: Callable[[str], None] = lambda m: None) -> tuple[Path, bool]:
+    """The `--arch cpu` bundle of `checkpoint` from the cache, built there on first use; (bundle,
+    built now). `serve --compile-step` runs a checkpoint through it: the compiled step is what
+    makes the CPU runtime fast, and building it takes minutes, so it is built once per checkpoint
+    content, block size, step size, torch, compiler and ISA (all in the key) and reused."""
+    from lmfoundry.manifest import hash_folder
+    from lmfoundry.models import resolve_model
+    from lmfoundry.resources import cache_dir
+    from lmfoundry.runtime.cpu_isa import isa
+
+    folder = resolve_model(checkpoint)
+    key = {"files": hash_folder(folder), "block_size": block_size, "max_tokens": max_tokens, "isa": isa(),
+           "torch": torch.__version__, "compiler": compiler_version(), "format": ENGINE_FORMAT}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    engine = cache_dir() / "cpu-steps" / digest
+    if (engine / "engine.json").is_file():
+        return engine, False
+    log_line(f"compiling the CPU step of {checkpoint} once (minutes); it is kept in {engine}")
+    build_cpu_engine(folder, engine, block_size=block_size, max_tokens=max_tokens, log_line=log_line)
+    return engine, True
 
 
 def verify_step(engine: Path, entry: dict[str, Any]) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -28,6 +29,22 @@ def _bundle_block_size(path: str) -> int:
     from lmfoundry.compile.loader import read_manifest
 
     return int(read_manifest(path)["kv_cache"]["block_size"])
+
+
+def _compiled_step_bundle(model: str, device: str, block_size: int | None) -> str:
+    """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new)."""
+    from lmfoundry.runtime.cpu_bundle import cached_cpu_engine
+    from lmfoundry.runtime.loader import is_engine_bundle
+
+    if device != "cpu":
+        raise UserError("--compile-step compiles the CPU step; on a GPU serve a `lmfoundry compile` bundle")
+    if is_engine_bundle(model):
+        raise UserError(f"{model} is an engine bundle already: serve it without --compile-step")
+    t0 = time.perf_counter()
+    engine, built = cached_cpu_engine(model, block_size=block_size or 16, log_line=lambda m: click.echo(m, err=True))
+    if built:
+        click.echo(f"compiled step built in {time.perf_counter() - t0:.0f} s: {engine}", err=True)
+    return str(engine)
 
 
 def _check_server_options(port: int, max_model_len: int | None, max_waiting: int, kv_cache_gb: float,
@@ -84,6 +101,10 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
               help="cpu or cuda[:N]. An engine bundle (`lmfoundry compile` output) runs its kernels there: "
                    "shipped cubins on a matching GPU, Triton JIT otherwise, each kernel's PyTorch reference on "
                    "CPU. A checkpoint folder or model name runs the PyTorch reference model on CPU.")
+@click.option("--compile-step", is_flag=True,
+              help="CPU: serve a checkpoint through its step compiled ahead of time (what `compile --arch cpu` "
+                   "builds), built on first use into the cache (minutes, once per checkpoint, block size, torch "
+                   "and CPU ISA) and reused after.")
 @click.option("--enforce-eager", is_flag=True,
               help="On a GPU, run every decode step eagerly instead of replaying CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
@@ -121,7 +142,8 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int,
-          kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, enforce_eager: bool,
+          kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, compile_step: bool,
+          enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
           ngram_max: int, threads: int | None, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
           skip_verify: bool, log_level: str) -> None:
@@ -153,6 +175,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
                 verify_artifact(Path(spec), "serve")
     if device == "cpu":
         click.echo(cpu_isa.describe(), err=True)
+    if compile_step:
+        model = _compiled_step_bundle(model, device, block_size)
     if block_size is None:
         block_size = _bundle_block_size(model) if is_engine_bundle(model) else 16
     for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),

@@ -151,3 +151,24 @@ def test_inspect_verifies_every_file_of_the_bundle(built: Built, tmp_path: Path,
         main(["inspect", str(copy)])
     assert exc.value.code == 1
     assert "weights/config.json: sha256 mismatch" in capsys.readouterr().err
+
+
+def test_serve_compile_step_builds_the_bundle_once_into_the_cache(built: Built, tmp_path, monkeypatch) -> None:
+    """`serve --compile-step`: the first start compiles the checkpoint's step into the cache, later
+    starts (same files, block size, torch, ISA) reuse it; a bundle or a GPU device is refused."""
+    from lmfoundry.commands.serve import _compiled_step_bundle
+    from lmfoundry.runtime import cpu_bundle
+
+    monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path / "cache"))
+    first, built_now = cpu_bundle.cached_cpu_engine(built.checkpoint, max_tokens=64)  # a small step: quick
+    assert built_now and (first / "engine.json").is_file() and first.parent == tmp_path / "cache" / "cpu-steps"
+    monkeypatch.setattr(cpu_bundle, "build_cpu_engine", lambda *a, **k: pytest.fail("built twice"))
+    again, built_now = cpu_bundle.cached_cpu_engine(built.checkpoint, max_tokens=64)
+    assert again == first and not built_now
+    model, tok = load_model(first)
+    reference, _ = load_model(built.checkpoint)
+    assert greedy(model, tok) == greedy(reference, tok)
+    with pytest.raises(UserError, match="engine bundle already"):
+        _compiled_step_bundle(str(built.engine), "cpu", None)
+    with pytest.raises(UserError, match="compiles the CPU step"):
+        _compiled_step_bundle(str(built.checkpoint), "cuda", None)
