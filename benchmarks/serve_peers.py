@@ -140,8 +140,7 @@ def peer_command(peer: str, args: argparse.Namespace, folder: Path, port: int) -
     extra = {"OMP_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false"}
     max_len = str(args.max_model_len)
     if peer in ("ours", "ours-noprefix"):
-        cmd = [sys.executable, "-m", "lmfoundry.cli", "serve", args.ours_model or args.model, "--port", str(port),
-               "--threads", n,
+        cmd = [sys.executable, "-m", "lmfoundry.cli", "serve", args.model, "--port", str(port), "--threads", n,
                "--dtype", args.dtype, "--max-model-len", max_len, "--kv-cache-gb", f"{args.kv_cache_gb:g}",
                "--served-model-name", SERVED, *args.ours_arg]
         if peer == "ours-noprefix":
@@ -522,9 +521,6 @@ def serve_hf(folder: str, port: int, threads: int, dtype: str) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--ours-model", default=None,
-                   help="what ours serves instead of --model: e.g. the `lmfoundry compile MODEL --arch cpu` "
-                        "bundle of the same weights (its compiled step); the peers keep --model")
     p.add_argument("--peers", default=None, help=f"comma-separated, of {', '.join(KNOWN_PEERS)} "
                    f"(default: {','.join(DEFAULT_PEERS)}, those whose venvs exist)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (A B A B)")
@@ -593,16 +589,11 @@ def main() -> None:
     for peer in peers:
         args.out.with_suffix(f".{peer}.log").unlink(missing_ok=True)
     weights = {p: f"{args.dtype} weights" for p in peers if p != "llama.cpp"}
-    if args.ours_model:
-        for p in ("ours", "ours-noprefix"):
-            if p in weights:
-                weights[p] = f"the same weights served from {Path(args.ours_model).name}"
     if "llama.cpp" in peers:
         weights["llama.cpp"] = (f"GGUF {Path(args.gguf).name}" if args.gguf else
                                 "**4-bit weights**: the packaged SmolLM2-135M-Instruct.Q4_1.gguf")
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model, "folder": str(folder),
-        "ours_model": args.ours_model or args.model,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "peers": peers,
         "threads": args.threads, "rounds": args.rounds, "levels": args.levels, "max_tokens": args.max_tokens,
         "requests": args.requests or "max(2c, 8)", "warmup": args.warmup, "shared_fraction": args.shared_fraction,

@@ -36,8 +36,10 @@ def _record(name: str, comp: stats.Comparison) -> dict[str, Any]:
     return {"name": name, "gated": comp.threshold is not None, **comp.to_dict()}
 
 
-def compare(cand: dict[str, Any], base: dict[str, Any], tier: Tier, gate: GateSpec) -> list[dict[str, Any]]:
-    """One record per statistic of the tier, in the order: tasks, perplexity, divergence, generation."""
+def compare(cand: dict[str, Any], base: dict[str, Any], tier: Tier, gate: GateSpec,
+            prompts: list[generation.Prompt]) -> list[dict[str, Any]]:
+    """One record per statistic of the tier, in the order: tasks, perplexity, divergence, generation
+    (`prompts`: the tier's generation prompts, read once by the caller)."""
     rows: list[dict[str, Any]] = []
     for i, t in enumerate(tier.tasks):
         rows += _task_rows(cand["tasks"][t.name], base["tasks"][t.name], t, gate, gate.seed + 1000 * (i + 1))
@@ -45,7 +47,7 @@ def compare(cand: dict[str, Any], base: dict[str, Any], tier: Tier, gate: GateSp
     if ppl is not None:
         rows += _perplexity_rows(cand, base, ppl, gate)
     if tier.generation is not None:
-        comps = generation.compare(cand["generation"], base["generation"], generation.tier_prompts(tier.generation),
+        comps = generation.compare(cand["generation"], base["generation"], prompts,
                                    generation.GenerationThresholds(**tier.generation.limits),
                                    gate.confidence, gate.resamples, gate.seed + 7)
         rows += [_record(f"generation/{c.statistic}", c) for c in comps]

@@ -223,7 +223,7 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Path], task_hashes: dict[str, str],
                    use_cache: bool = True, progress: bool = False, device: str = "cpu", dtype: str = "auto",
-                   reference: Reference | None = None) -> dict[str, Any]:
+                   reference: Reference | None = None, prompts: list[Prompt] | None = None) -> dict[str, Any]:
     """Per-document results of one model on the tier (from the cache when the inputs match). An
     engine bundle runs its compiled kernels on `device` (what `serve` would run); a checkpoint runs
     in `dtype` (`auto`: what `serve` picks on this CPU).
@@ -242,7 +242,8 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     run_dtype = resolve_dtype(dtype, spec, device)
     folder = Path(spec) if bundle else resolve_model(spec)
     fp = fingerprint(folder / "weights" if bundle else folder)
-    prompts = None if gen is None else tier_prompts(gen)
+    if gen is not None and prompts is None:
+        prompts = tier_prompts(gen)
     key = {"schema": SCHEMA_VERSION, "model": fp["sha256"], "versions": _versions(),
            "tasks": [[t.name, t.limit, task_hashes.get(t.name)] for t in tasks],
            "ppl": None if ppl is None else [ppl.text, ppl.ctx, ppl.windows, ppl.top_k],
@@ -368,10 +369,11 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     with tempfile.TemporaryDirectory(prefix="lmfoundry-gate-") as tmp:
         ours, task_hashes = materialize_tasks(Path(tmp))
         paths = [ours, *user_paths]
-        base = evaluate_model(baseline, plan, gate, paths, task_hashes, use_cache, progress, device, dtype)
+        base = evaluate_model(baseline, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
+                              prompts=prompts)
         cand = evaluate_model(candidate, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
-                              reference=base.get("reference"))
-    metrics = compare(cand, base, plan, gate)
+                              reference=base.get("reference"), prompts=prompts)
+    metrics = compare(cand, base, plan, gate, prompts or [])
     gated = [m for m in metrics if m["gated"]]
     verdict = stats.combine([m["verdict"] for m in gated])
     code = {stats.PASS: 0, stats.FAIL: 1}.get(verdict)

@@ -176,14 +176,17 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     """The `--arch cpu` bundle of `checkpoint` from the cache, built there on first use; (bundle,
     built now). `serve --compile-step` runs a checkpoint through it: the compiled step is what
     makes the CPU runtime fast, and building it takes minutes, so it is built once per checkpoint
-    content, block size, step size, torch, compiler and ISA (all in the key) and reused."""
-    from lmfoundry.manifest import hash_folder
+    files, block size, step size, torch, compiler and ISA (all in the key) and reused. The files
+    enter the key by name, size and modification time, as quantize's resume journal keys its
+    source: `serve` has just verified their sha256 against the manifest, and hashing gigabytes of
+    weights a second time on every start would cost more than the lookup saves."""
     from lmfoundry.models import resolve_model
     from lmfoundry.resources import cache_dir
     from lmfoundry.runtime.cpu_isa import isa
 
     folder = resolve_model(checkpoint)
-    key = {"files": hash_folder(folder), "block_size": block_size, "max_tokens": max_tokens, "isa": isa(),
+    files = {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
+    key = {"files": files, "block_size": block_size, "max_tokens": max_tokens, "isa": isa(),
            "torch": torch.__version__, "compiler": compiler_version(), "format": ENGINE_FORMAT}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     engine = cache_dir() / "cpu-steps" / digest
