@@ -17,7 +17,8 @@ Servers ("peers"), each its own process (group) on 127.0.0.1, started and stoppe
                  SmolLM2 Q4_1 file, i.e. **4-bit weights** (the float model's linears were dequantized
                  from that same Q4_1 grid, so the values agree; the bytes read per token do not).
   ours-noprefix  ours with --no-prefix-caching (what prefix caching buys)       } not in the default
-  hf             a naive server: one request at a time through transformers     } list; ask for them
+  ours-tpN       ours with --tp N: N ranks sharing --threads (threads / N each)  } list; ask for them
+  hf             a naive server: one request at a time through transformers     }
 Every server gets --threads N (default: all cores) and the same KV-cache memory (--kv-cache-gb).
 
 The load (lmfoundry.runtime.server.loadgen): streamed /v1/completions, greedy, --max-tokens output
@@ -90,10 +91,17 @@ def peer_python(peer: str, args: argparse.Namespace) -> str | None:
     return str(python_of(venv)) if is_installed(venv) else None
 
 
+def _tp_degree(peer: str) -> int | None:
+    """N of an `ours-tpN` peer (ours with --tp N, the --threads shared by its ranks), else None."""
+    if peer.startswith("ours-tp") and peer[7:].isdigit() and int(peer[7:]) >= 1:
+        return int(peer[7:])
+    return None
+
+
 def available(peer: str, args: argparse.Namespace) -> str | None:
     """None when `peer` can run here, else why not (reported, not raised)."""
-    if peer not in KNOWN_PEERS:
-        return f"unknown peer (known: {', '.join(KNOWN_PEERS)})"
+    if peer not in KNOWN_PEERS and _tp_degree(peer) is None:
+        return f"unknown peer (known: {', '.join(KNOWN_PEERS)}, ours-tpN)"
     if peer == "llama.cpp" and args.llama_server:
         return None
     if peer in ("vllm", "llama.cpp") and peer_python(peer, args) is None:
@@ -139,12 +147,16 @@ def peer_command(peer: str, args: argparse.Namespace, folder: Path, port: int) -
     n = str(args.threads)
     extra = {"OMP_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false"}
     max_len = str(args.max_model_len)
-    if peer in ("ours", "ours-noprefix"):
+    if peer in ("ours", "ours-noprefix") or _tp_degree(peer):
         cmd = [sys.executable, "-m", "lmfoundry.cli", "serve", args.model, "--port", str(port), "--threads", n,
                "--dtype", args.dtype, "--max-model-len", max_len, "--kv-cache-gb", f"{args.kv_cache_gb:g}",
                "--served-model-name", SERVED, *args.ours_arg]
         if peer == "ours-noprefix":
             cmd.append("--no-prefix-caching")
+        tp = _tp_degree(peer)
+        if tp:
+            cmd += ["--tp", str(tp)]
+            extra["OMP_NUM_THREADS"] = str(max(1, args.threads // tp))  # each rank's share of --threads
         return cmd, extra
     if peer == "hf":
         return [sys.executable, __file__, "--serve-hf", str(folder), "--port", str(port), "--threads", n,

@@ -223,10 +223,12 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Path], task_hashes: dict[str, str],
                    use_cache: bool = True, progress: bool = False, device: str = "cpu", dtype: str = "auto",
-                   reference: Reference | None = None, prompts: list[Prompt] | None = None) -> dict[str, Any]:
+                   reference: Reference | None = None, prompts: list[Prompt] | None = None, tp: int = 1
+                   ) -> dict[str, Any]:
     """Per-document results of one model on the tier (from the cache when the inputs match). An
     engine bundle runs its compiled kernels on `device` (what `serve` would run); a checkpoint runs
-    in `dtype` (`auto`: what `serve` picks on this CPU).
+    in `dtype` (`auto`: what `serve` picks on this CPU), split over `tp` ranks as `serve --tp`
+    runs it (its results are cached apart: the ranks' partial sums round differently).
 
     Without `reference` the model is a baseline: its next-token distributions on the perplexity
     windows are kept (`data["reference"]`, cached beside the results). With one, the model is a
@@ -251,7 +253,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
            "generation": None if gen is None else [gen.max_tokens, [p.__dict__ for p in prompts or []]],
            "prompt": [gate.add_bos, gate.chat_template, gate.num_fewshot], "seed": gate.seed,
            "threads": torch.get_num_threads(), **({"device": device} if bundle else {}),
-           **({"dtype": str(run_dtype)} if run_dtype is not None else {})}
+           **({"dtype": str(run_dtype)} if run_dtype is not None else {}), **({"tp": tp} if tp > 1 else {})}
     cache = _cache_path(key)
     keeps_reference = ppl is not None and reference is None
     ref_file = cache.with_name(cache.stem + ".reference.npz")
@@ -272,7 +274,12 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     from lmfoundry.runtime.loader import load_model
 
     t0, cpu0 = time.time(), time.process_time()
-    model, tokenizer = load_model(folder, dtype=run_dtype, device=device)
+    if tp > 1:
+        from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+
+        model, tokenizer = load_sharded(ShardSpec(str(folder), run_dtype, tp, max(1, torch.get_num_threads() // tp)))
+    else:
+        model, tokenizer = load_model(folder, dtype=run_dtype, device=device)
     lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos)
     data: dict[str, Any] = {"spec": spec, "path": str(folder), "fingerprint": fp, "dtype": str(model.dtype),
                             "prompt": {**lm.prompt_settings(), "chat_template": gate.chat_template,
@@ -303,6 +310,8 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     data["seconds"] = {"load": round(t1 - t0, 2), "tasks": round(t2 - t1, 2), "perplexity": round(t3 - t2, 2),
                        "generation": round(time.time() - t3, 2),
                        "cpu": round(time.process_time() - cpu0, 2)}  # this process's CPU seconds, all threads
+    if tp > 1:
+        model.close()  # the worker ranks' CPU time is not in "cpu" above
     del model, lm
     gc.collect()  # the next model (an 8B candidate after its baseline) must find this one's memory free
     kept = None if recorder is None else recorder.reference()
@@ -335,7 +344,7 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
              output: str | Path = "eval-gate", extra_tasks: tuple[str, ...] = (),
              include_paths: tuple[str, ...] = (), use_cache: bool = True, inconclusive_exit: int | None = None,
              write_promotion: bool = True, progress: bool = False, device: str = "cpu",
-             dtype: str = "auto") -> GateResult:
+             dtype: str = "auto", tp: int = 1) -> GateResult:
     """Evaluate, compare, write eval-gate.json + eval-gate.md + eval-gate.png, record the verdict."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -370,9 +379,9 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
         ours, task_hashes = materialize_tasks(Path(tmp))
         paths = [ours, *user_paths]
         base = evaluate_model(baseline, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
-                              prompts=prompts)
+                              prompts=prompts, tp=tp)
         cand = evaluate_model(candidate, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
-                              reference=base.get("reference"), prompts=prompts)
+                              reference=base.get("reference"), prompts=prompts, tp=tp)
     metrics = compare(cand, base, plan, gate, prompts or [])
     gated = [m for m in metrics if m["gated"]]
     verdict = stats.combine([m["verdict"] for m in gated])

@@ -18,7 +18,7 @@ lm-eval's `apply_chat_template`, which calls `apply_chat_template` below).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,10 @@ from tqdm.auto import tqdm
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.reference import AttentionSpec, CausalLM
+
+if TYPE_CHECKING:
+    from lmfoundry.runtime.engine.kernel_model import KernelModel
+    from lmfoundry.runtime.engine.tensor_parallel import ShardedModel
 
 BOS_CHOICES = ("tokenizer", "true", "false")
 
@@ -133,7 +137,7 @@ class RuntimeLM(TemplateLM):
 
     def __init__(
         self,
-        model: CausalLM | None = None,
+        model: CausalLM | ShardedModel | KernelModel | None = None,
         tokenizer: Any = None,
         pretrained: str | None = None,
         add_bos: Any = "tokenizer",
@@ -157,11 +161,14 @@ class RuntimeLM(TemplateLM):
         if tokenizer is None:
             raise UserError("the lmfoundry lm-eval model needs a tokenizer")
         from lmfoundry.runtime.engine.kernel_model import KernelModel
+        from lmfoundry.runtime.engine.tensor_parallel import ShardedModel
 
-        # An engine bundle's kernels are driven through the serving engine (paged cache, prefix
-        # caching of shared contexts); the reference model through its own batched scoring.
+        # An engine bundle's kernels and a tensor-parallel model's ranks are driven through the
+        # serving engine (paged cache, prefix caching of shared contexts); the reference model
+        # through its own batched scoring.
         self.kernel_model = isinstance(model, KernelModel)
-        self.model = model if self.kernel_model else model.eval()
+        self.on_engine = self.kernel_model or isinstance(model, ShardedModel)
+        self.model = model if self.on_engine else model.eval()
         self.tokenizer = tokenizer
         self.add_bos = parse_add_bos(add_bos)
         self.batch_tokens = int(batch_tokens)
@@ -191,7 +198,9 @@ class RuntimeLM(TemplateLM):
 
     @property
     def device(self) -> torch.device:
-        return self.model.device if self.kernel_model else self.model.lm_head.weight.device
+        if self.on_engine:
+            return getattr(self.model, "device", torch.device("cpu"))
+        return self.model.lm_head.weight.device
 
     @property
     def tokenizer_name(self) -> str:
@@ -262,7 +271,7 @@ class RuntimeLM(TemplateLM):
         roughly half the tokens. Batches are sorted by length, ties by content, so results do not
         depend on request order. Only needed positions go through the LM head; log-softmax is
         taken in float32."""
-        if self.kernel_model:
+        if self.on_engine:
             return self._score_on_engine(jobs)
         parts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         for job in jobs:
@@ -321,7 +330,7 @@ class RuntimeLM(TemplateLM):
         return out
 
     def _score_on_engine(self, jobs: list[ScoreRequest]) -> list[tuple[float, bool]]:
-        """`score` through the serving engine (an engine bundle's kernels), with the same
+        """`score` through the serving engine (an engine bundle's kernels, tensor-parallel ranks), with the same
         left-truncation to max_length."""
         pairs = []
         for job in jobs:

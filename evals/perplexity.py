@@ -46,8 +46,8 @@ def windows_of(stream: torch.Tensor, ctx: int, max_windows: int | None = None) -
 
 @torch.no_grad()
 def perplexity(
-    model: CausalLM, stream: torch.Tensor, ctx: int = 512, max_windows: int | None = None,
-    batch_size: int = 4, progress: bool = True,
+    model: CausalLM | Callable[[torch.Tensor], torch.Tensor], stream: torch.Tensor, ctx: int = 512,
+    max_windows: int | None = None, batch_size: int = 4, progress: bool = True,
     observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> PerplexityResult:
     if batch_size < 1:  # torch's split(0) would raise deep inside; say which option is wrong

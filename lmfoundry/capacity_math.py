@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
+from lmfoundry.model.head_split import HeadSplit, split_heads
 
 WEIGHT_PRECISIONS = ("bf16", "fp8", "int8", "int4")
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
@@ -117,46 +118,10 @@ def default_quant_specs(group_size: int | None = None, asymmetric: bool = False)
     }
 
 
-@dataclass(frozen=True)
-class Sharding:
-    """How tensor parallelism splits attention heads over `tp` GPUs."""
-
-    tp: int
-    heads_per_gpu: int
-    kv_heads_per_gpu: int
-    kv_replication: int  # how many GPUs hold a copy of each KV head
-
-
-def sharding(cfg: ModelConfig, tp: int) -> Sharding:
-    """Validate `tp` against the model's heads (the rules vLLM applies) and split them."""
-    if tp < 1:
-        raise UserError(f"--tp must be a positive integer, got {tp}")
-    if cfg.num_heads % tp:
-        raise UserError(
-            f"--tp {tp} does not divide the {cfg.num_heads} attention heads; "
-            f"valid: {', '.join(str(t) for t in valid_tp_sizes(cfg))}"
-        )
-    if cfg.mlp_width % tp:
-        what = "each expert's intermediate size" if cfg.is_moe else "the MLP intermediate size"
-        raise UserError(f"--tp {tp} does not divide {what} {cfg.mlp_width}")
-    kv = cfg.num_kv_heads
-    if kv % tp == 0:
-        return Sharding(tp, cfg.num_heads // tp, kv // tp, 1)
-    if tp % kv == 0:
-        return Sharding(tp, cfg.num_heads // tp, 1, tp // kv)
-    raise UserError(
-        f"--tp {tp} neither divides nor is a multiple of the {kv} KV heads; "
-        f"valid: {', '.join(str(t) for t in valid_tp_sizes(cfg))}"
-    )
-
-
-def valid_tp_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
-    kv = cfg.num_kv_heads
-    return [
-        t
-        for t in range(1, limit + 1)
-        if cfg.num_heads % t == 0 and cfg.mlp_width % t == 0 and (kv % t == 0 or t % kv == 0)
-    ]
+def sharding(cfg: ModelConfig, tp: int) -> HeadSplit:
+    """Validate `tp` against the model's heads and split them: the rules vLLM applies, which the
+    runtime's tensor parallelism follows (`lmfoundry.model.head_split`); a rank is one GPU here."""
+    return split_heads(cfg, tp)
 
 
 def linear_in_features(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
@@ -165,7 +130,7 @@ def linear_in_features(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
     h = cfg.hidden_size
     return [
         ("qkv/gate/up", h),
-        ("o_proj", shard.heads_per_gpu * cfg.head_dim),
+        ("o_proj", shard.heads_per_rank * cfg.head_dim),
         ("down_proj", cfg.mlp_width // tp),
     ]
 
@@ -202,14 +167,14 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
-def _shard_shapes(cfg: ModelConfig, shard: Sharding) -> dict[str, tuple[int, int]]:
+def _shard_shapes(cfg: ModelConfig, shard: HeadSplit) -> dict[str, tuple[int, int]]:
     """(out, in) of each linear on one GPU."""
     tp, d, h, i = shard.tp, cfg.head_dim, cfg.hidden_size, cfg.mlp_width
     shapes = {
-        "self_attn.q_proj": (shard.heads_per_gpu * d, h),
-        "self_attn.k_proj": (shard.kv_heads_per_gpu * d, h),
-        "self_attn.v_proj": (shard.kv_heads_per_gpu * d, h),
-        "self_attn.o_proj": (h, shard.heads_per_gpu * d),
+        "self_attn.q_proj": (shard.heads_per_rank * d, h),
+        "self_attn.k_proj": (shard.kv_heads_per_rank * d, h),
+        "self_attn.v_proj": (shard.kv_heads_per_rank * d, h),
+        "self_attn.o_proj": (h, shard.heads_per_rank * d),
     }
     for p in cfg.mlp_prefixes:  # tensor parallel splits every expert's width alike (vLLM's fused MoE)
         shapes.update({p + "gate_proj": (i // tp, h), p + "up_proj": (i // tp, h), p + "down_proj": (h, i // tp)})
@@ -229,7 +194,7 @@ def weight_bytes(
     mlp = sum(spec.linear_bytes(o, i) for n, (o, i) in shapes.items() if n.startswith("mlp"))
     # 16-bit extras: column-parallel biases are sharded, row-parallel ones replicated.
     if cfg.qkv_bias:
-        attn += (shard.heads_per_gpu + 2 * shard.kv_heads_per_gpu) * d * 2
+        attn += (shard.heads_per_rank + 2 * shard.kv_heads_per_rank) * d * 2
     if cfg.o_bias:
         attn += h * 2
     if cfg.qk_norm:
@@ -267,7 +232,7 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, tp: int = 1) -> int:
     if kv_dtype not in KV_DTYPE_BYTES:
         raise UserError(f"unknown KV dtype {kv_dtype!r}; choose from {', '.join(KV_DTYPE_BYTES)}")
     shard = sharding(cfg, tp)
-    return 2 * cfg.num_layers * shard.kv_heads_per_gpu * cfg.head_dim * KV_DTYPE_BYTES[kv_dtype]
+    return 2 * cfg.num_layers * shard.kv_heads_per_rank * cfg.head_dim * KV_DTYPE_BYTES[kv_dtype]
 
 
 def activation_bytes(
@@ -281,7 +246,7 @@ def activation_bytes(
     """
     shard = sharding(cfg, tp)
     h, d = cfg.hidden_size, cfg.head_dim
-    attn = 2 * h + (shard.heads_per_gpu + 2 * shard.kv_heads_per_gpu) * d + shard.heads_per_gpu * d
+    attn = 2 * h + (shard.heads_per_rank + 2 * shard.kv_heads_per_rank) * d + shard.heads_per_rank * d
     # an MoE token's gate+up and product in each of its top-k experts, plus the router's scores
     routed = max(1, cfg.num_experts_per_tok)
     mlp = 2 * h + 3 * routed * (cfg.mlp_width // tp) + cfg.num_experts

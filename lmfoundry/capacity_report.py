@@ -32,10 +32,10 @@ from lmfoundry.capacity_math import (
     memory_fit,
     param_counts,
     sharding,
-    valid_tp_sizes,
     weight_bytes,
 )
 from lmfoundry.gpus import load_gpus, resolve_gpu
+from lmfoundry.model.head_split import valid_tp_sizes
 
 
 def build_report(inp: PlanInputs) -> dict[str, Any]:
@@ -127,8 +127,8 @@ def build_report(inp: PlanInputs) -> dict[str, Any]:
             "gpu_util": inp.gpu_util,
             "batch_tokens": inp.batch_tokens,
             "overhead_bytes": overhead,
-            "heads_per_gpu": shard.heads_per_gpu,
-            "kv_heads_per_gpu": shard.kv_heads_per_gpu,
+            "heads_per_gpu": shard.heads_per_rank,
+            "kv_heads_per_gpu": shard.kv_heads_per_rank,
             "kv_replication": shard.kv_replication,
             "quantize_lm_head": quantize_lm_head,
         },

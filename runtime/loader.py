@@ -20,6 +20,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.linears import build_linear, dense_linear
 from lmfoundry.model.reference import CausalLM, RotaryEmbedding
+from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_modules
 from lmfoundry.models import resolve_model
 
 log = logging.getLogger("lmfoundry.runtime")
@@ -46,12 +47,16 @@ def load_tokenizer(folder: str | Path) -> Any:
 
 def load_model(
     path_or_name: str | Path, dtype: torch.dtype | None = None, allow_pickle: bool = False,
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", shard: RankShard | None = None, comm: Collectives | None = None,
 ) -> tuple[Any, Any]:
     """(model, tokenizer) for a model folder, GGUF file, built-in name or quantized checkpoint —
     the reference `CausalLM` on CPU, quantized weights packed in bfloat16 — or for an engine
     bundle: its `KernelModel` on a GPU; on the CPU its weights in the packed reference model
-    (with the compiled step of an `--arch cpu` bundle), never the per-kernel references."""
+    (with the compiled step of an `--arch cpu` bundle), never the per-kernel references. With
+    `shard`, one tensor-parallel rank's share of a checkpoint (see `load_causal_lm`)."""
+    if shard is not None and is_engine_bundle(path_or_name):
+        raise UserError(f"{path_or_name}: an engine bundle runs on one device; serve the checkpoint it was "
+                        f"compiled from with --tp {shard.tp}")
     if is_engine_bundle(path_or_name):
         if torch.device(device).type == "cpu":
             return load_bundle_on_cpu(path_or_name, dtype)
@@ -60,7 +65,7 @@ def load_model(
         raise UserError(f"{path_or_name}: --device {device} runs an engine bundle's kernels; build one with "
                         f"`lmfoundry compile {path_or_name} --arch ...` and pass the bundle folder")
     folder = resolve_model(path_or_name, allow_pickle=allow_pickle)
-    model = load_causal_lm(CheckpointReader(folder), dtype)
+    model = load_causal_lm(CheckpointReader(folder), dtype, shard, comm)
     return model, load_tokenizer(folder)
 
 
@@ -78,6 +83,21 @@ def check_device(device: str) -> str:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {device}: this machine has no CUDA GPU (use --device cpu)")
     return str(dev)
+
+
+def check_tensor_parallel(tp: int, device: str, models: Any) -> None:
+    """Refuse a --tp the runtime cannot honour, before any model is loaded (the split itself is
+    checked against each model's heads when its ranks start)."""
+    if tp < 1:
+        raise UserError(f"--tp must be at least 1, got {tp}")
+    if tp == 1:
+        return
+    if torch.device(device).type != "cpu":
+        raise UserError(f"--tp {tp} splits a checkpoint over CPU processes; use --device cpu")
+    for spec in models:
+        if is_engine_bundle(spec):
+            raise UserError(f"{spec}: an engine bundle runs on one device; pass the checkpoint it was compiled "
+                            f"from with --tp {tp}")
 
 
 def resolve_dtype(name: str, path_or_name: str | Path, device: str = "cpu") -> torch.dtype | None:
@@ -158,9 +178,15 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
 
 
 @torch.no_grad()
-def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -> CausalLM:
+def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None,
+                   shard: RankShard | None = None, comm: Collectives | None = None) -> CausalLM:
+    """The reference model of a checkpoint; with `shard` (and its rank's `comm`), one
+    tensor-parallel rank's share of it: each linear sliced before its runtime module is built,
+    the embedding and LM head by vocabulary (see `lmfoundry.model.tensor_parallel`)."""
     config = ModelConfig.from_dict(reader.config)
     dtype = dtype or reader.dtype
+    if shard is not None:
+        shard.heads  # noqa: B018 - refuses a degree the heads or MLP width do not split into
     with torch.device("meta"):
         model = CausalLM(config)
     plan = reader.plan
@@ -180,9 +206,15 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
             if tuple(tensors["weight"].shape) != want:
                 raise UserError(f"{reader.folder}: {name}.weight is stored with shape {list(tensors['weight'].shape)}, "
                                 f"but config.json implies {list(want)}")
-            module = dense_linear(tensors["weight"].to(dtype), bias.to(dtype) if bias is not None else None)
+            weight = tensors["weight"]
+            if shard is not None:
+                weight, bias = shard.dense(name, weight, bias)
+            module = dense_linear(weight.to(dtype), bias.to(dtype) if bias is not None else None)
         else:
-            module = build_linear(decode_linear(tensors, scheme), bias, scheme, dtype, fallbacks)
+            qw = decode_linear(tensors, scheme)
+            if shard is not None:
+                qw, bias = shard.quantized(name, qw, bias)
+            module = build_linear(qw, bias, scheme, dtype, fallbacks)
         model.set_submodule(name, module)
     for reason, count in Counter(fallbacks).items():
         log.warning("%s: %d linear(s) dequantized to dense %s: %s", reader.folder, count, dtype, reason)
@@ -203,7 +235,10 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
     if config.tie_word_embeddings and not reader.has("lm_head.weight"):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = RotaryEmbedding(config)  # its buffers were built on meta
-    attach_kv_cache_scheme(model, reader)
+    attach_kv_cache_scheme(model, reader, shard)
+    if shard is not None:
+        assert comm is not None, "a shard needs its rank's collectives"
+        shard_modules(model, shard, comm)
     model.requires_grad_(False)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
@@ -211,7 +246,7 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None) -
     return model.eval()
 
 
-def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader) -> None:
+def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader, shard: RankShard | None = None) -> None:
     """Give each attention its KV round trip from the checkpoint's kv_cache_scheme and scales.
 
     A declared scheme without scales is refused: silently using 1.0 (as some runtimes do) gives
@@ -230,6 +265,7 @@ def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader) -> None:
                 "refusing to fall back to a scale of 1.0"
             )
         scales = reader.get([f"{prefix}.k_scale", f"{prefix}.v_scale"])
-        layer.self_attn.kv_round_trip = kv_round_trip_from_checkpoint(
-            plan.kv_cache, scales[f"{prefix}.k_scale"], scales[f"{prefix}.v_scale"]
-        )
+        k_scale, v_scale = scales[f"{prefix}.k_scale"], scales[f"{prefix}.v_scale"]
+        if shard is not None:  # per-head scales: this rank's KV heads
+            k_scale, v_scale = shard.kv_scale(k_scale), shard.kv_scale(v_scale)
+        layer.self_attn.kv_round_trip = kv_round_trip_from_checkpoint(plan.kv_cache, k_scale, v_scale)

@@ -332,3 +332,61 @@ def correlated_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
     mix = torch.randn(cols, cols, generator=g) / cols**0.5
     mags = torch.logspace(-1, 1, cols)[torch.randperm(cols, generator=g)]  # outlier channels
     return (torch.randn(n, cols, generator=g) @ mix + 0.1 * torch.randn(n, cols, generator=g)) * mags
+
+
+
+def collectives_rank(backend: str, folder: str, rank: int, world: int, sizes: list[int], queue: Any,
+                     exit_early: bool = False, timeout: float = 60.0) -> None:
+    """One rank of a collectives test: all-reduce and gather seeded tensors of each size (every
+    rank can rebuild every rank's input), and put on `queue` per collective: the largest error
+    against the rank-order sum / the inputs, and a digest of the result's bytes (the ranks'
+    results must be the same bits). With `exit_early` the rank leaves before the first
+    collective (a lost rank); a rank that sees a peer lost (here: no answer in `timeout`) puts
+    ("lost", why)."""
+    import hashlib
+    from pathlib import Path
+
+    from lmfoundry.runtime.engine.collectives import RankLost, open_collectives
+
+    def seeded(r: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return (torch.randn(n, generator=torch.Generator().manual_seed(1000 * r + n)).abs() + 1.0).to(dtype)
+
+    comm = open_collectives(backend, Path(folder), rank, world, timeout=timeout)
+    if exit_early:
+        return
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    got: list[Any] = []
+    try:
+        for n in sizes:
+            for dtype in (torch.float32, torch.bfloat16):
+                inputs = [seeded(r, n, dtype).to(device) for r in range(world)]
+                expect = inputs[0].clone()
+                for x in inputs[1:]:
+                    expect += x
+                out = comm.all_reduce(inputs[rank].clone())
+                err = float(((out.float() - expect.float()).abs() / expect.float().abs()).max())
+                digest = hashlib.sha256(out.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+                got.append(("reduce", n, str(dtype), err, digest))
+                parts = comm.gather(inputs[rank].clone())
+                ok = parts is None if rank else all(torch.equal(p, x) for p, x in zip(parts, inputs))
+                got.append(("gather", n, str(dtype), ok))
+    except RankLost as exc:
+        got.append(("lost", str(exc)))
+    queue.put((rank, got))
+    comm.close()
+
+
+def post_in_background(url: str, body: dict, timeout: float = 60) -> tuple[Any, dict]:
+    """POST `body` from a started thread; the response lands in the returned dict under "r"."""
+    import threading
+
+    import httpx
+
+    result: dict = {}
+
+    def call() -> None:
+        result["r"] = httpx.post(url, json=body, timeout=timeout)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread, result

@@ -48,6 +48,9 @@ def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
               help="Window length in tokens (2 to the model's max_position_embeddings).")
 @click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows.")
 @click.option("--batch-size", default=4, show_default=True, help="Windows per forward pass (at least 1).")
+@click.option("--tp", type=int, default=1, show_default=True,
+              help="Split each checkpoint over this many CPU processes, as `serve --tp` runs it (must divide "
+                   "the attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per model (for scripts and CI).")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu or cuda[:N]: where an engine bundle's kernels run (checkpoints run on CPU).")
@@ -55,16 +58,17 @@ def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
               help="Execution dtype of checkpoints on CPU. auto: bfloat16 where the CPU has bf16 arithmetic "
                    "(quantized weights then stay packed, as `serve` runs them), float32 elsewhere.")
 def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: int | None, batch_size: int,
-            as_json: bool, device: str, dtype: str) -> None:
+            tp: int, as_json: bool, device: str, dtype: str) -> None:
     """Perplexity of each of MODELS (folder, GGUF, built-in name or quantized checkpoint) on the
     same non-overlapping windows of --ctx tokens, token-weighted. With several models, the first
     is the baseline of the printed ratios."""
     from lmfoundry.calibration.data import eval_token_stream
     from lmfoundry.evals.gate import check_context, check_model
     from lmfoundry.evals.perplexity import perplexity
-    from lmfoundry.runtime.loader import check_device, load_model, resolve_dtype
+    from lmfoundry.runtime.loader import check_device, check_tensor_parallel, load_model, resolve_dtype
 
     device = check_device(device)
+    check_tensor_parallel(tp, device, models)
     # Option bounds and every model's config, before loading any weights: a bad option or a bad
     # second model must not cost a whole evaluation of the first.
     if ctx < 2:
@@ -77,9 +81,22 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
         check_context(ctx, check_model(spec, allow_bundle=True), "--ctx")
     base = None
     for spec in models:
-        lm, tokenizer = load_model(spec, dtype=resolve_dtype(dtype, spec, device), device=device)
-        stream, source, digest = eval_token_stream(text, tokenizer)
-        res = perplexity(lm, stream, ctx=ctx, max_windows=max_windows, batch_size=batch_size, progress=not as_json)
+        run_dtype = resolve_dtype(dtype, spec, device)
+        if tp > 1:
+            import torch
+
+            from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+
+            lm, tokenizer = load_sharded(ShardSpec(spec, run_dtype, tp, max(1, torch.get_num_threads() // tp)))
+        else:
+            lm, tokenizer = load_model(spec, dtype=run_dtype, device=device)
+        try:
+            stream, source, digest = eval_token_stream(text, tokenizer)
+            res = perplexity(lm, stream, ctx=ctx, max_windows=max_windows, batch_size=batch_size,
+                             progress=not as_json)
+        finally:
+            if tp > 1:
+                lm.close()
         del lm
         base = base or res
         if as_json:

@@ -31,11 +31,15 @@ from lmfoundry.runtime.dtypes import DTYPES
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Execution dtype of checkpoints on CPU, the same for both models. auto: bfloat16 where the "
                    "CPU has bf16 arithmetic (quantized weights then stay packed), float32 elsewhere.")
+@click.option("--tp", type=int, default=1, show_default=True,
+              help="Split each checkpoint over this many CPU processes, as `serve --tp` runs it (must divide "
+                   "the attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes).")
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each checkpoint's files against the sha256 in its lmfoundry.json first.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
-              no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str, skip_verify: bool) -> None:
+              no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str, tp: int,
+              skip_verify: bool) -> None:
     """Evaluate CANDIDATE and --baseline on the same documents through the serving runtime's
     model execution: lm-eval tasks (accuracy and flips), perplexity windows with the per-token
     KL divergence, same-top-token rate and Δp against the baseline's next-token distributions
@@ -54,8 +58,9 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
 
     from lmfoundry.evals.gate import run_gate
     from lmfoundry.manifest import verify_artifact
-    from lmfoundry.runtime.loader import check_device, is_engine_bundle
+    from lmfoundry.runtime.loader import check_device, check_tensor_parallel, is_engine_bundle
 
+    check_tensor_parallel(tp, device, (candidate, baseline))
     if not skip_verify:  # before either model is evaluated (a bundle is checked against engine.json at load)
         for spec in (candidate, baseline):
             if Path(spec).is_dir() and not is_engine_bundle(spec):
@@ -64,7 +69,7 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
                    use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
                    write_promotion=not no_promotion, progress=not quiet, device=check_device(device),
-                   dtype=dtype)
+                   dtype=dtype, tp=tp)
     for m in res.report["metrics"]:
         if m["gated"]:
             click.echo(f"{m['verdict']:>12}  {m['name']}: {m['statistic']} {m['point']:.4f} "

@@ -127,7 +127,17 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
 @click.option("--ngram-max", type=int, default=3, show_default=True,
               help="Longest n-gram looked up for --speculative ngram (shorter ones down to 1 are tried next).")
 @click.option("--threads", type=int, default=None,
-              help="torch threads of the engine process (default: OMP_NUM_THREADS or all cores).")
+              help="torch threads of the engine process (default: OMP_NUM_THREADS or all cores); with --tp, "
+                   "shared by its ranks (each gets threads / tp, at least 1).")
+@click.option("--tp", type=int, default=1, show_default=True,
+              help="Tensor parallel: split the model over this many CPU processes (ranks), Megatron-style: each "
+                   "holds 1/tp of the attention heads, MLP width and vocabulary, and its own KV cache for its KV "
+                   "heads; they meet in one all-reduce per attention and MLP block. Must divide the attention "
+                   "heads and MLP width, and divide or be a multiple of the KV heads (`lmfoundry plan --tp` lists "
+                   "the valid sizes). Serves a checkpoint folder or model name, not an engine bundle.")
+@click.option("--tp-backend", type=click.Choice(["shm", "gloo"]), default="shm", show_default=True,
+              help="How --tp ranks exchange partial sums: shm (shared memory, the fast one on one machine) or gloo "
+                   "(torch.distributed over TCP).")
 @click.option("--max-request-mb", type=float, default=8.0, show_default=True,
               help="Largest request body in MiB (larger: HTTP 413).")
 @click.option("--timeout-read", type=float, default=30.0, show_default=True,
@@ -145,7 +155,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
           kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, compile_step: bool,
           enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
-          ngram_max: int, threads: int | None, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
+          ngram_max: int, threads: int | None, tp: int, tp_backend: str, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
           skip_verify: bool, log_level: str) -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device.
@@ -159,11 +169,20 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
     from lmfoundry.runtime.engine.core import EngineSpec
     from lmfoundry.runtime.engine.core_client import EngineCoreClient
-    from lmfoundry.runtime.loader import check_device, is_engine_bundle, resolve_dtype
+    from lmfoundry.runtime.loader import check_device, check_tensor_parallel, is_engine_bundle, resolve_dtype
     from lmfoundry.runtime.server.app import create_app
     from lmfoundry.runtime.server.background import uvicorn_config
 
     device = check_device(device)
+    check_tensor_parallel(tp, device, (model,))
+    if tp > 1:
+        if compile_step:
+            raise UserError("--compile-step compiles one process's step; drop it with --tp")
+        from lmfoundry.model.config import ModelConfig
+        from lmfoundry.model.head_split import split_heads
+        from lmfoundry.models import resolve_model
+
+        split_heads(ModelConfig.from_file(resolve_model(model)), tp)  # before anything starts
     run_dtype = resolve_dtype(dtype, model, device)
     if not skip_verify and not is_engine_bundle(model):
         from pathlib import Path
@@ -192,8 +211,10 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         block_size=block_size, kv_cache_memory_gb=kv_cache_gb, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_waiting_requests=max_waiting, enable_prefix_caching=not no_prefix_caching,
-        kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager, num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or None,
-        speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max)
+        kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager,
+        num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() if tp > 1 else None),
+        speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max,
+        tensor_parallel_size=tp, tp_backend=tp_backend)
     died: list[int | None] = []
     server: Any = None
 

@@ -434,14 +434,21 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
 
-def embed(config: ModelConfig, table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def embed(config: ModelConfig, table: torch.Tensor | nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Embedding rows of `input_ids`, times Gemma's sqrt(hidden_size) where the config has one.
     The factor is rounded to the table's dtype first and multiplied in it, as transformers does
-    (sqrt(3072) = 55.43 becomes 55.5 in bfloat16): the model was trained with that product."""
-    x = F.embedding(input_ids, table)
+    (sqrt(3072) = 55.43 becomes 55.5 in bfloat16): the model was trained with that product.
+    `table` is the weight, or a module that looks rows up itself (a tensor-parallel rank's share
+    of the vocabulary, see tensor_parallel.py)."""
+    if isinstance(table, nn.Module):
+        x = table(input_ids)
+        dtype = x.dtype
+    else:
+        x = F.embedding(input_ids, table)
+        dtype = table.dtype
     if config.embed_scale is None:
         return x
-    return x * torch.tensor(config.embed_scale, dtype=torch.float32).to(table.dtype)
+    return x * torch.tensor(config.embed_scale, dtype=torch.float32).to(dtype)
 
 
 class LogitSoftcap:
@@ -488,7 +495,7 @@ class CausalLM(nn.Module):
         """Final-norm hidden states. input_ids: [B, T] (or [T] with a context)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-        x = embed(self.config, self.model.embed_tokens.weight, input_ids)
+        x = embed(self.config, self.model.embed_tokens, input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, context)

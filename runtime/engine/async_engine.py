@@ -14,7 +14,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
-from lmfoundry.runtime.engine.client import EngineClient, EngineRequest
+from lmfoundry.runtime.engine.client import EngineClient, EngineDead, EngineRequest
 from lmfoundry.runtime.engine.core import EngineCore
 from lmfoundry.runtime.engine.llm_engine import LLMEngine, Prompt
 from lmfoundry.runtime.engine.outputs import StepEvent
@@ -93,4 +93,9 @@ class AsyncLLMEngine(EngineClient):
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            self.deliver(self._core.step())
+            try:
+                self.deliver(self._core.step())
+            except EngineDead as exc:  # every stream ends with it; the loop stops (is_alive False)
+                self._stop = True
+                self.fail_all(exc)
+                raise

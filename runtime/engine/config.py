@@ -26,6 +26,10 @@ class EngineConfig:
     # "bfloat16", "float16", "int8", "fp8" (the last two need k/v scales from the checkpoint).
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None keeps the process setting
+    # Tensor parallelism (tensor_parallel.py): ranks the model is split over, each a process with
+    # num_threads / tensor_parallel_size threads, joined by "shm" (shared memory) or "gloo".
+    tensor_parallel_size: int = 1
+    tp_backend: str = "shm"
     # Decode steps of an engine bundle on a GPU replay a CUDA graph per batch-size bucket (no
     # per-kernel launch or argument packing cost); False runs every step eagerly.
     cuda_graphs: bool = True
@@ -38,6 +42,13 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     ngram_max: int = 3  # longest n-gram looked up (prompt lookup); shorter ones are tried next
     ngram_min: int = 1
+
+    @property
+    def rank_threads(self) -> int | None:
+        """Intra-op threads of each tensor-parallel rank (None: the process setting)."""
+        if self.num_threads is None:
+            return None
+        return max(1, self.num_threads // self.tensor_parallel_size)
 
     def check_speculative(self) -> None:
         """Refuse speculative settings that cannot work, in one line (the CLI turns it into an error)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.engine.client import EngineRequest, RequestFailed
+from lmfoundry.runtime.engine.client import EngineDead, EngineRequest, RequestFailed
 from lmfoundry.runtime.engine.llm_engine import LLMEngine
 from lmfoundry.runtime.engine.outputs import EmbeddingResult, StepEvent
 
@@ -63,6 +63,8 @@ class EngineCore:
     def step(self) -> Delivery:
         try:
             events = self.engine.step()
+        except EngineDead:  # the engine cannot step again: its caller stops it
+            raise
         except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
             log.exception("engine step failed; aborting all running requests")
             return [(rid, RequestFailed(f"engine failure: {exc}")) for rid in self.engine.abort_all()]
@@ -133,13 +135,22 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
             outputs.send_pyobj(("failed", f"the engine could not start: {type(exc).__name__}: {exc}"))
             return
         outputs.send_pyobj(("ready", engine.info, engine.tokenizer, engine.stats()))
-        _serve(EngineCore(engine), commands, outputs, parent_pid)
+        try:
+            _serve(EngineCore(engine), commands, outputs, parent_pid)
+        except EngineDead as exc:  # e.g. a lost tensor-parallel rank: the API process sees this one end
+            log.error("the engine stops: %s", exc)
+            lost = True
+        else:
+            lost = False
+            engine.close()
     finally:
         outputs.close(linger=5000)  # let the last message out
         commands.close(linger=0)
         ctx.term()
         sys.stdout.flush()
         sys.stderr.flush()
+    if lost:
+        os._exit(1)  # not sys.exit: the lost group's processes must not be waited for
 
 
 def _serve(core: EngineCore, commands: Any, outputs: Any, parent_pid: int) -> None:

@@ -79,6 +79,8 @@ class ReferenceModelExecutor:
         self.config = model.config
         self.dtype = model.dtype
         self.formats = resolve_kv_formats(model, config.kv_cache_dtype)
+        # this process's KV heads: all of them, or a tensor-parallel rank's share
+        self.kv_heads = model.model.layers[0].self_attn.num_kv_heads
         self.cache: KVCacheLayers | None = None
         self.context_limit = self.config.max_position_embeddings  # sliding windows honoured via AttentionSpec
         # an `--arch cpu` bundle's AOT-compiled step (runtime.engine.compiled_step), over at most
@@ -88,13 +90,11 @@ class ReferenceModelExecutor:
         self.compiled_steps = 0
 
     def kv_bytes_per_token(self) -> int:
-        cfg = self.config
-        return sum(f.bytes_per_token(cfg.num_kv_heads, cfg.head_dim) for f in self.formats)
+        return sum(f.bytes_per_token(self.kv_heads, self.config.head_dim) for f in self.formats)
 
     def allocate(self, num_blocks: int) -> None:
-        cfg = self.config
-        self.cache = KVCacheLayers(self.formats, num_blocks, self.engine_config.block_size, cfg.num_kv_heads,
-                                  cfg.head_dim)
+        self.cache = KVCacheLayers(self.formats, num_blocks, self.engine_config.block_size, self.kv_heads,
+                                  self.config.head_dim)
 
     @property
     def round_trips(self) -> list:
@@ -160,6 +160,10 @@ class ReferenceModelExecutor:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden).float()
+
+    def prompt_hidden(self, ids: list[int]) -> torch.Tensor:
+        """Final-norm hidden states of one whole prompt, outside the paged cache (embeddings)."""
+        return self.model.hidden_states(torch.tensor([ids], dtype=torch.long))[0]
 
 
 class KernelModelExecutor:
@@ -307,8 +311,13 @@ class DecodeGraphs:
 
 
 def make_executor(model: Any, config: EngineConfig) -> ModelExecutor:
-    """The executor for a loaded model: a `KernelModel` runs its bundle's kernels, anything else
-    (the reference `CausalLM`) runs the PyTorch reference path."""
+    """The executor for a loaded model: a `KernelModel` runs its bundle's kernels, a
+    `ShardedModel` its tensor-parallel ranks, anything else (the reference `CausalLM`) the
+    PyTorch reference path."""
     if isinstance(model, KernelModel):
         return KernelModelExecutor(model, config)
+    from lmfoundry.runtime.engine.tensor_parallel import ShardedModel, TensorParallelExecutor
+
+    if isinstance(model, ShardedModel):
+        return TensorParallelExecutor(model, config)
     return ReferenceModelExecutor(model, config)

@@ -28,10 +28,9 @@ from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.block_manager import BlockManager
-from lmfoundry.runtime.engine.client import EngineInfo, EngineRequest
+from lmfoundry.runtime.engine.client import EngineDead, EngineInfo, EngineRequest
 from lmfoundry.runtime.engine.config import EngineConfig
 from lmfoundry.runtime.engine.detokenizer import Detokenizer
-from lmfoundry.runtime.engine.executor import ReferenceModelExecutor
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
 from lmfoundry.runtime.engine.model_runner import ModelRunner
 from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
@@ -61,8 +60,8 @@ class LLMEngine:
             raise UserError(str(exc)) from None
         if (config.speculative == "draft") != (draft_model is not None):
             raise UserError("speculative='draft' needs a draft model, and a draft model needs speculative='draft'")
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if config.rank_threads:
+            torch.set_num_threads(config.rank_threads)
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, config)
@@ -110,9 +109,28 @@ class LLMEngine:
         on `device`); `draft_model` (same forms) is loaded the same way for speculative='draft'."""
         from lmfoundry.runtime.loader import load_model
 
-        model, tokenizer = load_model(path_or_name, dtype=dtype, device=device)
+        config = config or EngineConfig()
         draft = load_model(draft_model, dtype=dtype, device=device)[0] if draft_model is not None else None
+        if config.tensor_parallel_size > 1:
+            from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+
+            if torch.device(device).type != "cpu":
+                raise UserError("--tp runs on CPU ranks in this release (--device cpu)")
+            model, tokenizer = load_sharded(ShardSpec(str(path_or_name), dtype, config.tensor_parallel_size,
+                                                      config.rank_threads, config.tp_backend))
+            try:
+                return cls(model, tokenizer, config, draft)
+            except BaseException:
+                model.close()
+                raise
+        model, tokenizer = load_model(path_or_name, dtype=dtype, device=device)
         return cls(model, tokenizer, config, draft)
+
+    def close(self) -> None:
+        """Stop the processes of a tensor-parallel model (nothing to do for one process)."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -189,6 +207,8 @@ class LLMEngine:
             return []
         try:
             result = self.runner.execute(batch)
+        except EngineDead:  # the engine itself is gone (a lost tensor-parallel rank): not one batch's fault
+            raise
         except Exception as exc:  # noqa: BLE001 - reported per request below
             for seq, _ in batch:
                 seq.draft_token_ids = []
@@ -368,14 +388,14 @@ class LLMEngine:
         """Each prompt's embedding: the final-norm hidden state of its last token, L2-normalized
         (vLLM's default pooling for decoder models). A forward over the prompt alone, outside the
         paged cache, run between steps."""
-        if not isinstance(self.runner.executor, ReferenceModelExecutor):
+        executor = self.runner.executor
+        if not hasattr(executor, "prompt_hidden"):
             raise ValueError("embeddings need the PyTorch engine (a checkpoint folder or an --arch cpu bundle); "
                              "this engine runs compiled GPU kernels")
         out = []
         with torch.inference_mode():
             for ids in prompts:
-                hidden = self.runner.executor.model.hidden_states(torch.tensor([ids], dtype=torch.long))[0, -1]
-                hidden = hidden.float()
+                hidden = executor.prompt_hidden(ids)[-1].float()
                 out.append(torch.nn.functional.normalize(hidden, dim=-1).tolist())
         return out
 

@@ -115,6 +115,25 @@ def test_tiny_model_against_itself_passes_and_records_promotion(tiny_model_dir, 
     assert promo["verdict"] == "pass" and promo["report_sha256"] == sha256_file(res.json_path)
 
 
+def test_gate_on_tensor_parallel_ranks_matches_one_process(tiny_model_dir, tmp_path):
+    """`eval-gate --tp 2`: both models split over two ranks, tasks scored through the serving
+    engine; the numbers are one process's, to float32 rounding of the ranks' partial sums."""
+    cand = _artifact(tiny_model_dir, tmp_path)
+    gate = str(_tiny_gate(tmp_path))
+    kw = dict(use_cache=False, write_promotion=False, dtype="float32")
+    one = run_gate(str(cand), str(tiny_model_dir), gate, "quick", tmp_path / "one", **kw)
+    two = run_gate(str(cand), str(tiny_model_dir), gate, "quick", tmp_path / "two", tp=2, **kw)
+    assert two.verdict == "pass" and two.exit_code == 0
+    by_name = {m["name"]: m for m in one.report["metrics"]}
+    for m in two.report["metrics"]:
+        ref = by_name[m["name"]]
+        if m["name"].startswith("perplexity/"):
+            assert abs(m["baseline"] / ref["baseline"] - 1) < 1e-4, (m, ref)
+        elif m["name"].endswith("/acc"):
+            assert m["baseline"] == ref["baseline"] and m["candidate"] == ref["candidate"], (m, ref)
+    assert [a["baseline"] for a in two.report["generation"]] == [a["baseline"] for a in one.report["generation"]]
+
+
 def test_violated_threshold_fails_with_exit_1_and_names_the_metric(tiny_model_dir, tmp_path):
     """An impossible bar (perplexity ratio <= 0.9 for a model against itself) must fail."""
     cand = _artifact(tiny_model_dir, tmp_path)

@@ -30,20 +30,20 @@ COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden
               max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=3)
 
 
-def _build(folder: Path, model_type: str) -> Path:
+def _build(folder: Path, model_type: str, **extra: object) -> Path:
     """A random transformers Gemma saved with save_pretrained (+ a tokenizer). Weights get real
     signal: unit-scale linears (transformers' init is std 0.02) and norm gains 1 + N(0, 0.1²)."""
     if model_type == "gemma2":
         from transformers import Gemma2Config as Config
         from transformers import Gemma2ForCausalLM as Model
 
-        cfg = Config(**COMMON, attn_logit_softcapping=4.0, final_logit_softcapping=10.0,
+        cfg = Config(**COMMON, **extra, attn_logit_softcapping=4.0, final_logit_softcapping=10.0,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     else:
         from transformers import Gemma3ForCausalLM as Model
         from transformers import Gemma3TextConfig as Config
 
-        cfg = Config(**COMMON, final_logit_softcapping=10.0,
+        cfg = Config(**COMMON, **extra, final_logit_softcapping=10.0,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
@@ -404,3 +404,38 @@ def test_eval_scoring_with_the_prefix_cache_equals_a_direct_forward(gemma: Path)
             logits = model(torch.tensor([job.context + job.continuation]))[0, len(job.context) - 1:-1].double()
         ref = float(F.log_softmax(logits, -1).gather(1, torch.tensor(job.continuation)[:, None]).sum())
         assert math.isfinite(ll) and abs(ll - ref) <= 1e-5 * max(1.0, abs(ref)), (ll, ref)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tensor_parallel_gemma_decodes_like_one_process(gemma: Path, tied: bool, tmp_path: Path) -> None:
+    """`--tp 2` keeps Gemma's scaled embedding, soft-caps (once: the final one is elementwise on
+    each rank's logit columns, whether the LM head is the embedding's or its own), sandwich norms
+    and sliding windows: the same greedy tokens and logits."""
+    from lmfoundry.model.config import ModelConfig
+    from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+
+    if not tied:
+        gemma = _build(tmp_path / "untied", ModelConfig.from_file(gemma).model_type, tie_word_embeddings=False)
+
+    prompts = [[5, 9, 33, 70, 12, 90, 17], [7, 8, 100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+    def run(tp: int) -> list[list[int]]:
+        engine = LLMEngine.from_pretrained(str(gemma), dtype=torch.float32, config=EngineConfig(
+            num_kv_blocks=64, block_size=4, tensor_parallel_size=tp))
+        try:
+            return [o.outputs[0].token_ids for o in engine.generate(
+                prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))]
+        finally:
+            engine.close()
+
+    assert run(2) == run(1)
+    # greedy tokens cannot see a soft-cap applied twice (tanh is monotonic): the logits can
+    from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+
+    whole, _ = load_model(str(gemma), dtype=torch.float32)
+    sharded, _ = load_sharded(ShardSpec(str(gemma), torch.float32, 2))
+    try:
+        with torch.inference_mode():
+            torch.testing.assert_close(sharded(IDS), whole(IDS), rtol=1e-4, atol=1e-4)
+    finally:
+        sharded.close()

@@ -292,3 +292,19 @@ def test_refuses_moe_layouts_it_does_not_run(moe: Path) -> None:
     with pytest.raises(UserError, match="num_experts_per_tok"):
         ModelConfig.from_dict({**cfg, "num_experts_per_tok": 99})
     assert "mixture of experts" in (ModelConfig.from_dict(cfg).kernel_path_refusal() or "")
+
+
+def test_tensor_parallel_moe_decodes_like_one_process(moe: Path) -> None:
+    """`--tp 2` splits every expert's width and keeps the router whole: the same greedy tokens."""
+    from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+
+    def run(tp: int) -> list[list[int]]:
+        engine = LLMEngine.from_pretrained(str(moe), dtype=torch.float32, config=EngineConfig(
+            num_kv_blocks=64, block_size=4, tensor_parallel_size=tp))
+        try:
+            return [o.outputs[0].token_ids for o in engine.generate(
+                IDS.tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+        finally:
+            engine.close()
+
+    assert run(2) == run(1)

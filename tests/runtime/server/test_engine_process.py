@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from helpers import start_serve, stop_serve, wait_for_url
+from helpers import post_in_background, start_serve, stop_serve, wait_for_url
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.core import EngineSpec
@@ -35,14 +34,8 @@ def _wait(condition, timeout: float = 20.0) -> bool:
 
 def test_engine_death_fails_requests_in_flight_with_503(make_server) -> None:
     with make_server(step_delay=0.02) as live:
-        result: dict = {}
-
-        def long_request() -> None:
-            result["r"] = httpx.post(f"{live.url}/v1/completions", timeout=60,
-                                     json={"prompt": "x", "max_tokens": 200, "ignore_eos": True})
-
-        caller = threading.Thread(target=long_request)
-        caller.start()
+        caller, result = post_in_background(f"{live.url}/v1/completions",
+                                            {"prompt": "x", "max_tokens": 200, "ignore_eos": True})
         assert _wait(lambda: live.engine.stats()["requests_running"] > 0)
         os.kill(live.engine.pid, signal.SIGKILL)
         caller.join(timeout=30)

@@ -1,0 +1,56 @@
+"""`serve --tp 2` as a user runs it: requests are answered by the ranks together, and killing a
+worker rank fails the request in flight with 503 and ends serve with a non-zero exit, not a hang."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+from helpers import assert_one_error, post_in_background, run_cli, start_serve, stop_serve, wait_for_url
+
+from lmfoundry.runtime.engine.toy import save_toy_checkpoint
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _worker_ranks(serve_pid: int) -> list[psutil.Process]:
+    """The tensor-parallel worker processes under serve (engine process -> spawned ranks)."""
+    return [p for p in psutil.Process(serve_pid).children(recursive=True)
+            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_serve_tp2_answers_and_a_lost_rank_is_503_and_exit(tmp_path) -> None:
+    folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
+    proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
+                        "--dtype", "float32", "--skip-verify", "--tp", "2", "--threads", "2"])
+    try:
+        url = wait_for_url(proc).removesuffix("/v1")
+        workers = _worker_ranks(proc.pid)
+        assert len(workers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 16, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+        caller, result = post_in_background(f"{url}/v1/completions",
+                                            {"prompt": "x", "max_tokens": 240, "ignore_eos": True})
+        time.sleep(0.5)
+        workers[0].send_signal(signal.SIGKILL)
+        caller.join(timeout=60)
+        assert result["r"].status_code == 503, result["r"].text
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            stop_serve(proc)
+    leftover = [p for p in psutil.process_iter(["cmdline"]) if str(folder) in " ".join(p.info["cmdline"] or [])]
+    assert not leftover, "processes of the killed server are still running"
+
+
+def test_serve_refuses_what_tp_cannot_run(tmp_path, capsys) -> None:
+    folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
+    for extra, needle in ((["--compile-step"], "drop it with --tp"), (["--device", "cuda"], "no CUDA GPU"),
+                          ([], "--tp 3 does not divide the 4 attention heads")):
+        code, _, err = run_cli(["serve", str(folder), "--tp", "3" if not extra else "2", "--skip-verify", "--port",
+                                "0", *extra], capsys)
+        assert_one_error(code, err, needle)
