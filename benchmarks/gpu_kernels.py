@@ -6,7 +6,7 @@
 
 First it measures its own ceilings on this GPU — device copy bandwidth (GB/s) and dense matmul
 throughput (bf16, int8, fp8 where available) — then, for each kernel and shape: a correctness check
-at a small row count (error bounds from `lmfoundry.kernels.checks`, poisoned outputs), and the
+at a small row count (error bounds from `lmfoundry.kernels.error_bounds`, poisoned outputs), and the
 median time at each benchmark shape (`triton.testing.do_bench`), printed as achieved GB/s and
 TFLOP/s with their fraction of the measured ceilings.
 
@@ -26,7 +26,7 @@ row-wise for FP8, `torch._int_mm` for INT8), both checked against the reference 
 
 Causal prefill has its own section (`prefill_section`; `--only prefill`): B x n-token prompts,
 Llama-3-8B heads, bf16/int8/fp8 KV, against torch SDPA (flash) on dense bf16 of the same lengths,
-TFLOP/s over the (query, key) pairs the causal mask keeps (`examples.causal_attention_flops`).
+TFLOP/s over the (query, key) pairs the causal mask keeps (`harness.causal_attention_flops`).
 
 `--engine` is the cross-version test of the cubin path: a bundle built on a CPU machine with
 Triton 3.7.1 is loaded here (whatever torch/Triton this machine has), must select its cubins for
@@ -79,7 +79,7 @@ _bootstrap_import()
 
 import torch  # noqa: E402
 
-from lmfoundry.kernels import examples  # noqa: E402
+from lmfoundry.kernels import harness  # noqa: E402
 from lmfoundry.kernels.dispatch import JitExecutor  # noqa: E402
 
 BF, F16 = "bf16", "fp16"
@@ -96,13 +96,13 @@ TIME_WITH_GRAPH = False  # set by --graph
 
 
 def time_ms(ex, executor) -> float:
-    """Median ms of one call. Plain: `examples.time_ms` (Python dispatch + launch included, so
+    """Median ms of one call. Plain: `harness.time_ms` (Python dispatch + launch included, so
     calls under ~50 us measure the host). --graph: GRAPH_REPEAT calls captured in one CUDA graph,
     replayed and divided: the GPU time of the kernel alone."""
     if not TIME_WITH_GRAPH:
-        return examples.time_ms(ex, executor)
+        return harness.time_ms(ex, executor)
     call = ex.clone()
-    return graph_ms(lambda: executor.run(call), fallback=lambda: examples.time_ms(ex, executor))
+    return graph_ms(lambda: executor.run(call), fallback=lambda: harness.time_ms(ex, executor))
 
 
 def dense_ms(shape: dict) -> float:
@@ -197,7 +197,7 @@ def bench_shape(kernel: str, shape: dict, rows: int) -> dict:
     elif kernel in ("paged_decode", "paged_decode_split", "paged_decode_reduce"):
         s.update({"B": rows, "ctx": 2048})
     else:
-        s = examples.shape_for(kernel, s, rows)
+        s = harness.shape_for(kernel, s, rows)
     return s
 
 
@@ -222,14 +222,14 @@ def run_all(args, cap: int, ceil: dict) -> list[dict]:
             continue
         label = f"{kernel} {types} {sem} {shape}"
         try:
-            ex = examples.build(kernel, types, sem, bench_shape(kernel, shape, check_rows(kernel)), "cuda")
-            examples.run_and_check(ex, jit, acc_unit(kernel, cap))
+            ex = harness.build(kernel, types, sem, bench_shape(kernel, shape, check_rows(kernel)), "cuda")
+            harness.run_and_check(ex, jit, acc_unit(kernel, cap))
             status = "ok"
         except Exception as exc:  # noqa: BLE001 - a wrong result or a toolchain error: report, go on
             status, failures = f"FAIL {type(exc).__name__}: {str(exc)[:400]}", failures + 1
         print(f"[check {status[:4]}] {label}" + ("" if status == "ok" else f"\n    {status}"), flush=True)
         for rows in rows_list if status == "ok" else []:
-            ex = examples.build(kernel, types, sem, bench_shape(kernel, shape, rows), "cuda")
+            ex = harness.build(kernel, types, sem, bench_shape(kernel, shape, rows), "cuda")
             ms = time_ms(ex, jit)
             gbps = ex.bytes / ms / 1e6
             tflops = ex.flops / ms / 1e9
@@ -281,11 +281,11 @@ def w4a16_llm_section(args, cap: int, ceil: dict) -> list[dict]:
     shapes, each of ours (`w4a16_tiled`, tile table of this arch), the compressed-tensors kernels it
     replaced (`w4a16_gemv`/`w4a16_gemm`) and dense bf16 `torch.matmul` (cuBLAS) timed over rotating
     weight copies that together exceed the L2 several times, so all three stream from HBM. Checked
-    first against the dequantize-then-matmul reference with `checks.exact_weight_bound`."""
+    first against the dequantize-then-matmul reference with `error_bounds.exact_weight_bound`."""
     from functools import partial
 
     from lmfoundry.compile import tiles
-    from lmfoundry.kernels import checks, w4a16
+    from lmfoundry.kernels import error_bounds, tiled_layout, w4a16, w4a16_tiled
 
     jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -297,15 +297,15 @@ def w4a16_llm_section(args, cap: int, ceil: dict) -> list[dict]:
         gen = torch.Generator().manual_seed(n * 7 + k)
         group = 128
         packed = w4a16.PackedLinear(
-            w4a16.pack_codes(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32), 4, 1),
+            tiled_layout.pack_codes(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32), 4, 1),
             (torch.rand(n, k // group, generator=gen) * 0.02 + 0.002).bfloat16(), 4, group, k)
-        tiled = w4a16.repack_tiled(packed)
-        exact, offset, weight_u = w4a16.tiled_error_terms(tiled, torch.bfloat16)
+        tiled = tiled_layout.repack_tiled(packed)
+        exact, offset, weight_u = w4a16_tiled.tiled_error_terms(tiled, torch.bfloat16)
         tiled = tiled.to("cuda")
         dense = packed.dequantize().to(torch.bfloat16).cuda()  # the same weights, dense
         legacy = w4a16.PackedLinear(packed.weight_packed.cuda(), packed.weight_scale.cuda(), 4, group, k)
         copies = lambda nbytes: max(2, -(-need // nbytes))  # noqa: E731
-        tiled_copies = [tiled] + [w4a16.TiledLinear(tiled.qweight.clone(), tiled.scale.clone(), 4, group, k, n)
+        tiled_copies = [tiled] + [tiled_layout.TiledLinear(tiled.qweight.clone(), tiled.scale.clone(), 4, group, k, n)
                                   for _ in range(copies(tiled.nbytes()) - 1)]
         dense_copies = [dense] + [dense.clone() for _ in range(copies(dense.numel() * 2) - 1)]
         legacy_bytes = legacy.weight_packed.numel() * 4 + legacy.weight_scale.numel() * 2
@@ -314,18 +314,18 @@ def w4a16_llm_section(args, cap: int, ceil: dict) -> list[dict]:
         for m in W4A16_LLM_ROWS:
             x = torch.randn(m, k, generator=gen).bfloat16().cuda()
             out, dout, lout = (torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-            cfg = tiles.pick(cap, w4a16.make_tiled_call(x, tiled, out))
+            cfg = tiles.pick(cap, w4a16_tiled.make_tiled_call(x, tiled, out))
             status = "ok"
             try:
-                got = w4a16.w4a16_tiled_linear(x, tiled, out=checks.poisoned((m, n), torch.bfloat16, "cuda"),
+                got = w4a16_tiled.w4a16_tiled_linear(x, tiled, out=error_bounds.poisoned((m, n), torch.bfloat16, "cuda"),
                                                executor=jit)
-                checks.assert_written(got, "w4a16_tiled")
+                error_bounds.assert_written(got, "w4a16_tiled")
                 ref = (x.float() @ dense.float().t()).bfloat16().cpu()
-                bound = checks.exact_weight_bound(ref, x.cpu(), exact, offset, torch.bfloat16, weight_u, 2.0**-22)
-                checks.assert_within(got.cpu(), ref, bound, f"w4a16_tiled {n}x{k} M={m}")
+                bound = error_bounds.exact_weight_bound(ref, x.cpu(), exact, offset, torch.bfloat16, weight_u, 2.0**-22)
+                error_bounds.assert_within(got.cpu(), ref, bound, f"w4a16_tiled {n}x{k} M={m}")
             except Exception as exc:  # noqa: BLE001 - report, keep timing the others
                 status = f"FAIL {type(exc).__name__}: {str(exc)[:300]}"
-            ours = rotated_ms([partial(w4a16.w4a16_tiled_linear, x, t, out=out, executor=jit) for t in tiled_copies])
+            ours = rotated_ms([partial(w4a16_tiled.w4a16_tiled_linear, x, t, out=out, executor=jit) for t in tiled_copies])
             cublas = rotated_ms([partial(torch.matmul, x, w.t(), out=dout) for w in dense_copies])
             before = rotated_ms([partial(w4a16.w4a16_linear, x, w, out=lout, executor=jit) for w in legacy_copies])
             gbps = tiled.nbytes() / ours / 1e6
@@ -381,7 +381,7 @@ def decode_inputs(case: dict, seed: int = 0):
     b, n, hq, hkv, d, page = (case[k] for k in ("B", "ctx", "Hq", "Hkv", "D", "PAGE"))
     pages = -(-n // page)
     blocks = b * pages
-    kv_dt = examples.TORCH_DTYPE[case["kv"]]
+    kv_dt = harness.TORCH_DTYPE[case["kv"]]
     shape = (blocks, page, hkv, d)
 
     def codes() -> torch.Tensor:
@@ -432,9 +432,9 @@ def decode_section(args, cap: int, ceil: dict) -> list[dict]:
     """FlashDecoding (`paged_decode`: split + merge, GQA per program) against the unsplit kernel it
     replaces and torch SDPA on a dense bf16 copy of the same KV, each as GB/s of the bytes it must
     move and as % of the device-to-device copy bandwidth measured at the start of this run. The
-    first 4 sequences of every shape are checked against the reference (checks.attention_bound)."""
+    first 4 sequences of every shape are checked against the reference (error_bounds.attention_bound)."""
     from lmfoundry.compile import tiles
-    from lmfoundry.kernels import checks, paged_attention
+    from lmfoundry.kernels import error_bounds, paged_attention
 
     jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
     sms = paged_attention.device_sm_count(torch.device("cuda"))
@@ -467,9 +467,9 @@ def decode_section(args, cap: int, ceil: dict) -> list[dict]:
             sm = 1 / (case["D"] ** 0.5)
             ref = paged_attention.reference(q[:n].cpu(), cpu_cache, sub, cu, ctx[:n].cpu(), sm)
             for name, got, kw in (("flash", out_flash, {"p_split": True, "splits": splits}), ("unsplit", out_old, {})):
-                bound = checks.attention_bound(q[:n].cpu(), cpu_cache, sub, cu, ctx[:n].cpu(), ref, sm,
+                bound = error_bounds.attention_bound(q[:n].cpu(), cpu_cache, sub, cu, ctx[:n].cpu(), ref, sm,
                                                torch.bfloat16 if kw else torch.float32, **kw)
-                checks.assert_within(got[:n].cpu(), ref, bound, f"{name} decode")
+                error_bounds.assert_within(got[:n].cpu(), ref, bound, f"{name} decode")
         except Exception as exc:  # noqa: BLE001 - a wrong result: report, keep timing the others
             status = f"FAIL {type(exc).__name__}: {str(exc)[:300]}"
         row["check"] = status
@@ -508,7 +508,7 @@ def gemm8_kernels(cap: int) -> list[str]:
 
 def gemm8_example(kernel: str, m: int, n: int, k: int, device: str):
     """Random operands and scales for our scaled GEMM (examples' builder: checked against its reference)."""
-    return examples.build(kernel, GEMM8_TYPES[kernel], {**GEMM8_SEM, "ACC_INT": kernel == "w8a8_gemm"},
+    return harness.build(kernel, GEMM8_TYPES[kernel], {**GEMM8_SEM, "ACC_INT": kernel == "w8a8_gemm"},
                           {"M": m, "N": n, "K": k}, device)
 
 
@@ -535,7 +535,7 @@ def gemm8_check(ex, executor, acc_u: float) -> None:
     the peer passing is what makes the time ratio a like-for-like one."""
     import dataclasses
 
-    ref = examples.run_and_check(ex, executor, acc_u)
+    ref = harness.run_and_check(ex, executor, acc_u)
     fn, to_out = gemm8_peer(ex.call)
     peer = dataclasses.replace(ex.call, args={**ex.call.args, "out_ptr": to_out(fn())})
     ex.check(peer, ref, acc_u)
@@ -546,7 +546,7 @@ def gemm8_section(args, cap: int, ceil: dict) -> list[dict]:
     same operands. Square M=N=K: TFLOP/s and % of the dense peak measured at the start of this run.
     LLM shapes at M = 1/16/64: weight copies rotated past the L2 so both read from HBM; GB/s of the
     weight bytes and % of the copy bandwidth. Each shape is checked first at 37 rows (ours and the
-    peer, against the reference with `checks.dot_bound`)."""
+    peer, against the reference with `error_bounds.dot_bound`)."""
     from functools import partial
 
     from lmfoundry.compile import tiles
@@ -614,7 +614,7 @@ def prefill_cases(cap: int) -> list[dict]:
 
 def prefill_section(args, cap: int, ceil: dict) -> list[dict]:
     """Causal prefill TFLOP/s with FLOPs counted over the (query, key) pairs the mask keeps
-    (`examples.causal_attention_flops`), ours reading the paged cache against torch SDPA (its flash
+    (`harness.causal_attention_flops`), ours reading the paged cache against torch SDPA (its flash
     backend on H100/H200) on dense bf16 [B, H, n, D] of the same lengths; % of the dense bf16 peak
     measured in this run. Correctness of the kernel at these heads is the per-kernel table's check."""
     from lmfoundry.compile import tiles
@@ -625,7 +625,7 @@ def prefill_section(args, cap: int, ceil: dict) -> list[dict]:
     rows = []
     for case in prefill_cases(cap):
         b, n = case["B"], case["ctx"]
-        ex = examples.build("paged_prefill", {"act": BF, "kv": case["kv"]}, {**PREFILL_HEADS, "KV_QUANT": case["KV_QUANT"]},
+        ex = harness.build("paged_prefill", {"act": BF, "kv": case["kv"]}, {**PREFILL_HEADS, "KV_QUANT": case["KV_QUANT"]},
                             {k: case[k] for k in ("B", "ctx", "q_len", "uniform")}, "cuda")
         call = ex.clone()
         ours = graph_ms(lambda: jit.run(call))
@@ -633,7 +633,7 @@ def prefill_section(args, cap: int, ceil: dict) -> list[dict]:
         kd, vd = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         sdpa = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True,
                                                                                  enable_gqa=True))
-        flops = examples.causal_attention_flops([n] * b, [n] * b, hq, d)
+        flops = harness.causal_attention_flops([n] * b, [n] * b, hq, d)
         assert flops == ex.flops  # the example counts the same causal pairs
         row = {"section": "prefill", "shape": {"B": b, "n": n, **PREFILL_HEADS}, "kv": case["kv"], "ms": ours,
                "TFLOPs": flops / ours / 1e9, "sdpa_ms": sdpa, "sdpa_TFLOPs": flops / sdpa / 1e9,
@@ -675,10 +675,10 @@ def sweep(args) -> list[dict]:
                 tiles = {"BLOCK_N": bn, "BLOCK_K": bk} | ({"BLOCK_M": bm} if bm else {})
                 cfg = TileConfig.make(num_warps=warps, num_stages=stages, **tiles)
                 jit = JitExecutor(pick_config=lambda call, cfg=cfg: cfg)
-                shape = examples.shape_for(kernel, {"N": n, "K": k, "bits": 4}, rows)
+                shape = harness.shape_for(kernel, {"N": n, "K": k, "bits": 4}, rows)
                 try:
-                    ex = examples.build(kernel, {"act": BF, "scale": BF}, w4, shape, "cuda")
-                    examples.run_and_check(ex, jit, acc_unit(kernel, 90))
+                    ex = harness.build(kernel, {"act": BF, "scale": BF}, w4, shape, "cuda")
+                    harness.run_and_check(ex, jit, acc_unit(kernel, 90))
                     ms = time_ms(ex, jit)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile/fit: skip it
                     print(f"  sweep {kernel} {shape} {cfg.as_dict()}: {type(exc).__name__}: {str(exc)[:200]}")
@@ -737,9 +737,9 @@ def verify_engine(path: str, cap: int) -> bool:
         if e["kernel"] in ("paged_decode_split", "paged_decode_reduce"):
             shape["splits"] = 3  # the partial-state path (a single split is the same code's other branch)
         try:
-            ex = examples.build(e["kernel"], e["types"], e["semantics"], shape, "cuda")
+            ex = harness.build(e["kernel"], e["types"], e["semantics"], shape, "cuda")
             before = dict(ks.stats)
-            examples.run_and_check(ex, ks.executor, acc_unit(e["kernel"], cap))
+            harness.run_and_check(ex, ks.executor, acc_unit(e["kernel"], cap))
             used = {k: ks.stats.get(k, 0) - before.get(k, 0) for k in ("cubin", "jit")}
             status = "ok" if used == {"cubin": 1, "jit": 0} else f"not from the cubin: {used}"
             ms = time_ms(ex, ks.executor)

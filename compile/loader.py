@@ -369,11 +369,21 @@ class CountingExecutor:
 
 
 def _ops() -> dict[str, Callable[..., Any]]:
-    from lmfoundry.kernels import activation, fp8, kv_cache, norm_quant, paged_attention, rotary, w4a16, w8a8
+    from lmfoundry.kernels import (
+        activation,
+        fp8,
+        kv_cache,
+        norm_quant,
+        paged_attention,
+        rotary,
+        w4a16,
+        w4a16_tiled,
+        w8a8,
+    )
 
     return {
         "w4a16_linear": w4a16.w4a16_linear,
-        "w4a16_tiled_linear": w4a16.w4a16_tiled_linear,
+        "w4a16_tiled_linear": w4a16_tiled.w4a16_tiled_linear,
         "w8a8_gemm": w8a8.w8a8_gemm,
         "w8a8_linear": w8a8.w8a8_linear,
         "fp8_gemm": fp8.fp8_gemm,

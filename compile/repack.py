@@ -8,11 +8,11 @@ bundle) and at load time (a bundle whose weights were copied unchanged):
     packed weights (packed along K), scales, packed zero points (whole int32 rows per member —
     checked when the fusion was decided), and biases. Per-tensor scales are expanded to per-channel.
   - tiling (`tile_layer`): every W4A16/W8A16 linear (fused or not) is rewritten into the tiled
-    layout of `lmfoundry.kernels.w4a16` (`*.tiled_weight`, `*.tiled_scale`, ...): panels of
+    layout of `lmfoundry.kernels.tiled_layout` (`*.tiled_weight`, `*.tiled_scale`, ...): panels of
     fragment-ordered codes, scales and zero points N-contiguous per group, act-order resolved into a
     K permutation. Where compile decided it (`plan.ACT_ORDER_FOLD`), down_proj's permutation is
     applied to the output rows of gate/up, so its input arrives already permuted.
-`kernels.w4a16.unrepack_tiled` inverts the tiling exactly (tested), so a bundle keeps the
+`kernels.tiled_layout.unrepack_tiled` inverts the tiling exactly (tested), so a bundle keeps the
 checkpoint's information bit for bit.
 """
 
@@ -25,7 +25,8 @@ import torch
 
 from lmfoundry.compile.checkpoint import Checkpoint
 from lmfoundry.compile.plan import ACT_ORDER_FOLD, Plan
-from lmfoundry.kernels.w4a16 import PackedLinear, act_order_perm, repack_tiled
+from lmfoundry.kernels.tiled_layout import act_order_perm, repack_tiled
+from lmfoundry.kernels.w4a16 import PackedLinear
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS
 
 _CONCAT = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "bias")
@@ -172,7 +173,7 @@ def unrepack_bundle(tensors: dict[str, torch.Tensor], fused: dict[str, list[str]
     exact), fused GEMMs split into their members (`fused`: fused prefix -> member prefixes, as
     `repack` records it; `rows_of(member)` its output rows). What serves a GPU bundle on a CPU."""
     from lmfoundry.checkpoint import split_fused_tensor
-    from lmfoundry.kernels.w4a16 import TiledLinear, unrepack_tiled
+    from lmfoundry.kernels.tiled_layout import TiledLinear, unrepack_tiled
 
     out: dict[str, torch.Tensor] = {}
     tiled = sorted({n.rsplit(".", 1)[0] for n in tensors if n.endswith(".tiled_meta")})

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_COUNT, SM_NAME  # noqa: F401  (compile/plan.py reads them as tiles.*)
-from lmfoundry.kernels import registry, w4a16
+from lmfoundry.kernels import registry, tiled_layout, w4a16, w4a16_tiled
 from lmfoundry.kernels.spec import KernelCall, TileConfig, next_pow2
 
 UNBOUNDED = 1 << 30
@@ -96,7 +96,7 @@ GEMM_TABLES["w4a16_tiled"] = {
 }
 
 MAX_SPLIT_K = 16
-SPLIT_MAX_M = w4a16.SPLIT_MAX_M  # = kernels.splitk.SPLIT_MAX_M: rows up to which ops pass a split-K workspace
+SPLIT_MAX_M = w4a16_tiled.SPLIT_MAX_M  # = kernels.splitk.SPLIT_MAX_M: rows up to which ops pass a split-K workspace
 
 
 def _split_k(capability: int, n: int, k_iters: int, config: TileConfig, max_rows: int) -> int:
@@ -124,7 +124,7 @@ def _fit_split(capability: int, kernel: str, config: TileConfig, shape: Mapping[
     panels (or groups, when longer) for `w4a16_tiled`, BLOCK_K tiles for `scaled_mm`."""
     d = dict(config.constexprs)
     if kernel == "w4a16_tiled":
-        unit = max(w4a16.panel_k(shape["bits"]), shape.get("group", 0))
+        unit = max(tiled_layout.panel_k(shape["bits"]), shape.get("group", 0))
     else:
         d["BLOCK_N"] = max(16, min(d["BLOCK_N"], next_pow2(shape["N"])))
         unit = d["BLOCK_K"]

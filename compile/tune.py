@@ -2,7 +2,7 @@
 
 Only GEMM kernels are tuned (their best tile depends most on the shape); each covered shape is
 timed at the upper row count of its bucket (capped at 4096) with `triton.testing.do_bench` over the
-candidates below, on random inputs built by `lmfoundry.kernels.examples`.
+candidates below, on random inputs built by `lmfoundry.kernels.harness`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def tune_plan(plan, log: Callable[[str], None]) -> None:
         raise UserError("--tune needs a CUDA GPU on this machine; none found (the per-arch tables are used without it)")
     from lmfoundry.compile import tiles
     from lmfoundry.compile.plan import Spec
-    from lmfoundry.kernels import examples
+    from lmfoundry.kernels import harness
     from lmfoundry.kernels.dispatch import JitExecutor
 
     major, minor = torch.cuda.get_device_capability()
@@ -43,11 +43,11 @@ def tune_plan(plan, log: Callable[[str], None]) -> None:
             continue
         for cover in spec.covers:
             rows = min(cover["rows"][1], 4096)
-            ex = examples.build(spec.kernel, spec.types, spec.semantics, {**cover["shape"], "M": rows}, "cuda")
+            ex = harness.build(spec.kernel, spec.types, spec.semantics, {**cover["shape"], "M": rows}, "cuda")
             best, best_ms = spec.config, float("inf")
             for cfg in _candidates(spec.config, spec.kernel):
                 try:
-                    ms = examples.time_ms(ex, JitExecutor(pick_config=lambda call, cfg=cfg: cfg))
+                    ms = harness.time_ms(ex, JitExecutor(pick_config=lambda call, cfg=cfg: cfg))
                 except Exception:  # out of resources / unsupported tile: not a candidate
                     continue
                 if ms < best_ms:

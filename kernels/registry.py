@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lmfoundry.kernels import activation, fp8, kv_cache, norm_quant, paged_attention, rotary, w4a16, w8a8
+from lmfoundry.kernels import activation, fp8, kv_cache, norm_quant, paged_attention, rotary, w4a16, w4a16_tiled, w8a8
 from lmfoundry.kernels.spec import KernelDef, Support
 
 
@@ -30,7 +30,7 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("w4a16", w4a16, w4a16.SUPPORT, (w4a16.TILED, w4a16.GEMM, w4a16.GEMV)),
+        Family("w4a16", w4a16, w4a16.SUPPORT, (w4a16_tiled.TILED, w4a16.GEMM, w4a16.GEMV)),
         Family("w8a8", w8a8, w8a8.SUPPORT, (w8a8.KERNEL,)),
         Family("fp8", fp8, fp8.SUPPORT, (fp8.KERNEL,)),
         Family("rmsnorm_quant", norm_quant, norm_quant.SUPPORT, (norm_quant.KERNEL,)),

@@ -273,6 +273,7 @@ def run_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     xq, x_scale, _ = rmsnorm_quant(x2, None, quant_dtype=quant_dtype, static_scale=w.input_scale, executor=executor)
+    assert x_scale is not None, "quantizing returns its scales"
     out = run_gemm(kernel, xq, x_scale, w, x.dtype, None, executor)
     return out.reshape(*lead, w.out_features)
 
@@ -303,3 +304,31 @@ def gemm_kernel(name: str, hopper_mma: str, mma: str) -> KernelDef:
         static_shape=("N", "K"),
         rows="M",
     )
+
+
+class CodeFamily:
+    """One 8-bit code type's entry points over the shared kernel (W8A8: int8, FP8: e4m3): the
+    GEMM on codes already quantized, the linear that quantizes x first, and the reference. The
+    families differ only in their code dtype, kernel name and tensor-core instructions."""
+
+    def __init__(self, kernel: KernelDef, code: torch.dtype) -> None:
+        self.kernel = kernel
+        self.code = code
+
+    def reference(self, xq: torch.Tensor, x_scale: torch.Tensor, w: ScaledLinear,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+        """Exact dot products of the codes (int32 for int8, float64 for e4m3), then
+        acc * x_scale[m] * w_scale[n] (+ bias) in fp32."""
+        return reference(xq, w.weight, x_scale, w.weight_scale, w.bias, out_dtype)
+
+    def gemm(self, xq: torch.Tensor, x_scale: torch.Tensor, w: ScaledLinear, out_dtype: torch.dtype,
+             out: torch.Tensor | None = None, executor: "Executor | None" = None) -> torch.Tensor:
+        """out [M, N] from codes xq [M, K] and fp32 scales ([M] per token, or [1] when w is static)."""
+        if xq.dtype != self.code or w.weight.dtype != self.code:
+            raise TypeError(f"{self.kernel.name} takes {str(self.code).replace('torch.', '')} activations "
+                            "and weights")
+        return run_gemm(self.kernel, xq, x_scale, w, out_dtype, out, executor)
+
+    def linear(self, x: torch.Tensor, w: ScaledLinear, executor: "Executor | None" = None) -> torch.Tensor:
+        """Quantize x [..., K] to the codes per token (or with w.input_scale) and multiply by w."""
+        return run_linear(self.kernel, x, w, self.code, executor)

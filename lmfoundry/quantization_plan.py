@@ -18,10 +18,12 @@ from lmfoundry.errors import UserError
 if TYPE_CHECKING:
     from lmfoundry.model.config import ModelConfig
     from lmfoundry.quantizers.base import Quantizer
-    from lmfoundry.quantizers.scheme import QuantizationPlan
+    from lmfoundry.quantizers.scheme import QuantizationPlan, Strategy
     from lmfoundry.recipe import QuantizeSection
 
 KV_CHOICES = ("int8", "fp8")
+# a recipe's kv_strategy -> the scheme's strategy ("head" is the recipe's word for per attention head)
+KV_STRATEGIES: dict[str, Strategy] = {"tensor": "tensor", "head": "attn_head", "attn_head": "attn_head"}
 
 
 def build_plan(q: QuantizeSection) -> QuantizationPlan:
@@ -34,8 +36,8 @@ def build_plan(q: QuantizeSection) -> QuantizationPlan:
     if q.kv_cache:
         if q.kv_cache not in KV_CHOICES:
             raise UserError(f"kv_cache {q.kv_cache!r}: expected one of {', '.join(KV_CHOICES)}")
-        strategy = {"head": "attn_head"}.get(q.kv_strategy or "tensor", q.kv_strategy or "tensor")
-        kv = QuantArgs(8, "float" if q.kv_cache == "fp8" else "int", True, strategy, None)
+        kv = QuantArgs(8, "float" if q.kv_cache == "fp8" else "int", True,
+                       "attn_head" if q.kv_strategy == "head" else "tensor", None)
     return QuantizationPlan([SchemeGroup(scheme, tuple(q.targets))], list(q.ignore), kv)
 
 

@@ -21,7 +21,7 @@ from lmfoundry.quantizers.activations import (
     static_input_scales,
 )
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer
-from lmfoundry.quantizers.rtn import rtn_quantize_weight
+from lmfoundry.quantizers.rtn import float_weight, rtn_quantize_weight
 from lmfoundry.quantizers.scheme import Scheme
 
 
@@ -58,7 +58,7 @@ class FP8Quantizer(Quantizer):
     @torch.no_grad()
     def quantize_layer(self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None,
                        layer_idx: int) -> LayerResult:
-        weights = {n: rtn_quantize_weight(layer.get_submodule(n).weight.data, s.weights, self.scale_dtype)
+        weights = {n: rtn_quantize_weight(float_weight(layer, n), s.weights, self.scale_dtype)
                    for n, s in schemes.items()}
         extra: dict[str, torch.Tensor] = {}
         if needs_static_activations(schemes):

@@ -46,6 +46,7 @@ def mse_observer(
         best_scale = scale if best_scale is None else torch.where(better, scale, best_scale)
         if zp is not None:
             best_zp = zp if best_zp is None else torch.where(better, zp, best_zp)
+    assert best_scale is not None, "the grid has at least one point"
     return _squeeze(best_scale, args), _squeeze(best_zp, args) if best_zp is not None else None
 
 

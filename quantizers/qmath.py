@@ -27,7 +27,8 @@ def reduce_shape(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     """View `w` [out, in] as [out, groups, group_size] so qparams reduce over the last dim."""
     out, cols = w.shape
     if args.strategy == "group":
-        g = int(args.group_size)  # validated by the caller (check_group_size)
+        g = args.group_size  # validated by the caller (check_group_size); QuantArgs refuses None
+        assert g is not None
         return w.reshape(out, cols // g, g)
     if args.strategy in ("channel", "token"):
         return w.reshape(out, 1, cols)
@@ -100,7 +101,7 @@ def _expand(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def check_group_size(name: str, in_features: int, args: QuantArgs) -> None:
     from lmfoundry.errors import UserError
 
-    if args.strategy == "group" and in_features % int(args.group_size) != 0:
+    if args.strategy == "group" and args.group_size is not None and in_features % args.group_size != 0:
         raise UserError(
             f"group size {args.group_size} does not divide the input dimension {in_features} of {name}"
         )

@@ -23,6 +23,14 @@ def rtn_quantize_weight(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dty
     return qw
 
 
+
+def float_weight(layer: nn.Module, name: str) -> torch.Tensor:
+    """The weight of the float linear `name` of a decoder layer being quantized."""
+    lin = layer.get_submodule(name)
+    if not isinstance(lin, nn.Linear):
+        raise TypeError(f"{name} is a {type(lin).__name__}, not the float linear a quantizer reads")
+    return lin.weight.data
+
 class RTNQuantizer(Quantizer):
     name = "rtn"
     needs_calibration = False
@@ -33,6 +41,5 @@ class RTNQuantizer(Quantizer):
     ) -> LayerResult:
         out = {}
         for name, scheme in schemes.items():
-            w = layer.get_submodule(name).weight.data
-            out[name] = rtn_quantize_weight(w, scheme.weights, self.scale_dtype)
+            out[name] = rtn_quantize_weight(float_weight(layer, name), scheme.weights, self.scale_dtype)
         return LayerResult(out)

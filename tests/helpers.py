@@ -321,7 +321,7 @@ metadata:
 
 def engine_outside_the_package(**config: Any) -> Any:
     """An engine factory only the tests' sys.path can import (an engine process must find it)."""
-    from lmfoundry.runtime.engine.toy import toy_engine
+    from toy import toy_engine
 
     return toy_engine(seed=2, **config)
 

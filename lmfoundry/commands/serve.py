@@ -225,9 +225,9 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         if server is not None:
             server.should_exit = True  # in-flight requests have their 503; stop listening
 
-    spec = EngineSpec(LLMEngine.from_pretrained, (model, run_dtype, config),
-                      {"device": device, "draft_model": draft_model})
-    engine = EngineCoreClient(spec, on_death=on_engine_death)  # loads the model in the engine process
+    engine_spec = EngineSpec(LLMEngine.from_pretrained, (model, run_dtype, config),
+                             {"device": device, "draft_model": draft_model})
+    engine = EngineCoreClient(engine_spec, on_death=on_engine_death)  # loads the model in the engine process
     try:
         _note_capped_context(engine.info, max_model_len, kv_cache_gb)
         name = served_model_name or os.path.basename(os.path.normpath(model))

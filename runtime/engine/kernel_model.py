@@ -10,7 +10,7 @@ a dense GEMM (or the kernel of its scheme).
 Every op is a `lmfoundry.kernels` op bound to the `KernelSet` of `load_engine`: shipped cubins on a
 matching GPU, Triton JIT where they do not fit (or under TRITON_INTERPRET=1 on CPU), each kernel's
 PyTorch reference otherwise. Nothing here dequantizes a weight: a W4A16 layer keeps int4 codes
-and scales resident, in the tiled layout compile wrote (`kernels.w4a16.TiledLinear`; an act-order
+and scales resident, in the tiled layout compile wrote (`kernels.tiled_layout.TiledLinear`; an act-order
 down_proj reads gate/up outputs that compile stored in its K order). This module holds no scheduling state; `KernelModelExecutor` feeds it the
 flat inputs of one step.
 """
@@ -29,7 +29,8 @@ from lmfoundry.kernels.kv_cache import PagedKVCache
 from lmfoundry.kernels.paged_attention import decode_splits, device_sm_count
 from lmfoundry.kernels.rotary import rope_tables
 from lmfoundry.kernels.scaled_mm import ScaledLinear
-from lmfoundry.kernels.w4a16 import PackedLinear, TiledLinear
+from lmfoundry.kernels.tiled_layout import TiledLinear
+from lmfoundry.kernels.w4a16 import PackedLinear
 from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}

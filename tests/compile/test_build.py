@@ -15,7 +15,7 @@ from lmfoundry.compile.aot import run_jobs
 from lmfoundry.compile.bundle import build_engine
 from lmfoundry.compile.checkpoint import load_checkpoint
 from lmfoundry.compile.plan import make_plan
-from lmfoundry.kernels import w4a16
+from lmfoundry.kernels import tiled_layout
 
 
 def test_w8a8_for_ampere(make_checkpoint, tmp_path):
@@ -99,7 +99,7 @@ def test_sass_check_demands_wgmma_on_hopper():
 
 
 def _tiled(d, name):
-    return w4a16.TiledLinear.from_tensors({k[len(name) + 1:]: v for k, v in d.items() if k.startswith(name + ".")})
+    return tiled_layout.TiledLinear.from_tensors({k[len(name) + 1:]: v for k, v in d.items() if k.startswith(name + ".")})
 
 
 def test_repacked_weights_concatenate_the_fused_members(make_checkpoint, tmp_path):
@@ -119,11 +119,11 @@ def test_repacked_weights_concatenate_the_fused_members(make_checkpoint, tmp_pat
     pre = "model.layers.0.self_attn."
     members = [pre + f"{m}_proj" for m in "qkv"]
     expect, _ = fuse_members(members, [128, 64, 64], src.__getitem__, src.__contains__)
-    back = w4a16.unrepack_tiled(_tiled(t, pre + "qkv_proj"))
+    back = tiled_layout.unrepack_tiled(_tiled(t, pre + "qkv_proj"))
     assert back.out_features == 256 and back.in_features == 128
     for key in ("weight_packed", "weight_scale", "weight_zero_point"):
         assert torch.equal(getattr(back, key), expect[key]), key
-    down = w4a16.unrepack_tiled(_tiled(t, "model.layers.1.mlp.down_proj"))
+    down = tiled_layout.unrepack_tiled(_tiled(t, "model.layers.1.mlp.down_proj"))
     assert torch.equal(down.weight_packed, src["model.layers.1.mlp.down_proj.weight_packed"])
 
 
@@ -145,15 +145,15 @@ def test_act_order_is_folded_into_gate_up(make_checkpoint, tmp_path):
     t, src = load_file(tmp_path / "model.safetensors"), load_file(ckpt / "model.safetensors")
     pre = "model.layers.1.mlp."
     down, gate_up = _tiled(t, pre + "down_proj"), _tiled(t, pre + "gate_up_proj")
-    perm = w4a16.act_order_perm(src[pre + "down_proj.weight_g_idx"], 32)
+    perm = tiled_layout.act_order_perm(src[pre + "down_proj.weight_g_idx"], 32)
     assert down.input_permuted and torch.equal(down.perm, perm)
     assert torch.equal(gate_up.out_perm, torch.cat([perm, perm + 256]))
     qkv = _tiled(t, "model.layers.1.self_attn.qkv_proj")
     assert qkv.perm is not None and not qkv.input_permuted and qkv.out_perm is None
-    back = w4a16.unrepack_tiled(down)
+    back = tiled_layout.unrepack_tiled(down)
     for key, name in (("weight_packed", "weight_packed"), ("weight_scale", "weight_scale"), ("weight_g_idx", "weight_g_idx")):
         assert torch.equal(getattr(back, key), src[pre + "down_proj." + name]), key
-    back = w4a16.unrepack_tiled(gate_up)
+    back = tiled_layout.unrepack_tiled(gate_up)
     assert torch.equal(back.weight_packed, torch.cat([src[pre + "gate_proj.weight_packed"], src[pre + "up_proj.weight_packed"]]))
     assert torch.equal(back.weight_g_idx, src[pre + "gate_proj.weight_g_idx"])
 

@@ -12,9 +12,9 @@ import torch
 
 from lmfoundry.compile import cuda_driver, loader
 from lmfoundry.compile.loader import DeviceInfo, EngineIntegrityError, load_engine
-from lmfoundry.kernels import activation, registry, w4a16
-from lmfoundry.kernels.checks import U32, assert_within, exact_weight_bound, unit_roundoff
+from lmfoundry.kernels import activation, registry, tiled_layout, w4a16, w4a16_tiled
 from lmfoundry.kernels.dispatch import is_interpreter
+from lmfoundry.kernels.error_bounds import U32, assert_within, exact_weight_bound, unit_roundoff
 from lmfoundry.kernels.interpreter import patch_interpreter
 
 # These run the JIT fallback on host tensors standing in for device memory (fake driver).
@@ -34,7 +34,7 @@ def tiny_linear(gen, n=N_QKV, k=K):
 
 def tiny_tiled(gen, n=N_QKV, k=K):
     """The tiled layout compile writes for `tiny_linear` (what the bundle's W4A16 kernel reads)."""
-    return w4a16.repack_tiled(tiny_linear(gen, n, k))
+    return tiled_layout.repack_tiled(tiny_linear(gen, n, k))
 
 
 def test_manifest_lists_every_kernel_with_its_hash(hopper_engine):
@@ -67,7 +67,7 @@ def test_cpu_runs_the_reference(hopper_engine):
     x = torch.randn(3, K, generator=gen).bfloat16()
     out = ks.w4a16_linear(x, w)
     assert torch.equal(out, w4a16.reference(x, w.weight_packed, w.weight_scale, w.weight_zero_point, None, None, 4, 32))
-    assert torch.equal(ks.w4a16_tiled_linear(x, w4a16.repack_tiled(w)), out)  # same definition, other layout
+    assert torch.equal(ks.w4a16_tiled_linear(x, tiled_layout.repack_tiled(w)), out)  # same definition, other layout
     assert ks.stats == {"reference": 2}
 
 
@@ -155,7 +155,7 @@ def test_cubin_launch_uses_the_shipped_metadata(cubin_set, hopper_engine):
     assert ks.stats == {"cubin": 1}
     (image, entry, shared), = fake.loads
     launch, = fake.launches
-    kernel = ks.executor.find(w4a16.make_tiled_call(x, w, out))
+    kernel = ks.executor.find(w4a16_tiled.make_tiled_call(x, w, out))
     meta = kernel.meta
     assert image == (hopper_engine / kernel.entry["files"]["cubin"]).read_bytes()
     assert entry == meta["entry"] == "w4a16_tiled_kernel" and shared == meta["shared"] == launch["shared"]
@@ -169,7 +169,7 @@ def test_cubin_launch_uses_the_shipped_metadata(cubin_set, hopper_engine):
     assert args[8:11] == [("i32", 37), ("i32", N_QKV), ("i32", K)]
     # Decode-sized calls take the 16-token bucket: one program per 128-row weight tile (and split).
     ks.w4a16_tiled_linear(x[:2], w, out=out[:2])
-    small = ks.executor.find(w4a16.make_tiled_call(x[:2], w, out[:2]))
+    small = ks.executor.find(w4a16_tiled.make_tiled_call(x[:2], w, out[:2]))
     assert small is not kernel and small.config["BLOCK_M"] == 16
     assert fake.launches[-1]["grid"] == [1, -(-N_QKV // small.config["BLOCK_N"]), small.config["SPLIT_K"]]
 
@@ -186,8 +186,8 @@ def test_uncovered_or_misaligned_calls_fall_back_to_jit(cubin_set, caplog):
         ks.w4a16_tiled_linear(x, w)
     assert not fake.launches and ks.stats == {"jit": 2}
     assert sum("no shipped kernel covers" in r.getMessage() for r in caplog.records) == 1  # said once
-    ref = w4a16.tiled_reference(x, w)
-    exact, offset, weight_u = w4a16.tiled_error_terms(w, torch.bfloat16)
+    ref = w4a16_tiled.tiled_reference(x, w)
+    exact, offset, weight_u = w4a16_tiled.tiled_error_terms(w, torch.bfloat16)
     assert_within(out, ref, exact_weight_bound(ref, x, exact, offset, torch.bfloat16, weight_u), "fallback")
     # A covered shape whose activation pointer is not 16-byte aligned breaks a build assumption.
     w = tiny_tiled(gen)

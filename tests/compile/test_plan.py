@@ -63,15 +63,15 @@ def test_alignment_assumptions_follow_the_shapes(make_checkpoint):
 
 def test_w4a16_split_k_fills_the_sms():
     """Decode-sized buckets split K so n-tiles x splits reach the arch's SM count; batched rows
-    (above w4a16.SPLIT_MAX_M, where the op passes no workspace) never split."""
+    (above w4a16_tiled.SPLIT_MAX_M, where the op passes no workspace) never split."""
     from lmfoundry.gpus import SM_COUNT
-    from lmfoundry.kernels import w4a16
+    from lmfoundry.kernels import w4a16_tiled
 
     for cap in (80, 89, 90):
         for n, k in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]:
             for lo, hi, c in tiles.buckets(cap, "w4a16_tiled", {"N": n, "K": k, "bits": 4, "group": 128}):
                 programs = -(-hi // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]) * c["SPLIT_K"]
-                if hi <= w4a16.SPLIT_MAX_M:
+                if hi <= w4a16_tiled.SPLIT_MAX_M:
                     assert programs >= 0.75 * SM_COUNT[cap] or c["SPLIT_K"] == tiles.MAX_SPLIT_K, (cap, n, k, lo, c)
                 else:
                     assert c["SPLIT_K"] == 1

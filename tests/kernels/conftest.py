@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.kernels.checks import U32
 from lmfoundry.kernels.dispatch import is_interpreter
+from lmfoundry.kernels.error_bounds import U32
 
 if is_interpreter():
     from lmfoundry.kernels.interpreter import patch_interpreter

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import activation
-from lmfoundry.kernels.checks import U32, assert_within, assert_written, poisoned, unit_roundoff
+from lmfoundry.kernels.error_bounds import U32, assert_within, assert_written, poisoned, unit_roundoff
 
 
 @pytest.mark.parametrize("rows,inter,dtype", [(1, 1536, torch.bfloat16), (7, 100, torch.float16), (3, 256, torch.float32)])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import fp8
-from lmfoundry.kernels.checks import U32, assert_within, assert_written, dot_bound, poisoned, unit_roundoff
+from lmfoundry.kernels.error_bounds import U32, assert_within, assert_written, dot_bound, poisoned, unit_roundoff
 from lmfoundry.kernels.scaled_mm import ScaledLinear
 
 E4M3 = torch.float8_e4m3fn

@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers import gpu_kernels_benchmark
 
-from lmfoundry.kernels import examples
-from lmfoundry.kernels.checks import U32
+from lmfoundry.kernels import harness
 from lmfoundry.kernels.dispatch import JitExecutor
+from lmfoundry.kernels.error_bounds import U32
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_prefill_cases_count_causal_pairs(bench):
     # a short instance of each case builds on CPU with the same flop count the section asserts
     for case in cases[:2]:
         n = 48
-        ex = examples.build("paged_prefill", {"act": "bf16", "kv": case["kv"]}, {**heads, "KV_QUANT": case["KV_QUANT"]},
+        ex = harness.build("paged_prefill", {"act": "bf16", "kv": case["kv"]}, {**heads, "KV_QUANT": case["KV_QUANT"]},
                             {"B": case["B"], "ctx": n, "q_len": n, "uniform": 1}, "cpu")
-        assert ex.flops == examples.causal_attention_flops([n] * case["B"], [n] * case["B"], 32, 128)
+        assert ex.flops == harness.causal_attention_flops([n] * case["B"], [n] * case["B"], 32, 128)
         assert ex.flops == 4 * 128 * 32 * case["B"] * n * (n + 1) // 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import norm_quant
-from lmfoundry.kernels.checks import (
+from lmfoundry.kernels.error_bounds import (
     U32,
     assert_within,
     assert_written,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import kv_cache, paged_attention
-from lmfoundry.kernels.checks import U32, assert_within, assert_written, attention_bound, poisoned
+from lmfoundry.kernels.error_bounds import U32, assert_within, assert_written, attention_bound, poisoned
 from lmfoundry.kernels.kv_cache import PagedKVCache
 
 E4M3 = torch.float8_e4m3fn

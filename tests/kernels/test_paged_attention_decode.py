@@ -26,9 +26,9 @@ import pytest
 import torch
 from helpers import gpu_kernels_benchmark
 
-from lmfoundry.kernels import examples, kv_cache, paged_attention
-from lmfoundry.kernels.checks import assert_within, assert_written, attention_bound, poisoned
+from lmfoundry.kernels import harness, kv_cache, paged_attention
 from lmfoundry.kernels.dispatch import JitExecutor, ReferenceExecutor
+from lmfoundry.kernels.error_bounds import assert_within, assert_written, attention_bound, poisoned
 from lmfoundry.kernels.kv_cache import PagedKVCache
 from lmfoundry.kernels.spec import KernelCall
 
@@ -270,5 +270,5 @@ def test_gpu_benchmark_decode_section_shapes():
         if kernel.startswith("paged_decode"):
             shape = bench.bench_shape(kernel, shape, 2)
             assert shape["B"] == 2 and shape["ctx"] == 2048
-            ex = examples.build(kernel, types, sem, {**shape, "ctx": 40}, "cpu")  # short: built on CPU
+            ex = harness.build(kernel, types, sem, {**shape, "ctx": 40}, "cpu")  # short: built on CPU
             assert ex.call.kernel.name == kernel and ex.bytes > 0 and not rows

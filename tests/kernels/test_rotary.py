@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import rotary
-from lmfoundry.kernels.checks import U32, assert_within, assert_written, poisoned, unit_roundoff
+from lmfoundry.kernels.error_bounds import U32, assert_within, assert_written, poisoned, unit_roundoff
 
 
 def tables(d: int, positions: int):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.kernels import examples, splitk
+from lmfoundry.kernels import harness, splitk
 from lmfoundry.kernels.dispatch import JitExecutor
 from lmfoundry.kernels.spec import TileConfig
 
@@ -35,16 +35,16 @@ CASES = [
 def test_split_and_swapped_tiles_match_the_reference(kt, m, n, k, per_token, bias, tiles, device):
     kernel, types = kt
     sem = {"A_PER_TOKEN": per_token, "B_PER_CHANNEL": True, "HAS_BIAS": bias, "ACC_INT": kernel == "w8a8_gemm"}
-    ex = examples.build(kernel, types, sem, {"M": m, "N": n, "K": k}, device)
+    ex = harness.build(kernel, types, sem, {"M": m, "N": n, "K": k}, device)
     bm, bn, bk, split, swap = tiles
     cfg = TileConfig.make(num_warps=4, num_stages=2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SWAP_AB=swap)
-    examples.run_and_check(ex, JitExecutor(pick_config=lambda call: cfg))
+    harness.run_and_check(ex, JitExecutor(pick_config=lambda call: cfg))
 
 
 def test_split_k_is_deterministic_and_resets_its_counters(device):
     kernel, types = F8
     sem = {"A_PER_TOKEN": True, "B_PER_CHANNEL": True, "HAS_BIAS": False, "ACC_INT": False}
-    ex = examples.build(kernel, types, sem, {"M": 5, "N": 64, "K": 384}, device)
+    ex = harness.build(kernel, types, sem, {"M": 5, "N": 64, "K": 384}, device)
     cfg = TileConfig.make(num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=3, SWAP_AB=1)
     runs = []
     for _ in range(2):

@@ -7,7 +7,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
 from lmfoundry.kernels import w4a16
-from lmfoundry.kernels.checks import assert_within, assert_written, dot_bound, poisoned
+from lmfoundry.kernels.error_bounds import assert_within, assert_written, dot_bound, poisoned
 
 
 def make_linear(n, k, bits, group, symmetric, actorder, dtype, gen, bias=False) -> w4a16.PackedLinear:

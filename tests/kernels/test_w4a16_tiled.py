@@ -24,9 +24,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.kernels import w4a16
-from lmfoundry.kernels.checks import assert_within, assert_written, exact_weight_bound, poisoned
+from lmfoundry.kernels import tiled_layout, w4a16, w4a16_tiled
 from lmfoundry.kernels.dispatch import JitExecutor, ReferenceExecutor
+from lmfoundry.kernels.error_bounds import assert_within, assert_written, exact_weight_bound, poisoned
 from lmfoundry.kernels.spec import TileConfig
 
 BF, F16 = torch.bfloat16, torch.float16
@@ -40,12 +40,12 @@ def make_packed(n: int, k: int, bits: int, group: int, symmetric: bool, actorder
     scale = (torch.rand(n, groups, generator=gen) * 0.02 + 0.002).to(dtype)
     zp = None
     if not symmetric:
-        zp = w4a16.pack_codes(torch.randint(0, 1 << bits, (n, groups), generator=gen, dtype=torch.int32), bits, 0)
+        zp = tiled_layout.pack_codes(torch.randint(0, 1 << bits, (n, groups), generator=gen, dtype=torch.int32), bits, 0)
     g_idx = None
     if actorder:
         g_idx = ((torch.arange(k) // (group or k))[torch.randperm(k, generator=gen)]).to(torch.int32)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    return w4a16.PackedLinear(w4a16.pack_codes(q, bits, 1), scale, bits, group, k, zp, g_idx, b)
+    return w4a16.PackedLinear(tiled_layout.pack_codes(q, bits, 1), scale, bits, group, k, zp, g_idx, b)
 
 
 def config(bm: int, bn: int, split: int) -> TileConfig:
@@ -54,17 +54,17 @@ def config(bm: int, bn: int, split: int) -> TileConfig:
 
 def run_and_check(m, n, k, bits, group, symmetric, actorder, dtype, bias, cfg, gen, device, acc_u):
     w = make_packed(n, k, bits, group, symmetric, actorder, dtype, gen, bias)
-    t = w4a16.repack_tiled(w)
+    t = tiled_layout.repack_tiled(w)
     x = torch.randn(m, k, generator=gen).to(dtype)
     out = poisoned((m, n), dtype, device)
     executor = JitExecutor(pick_config=(lambda call: cfg) if cfg is not None else None)
-    w4a16.w4a16_tiled_linear(x.to(device), t.to(device), out=out, executor=executor)
+    w4a16_tiled.w4a16_tiled_linear(x.to(device), t.to(device), out=out, executor=executor)
     assert_written(out, "w4a16_tiled")
-    ref = w4a16.tiled_reference(x, t)
+    ref = w4a16_tiled.tiled_reference(x, t)
     # the tiled reference is the compressed-tensors reference (same rounding points, K permuted)
     legacy = w4a16.reference(x, w.weight_packed, w.weight_scale, w.weight_zero_point, w.weight_g_idx, w.bias, bits,
                              group)
-    exact, offset, weight_u = w4a16.tiled_error_terms(t, dtype)
+    exact, offset, weight_u = w4a16_tiled.tiled_error_terms(t, dtype)
     xs = x.index_select(1, t.perm.long()) if t.perm is not None else x
     bound = exact_weight_bound(ref, xs, exact, offset, dtype, weight_u, acc_u, t.bias)
     assert_within(legacy, ref, bound, "tiled reference vs compressed-tensors reference")
@@ -105,11 +105,11 @@ def test_default_and_hopper_table_configs(gen, device, acc_u):
 
 def test_split_k_is_deterministic_and_resets_its_counters(gen, device):
     """Splits add up in a fixed order: two runs agree bit for bit; every tile counter is back to 0."""
-    w = w4a16.repack_tiled(make_packed(96, 512, 4, 32, False, False, BF, gen)).to(device)
+    w = tiled_layout.repack_tiled(make_packed(96, 512, 4, 32, False, False, BF, gen)).to(device)
     x = torch.randn(5, 512, generator=gen).to(BF).to(device)
-    runs = [w4a16.w4a16_tiled_linear(x, w, executor=JitExecutor(lambda call: config(16, 32, 3))) for _ in range(2)]
+    runs = [w4a16_tiled.w4a16_tiled_linear(x, w, executor=JitExecutor(lambda call: config(16, 32, 3))) for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
-    assert int(w4a16.split_locks(torch.device(device), 1).abs().sum()) == 0
+    assert int(w4a16_tiled.split_locks(torch.device(device), 1).abs().sum()) == 0
 
 
 def test_act_order_folded_into_the_producer(gen, device, acc_u):
@@ -118,24 +118,24 @@ def test_act_order_folded_into_the_producer(gen, device, acc_u):
     inter, hidden = 256, 128
     gate, up = (make_packed(inter, hidden, 4, 32, True, False, BF, gen) for _ in range(2))
     down = make_packed(hidden, inter, 4, 64, False, True, BF, gen)
-    perm = w4a16.act_order_perm(down.weight_g_idx, 64).long()
+    perm = tiled_layout.act_order_perm(down.weight_g_idx, 64).long()
     x = torch.randn(3, hidden, generator=gen).to(BF)
 
-    def mlp(g: w4a16.TiledLinear, u: w4a16.TiledLinear, d: w4a16.TiledLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        run = lambda w, v: w4a16.w4a16_tiled_linear(v, w, executor=ReferenceExecutor())  # noqa: E731
+    def mlp(g: tiled_layout.TiledLinear, u: tiled_layout.TiledLinear, d: tiled_layout.TiledLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        run = lambda w, v: w4a16_tiled.w4a16_tiled_linear(v, w, executor=ReferenceExecutor())  # noqa: E731
         h = (torch.nn.functional.silu(run(g, x).float()) * run(u, x).float()).to(BF)
         return h, run(d, h)
 
-    plain_h, plain = mlp(w4a16.repack_tiled(gate), w4a16.repack_tiled(up), w4a16.repack_tiled(down))
-    folded = [w4a16.repack_tiled(gate, out_perm=perm), w4a16.repack_tiled(up, out_perm=perm),
-              w4a16.repack_tiled(down, input_permuted=True)]
+    plain_h, plain = mlp(tiled_layout.repack_tiled(gate), tiled_layout.repack_tiled(up), tiled_layout.repack_tiled(down))
+    folded = [tiled_layout.repack_tiled(gate, out_perm=perm), tiled_layout.repack_tiled(up, out_perm=perm),
+              tiled_layout.repack_tiled(down, input_permuted=True)]
     folded_h, folded_out = mlp(*folded)
     assert torch.equal(folded_h, plain_h[:, perm]) and torch.equal(folded_out, plain)
     # the kernel on the pre-permuted input (no gather)
     out = poisoned((3, hidden), BF, device)
-    w4a16.w4a16_tiled_linear(folded_h.to(device), folded[2].to(device), out=out)
+    w4a16_tiled.w4a16_tiled_linear(folded_h.to(device), folded[2].to(device), out=out)
     assert_written(out, "folded down_proj")
-    exact, offset, weight_u = w4a16.tiled_error_terms(folded[2], BF)
+    exact, offset, weight_u = w4a16_tiled.tiled_error_terms(folded[2], BF)
     bound = exact_weight_bound(folded_out, folded_h, exact, offset, BF, weight_u, acc_u)
     assert_within(out.cpu(), folded_out, bound, "folded down_proj")
 
@@ -156,10 +156,10 @@ ROUND_TRIP = [
 def test_repack_round_trip_is_exact(n, k, bits, group, symmetric, actorder, rows, gen):
     w = make_packed(n, k, bits, group, symmetric, actorder, BF, gen, bias=True)
     out_perm = torch.randperm(n, generator=gen).to(torch.int32) if rows else None
-    t = w4a16.repack_tiled(w, out_perm=out_perm)
-    assert t.qweight.shape == (-(-n // 128), -(-k // w4a16.panel_k(bits)), 128, 16)
+    t = tiled_layout.repack_tiled(w, out_perm=out_perm)
+    assert t.qweight.shape == (-(-n // 128), -(-k // tiled_layout.panel_k(bits)), 128, 16)
     assert t.scale.shape[1] % 128 == 0
-    back = w4a16.unrepack_tiled(w4a16.TiledLinear.from_tensors(t.to_tensors()))
+    back = tiled_layout.unrepack_tiled(tiled_layout.TiledLinear.from_tensors(t.to_tensors()))
     for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "bias"):
         a, b = getattr(w, name), getattr(back, name)
         assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
@@ -176,7 +176,7 @@ def test_repack_round_trip_is_exact(n, k, bits, group, symmetric, actorder, rows
 def test_unbalanced_act_order_is_refused():
     g_idx = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1], dtype=torch.int32)  # groups of 3 and 5, not of 4
     with pytest.raises(ValueError, match="equal groups of 4"):
-        w4a16.act_order_perm(g_idx, 4)
+        tiled_layout.act_order_perm(g_idx, 4)
 
 
 def test_pair_packing_matches_the_kernel_order():
@@ -184,7 +184,7 @@ def test_pair_packing_matches_the_kernel_order():
     word gives the pair (2w, 2w + 1) of plane p in its two 16-bit halves."""
     n, k = 1, 128
     codes = (torch.arange(k, dtype=torch.int32) % 16).reshape(1, k)
-    t = w4a16.repack_tiled(w4a16.PackedLinear(w4a16.pack_codes(codes, 4, 1), torch.ones(1, 1), 4, 0, k))
+    t = tiled_layout.repack_tiled(w4a16.PackedLinear(tiled_layout.pack_codes(codes, 4, 1), torch.ones(1, 1), 4, 0, k))
     word = int(t.qweight[0, 0, 0, 5]) & 0xFFFFFFFF  # row 0, word 5
     for p in range(4):
         lo, hi = (word >> (4 * p)) & 0xF, (word >> (16 + 4 * p)) & 0xF

@@ -6,10 +6,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from toy import byte_tokenizer, toy_model
 
 from lmfoundry.commands.bench import bench
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 from lmfoundry.runtime.server.app import create_app
 from lmfoundry.runtime.server.background import serve_in_thread
 

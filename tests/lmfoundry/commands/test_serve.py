@@ -5,8 +5,7 @@ from __future__ import annotations
 import openai
 from helpers import start_serve, stop_serve
 from helpers import wait_for_url as _wait_for_url
-
-from lmfoundry.runtime.engine.toy import save_toy_checkpoint
+from toy import save_toy_checkpoint
 
 _serve = start_serve
 

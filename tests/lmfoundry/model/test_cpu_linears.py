@@ -174,7 +174,7 @@ def test_prepacked_linear_equals_f_linear_exactly(rows: int, bias: bool) -> None
 
 @needs_bf16_onednn
 def test_prepack_swaps_the_dense_bf16_linears_and_keeps_the_model_output() -> None:
-    from lmfoundry.runtime.engine.toy import toy_model
+    from toy import toy_model
 
     model = toy_model(seed=3, dtype=torch.bfloat16)
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -236,7 +236,7 @@ def test_fused_prepacked_linear_matches_each_f_linear(sizes: tuple[int, ...], ro
 
 
 def fusable_model(model_type: str = "llama", **overrides: object) -> torch.nn.Module:
-    from lmfoundry.runtime.engine.toy import toy_model
+    from toy import toy_model
 
     return toy_model(seed=3, dtype=torch.bfloat16, model_type=model_type, **overrides)
 

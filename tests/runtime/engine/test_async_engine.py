@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from toy import byte_tokenizer, toy_model
+
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 
 def test_run_here_serves_requests_from_another_threads_loop() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import reference_greedy
+from toy import byte_tokenizer, toy_model
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 EOS = 258
 

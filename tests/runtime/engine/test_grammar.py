@@ -10,6 +10,7 @@ import random
 import jsonschema
 import pytest
 import torch
+from toy import byte_tokenizer, toy_model
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.grammar import GrammarCompiler, GrammarMatcher, bitmask_to_allowed, fill_bitmasks
@@ -21,7 +22,6 @@ from lmfoundry.runtime.engine.sampler import (
     reference_process_row,
 )
 from lmfoundry.runtime.engine.sequence import Sequence
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 EOS = 258  # the toy tokenizer's <|im_end|>
 PADDED_VOCAB = 300  # logits wider than the tokenizer's 259 tokens, as padded real vocabularies are

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import reference_greedy
+from toy import toy_model
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.kv_cache import FP8, KVCacheLayers, KVFormat
-from lmfoundry.runtime.engine.toy import toy_model
 
 
 def ref_int8(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import reference_greedy
+from toy import save_toy_checkpoint
 
 from lmfoundry.cli import cli
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.kv_cache import FP8
-from lmfoundry.runtime.engine.toy import save_toy_checkpoint
 
 CASES = {
     "w4a16": ["--scheme", "w4a16", "--group-size", "32"],

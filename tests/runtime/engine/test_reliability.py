@@ -24,9 +24,9 @@ import math
 
 import pytest
 from helpers import poison_sampler
+from toy import byte_tokenizer, toy_model
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 VOCAB = 259
 

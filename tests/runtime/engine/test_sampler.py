@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from helpers import reference_greedy
+from toy import toy_model
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.sampler import (
@@ -19,7 +20,6 @@ from lmfoundry.runtime.engine.sampler import (
     sampling_probs,
 )
 from lmfoundry.runtime.engine.sequence import Sequence
-from lmfoundry.runtime.engine.toy import toy_model
 
 VOCAB = 300
 EOS = {7}

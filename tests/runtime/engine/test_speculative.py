@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 from helpers import reference_greedy
+from toy import byte_tokenizer, toy_model
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.speculative import ngram_lookup
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 EOS = 258
 GREEDY = SamplingParams(max_tokens=40, temperature=0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import assert_one_error, run_cli, tiny_model_folder
+from toy import save_toy_checkpoint
 
 from lmfoundry.capacity_math import default_quant_specs, kv_bytes_per_token, weight_bytes
 from lmfoundry.cli import cli
@@ -16,7 +17,6 @@ from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
-from lmfoundry.runtime.engine.toy import save_toy_checkpoint
 from lmfoundry.runtime.loader import load_model
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,11 +10,11 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import pytest
+from toy import toy_engine
 
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineClient
 from lmfoundry.runtime.engine.core import EngineSpec
 from lmfoundry.runtime.engine.core_client import EngineCoreClient
-from lmfoundry.runtime.engine.toy import toy_engine
 from lmfoundry.runtime.server.app import create_app
 from lmfoundry.runtime.server.background import serve_in_thread
 

@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 from helpers import QUESTIONS, write_task
+from toy import byte_tokenizer, save_toy_checkpoint, toy_model
 
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from lmfoundry.runtime.engine.toy import byte_tokenizer, save_toy_checkpoint, toy_model
 from lmfoundry.runtime.server.app import create_app
 from lmfoundry.runtime.server.background import serve_in_thread
 

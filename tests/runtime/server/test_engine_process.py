@@ -14,11 +14,11 @@ import httpx
 import psutil
 import pytest
 from helpers import post_in_background, start_serve, stop_serve, wait_for_url
+from toy import save_toy_checkpoint, toy_engine
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.core import EngineSpec
 from lmfoundry.runtime.engine.core_client import EngineCoreClient
-from lmfoundry.runtime.engine.toy import save_toy_checkpoint, toy_engine
 
 pytestmark = pytest.mark.timeout(180)
 

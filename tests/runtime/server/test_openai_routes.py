@@ -54,8 +54,7 @@ def test_embeddings_with_the_openai_client(server) -> None:
     import base64
 
     import numpy as np
-
-    from lmfoundry.runtime.engine.toy import toy_engine
+    from toy import toy_engine
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     texts = ["The capital of France is", "héllo 👋"]

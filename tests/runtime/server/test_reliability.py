@@ -38,10 +38,10 @@ from typing import Iterator
 import httpx
 import pytest
 from helpers import poison_sampler
+from toy import byte_tokenizer, toy_model
 
 from lmfoundry.cli import main as cli_main
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 from lmfoundry.runtime.server.app import create_app
 from lmfoundry.runtime.server.background import serve_in_thread
 

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 import torch
+from toy import byte_tokenizer, toy_model
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.sampler import reference_process_row
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 from .test_server import assert_healthy
 

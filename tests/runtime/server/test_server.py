@@ -9,9 +9,9 @@ import time
 import httpx
 import openai
 import pytest
+from toy import byte_tokenizer, toy_model
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.toy import byte_tokenizer, toy_model
 
 
 def metric(url: str, name: str, labels: str = "") -> float:

@@ -8,9 +8,9 @@ import json
 import httpx
 from click.testing import CliRunner
 from helpers import start_serve, stop_serve, wait_for_url
+from toy import save_toy_checkpoint
 
 from lmfoundry.commands.serve import serve
-from lmfoundry.runtime.engine.toy import save_toy_checkpoint
 
 from .test_server import metric
 

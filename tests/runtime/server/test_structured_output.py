@@ -12,9 +12,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from toy import byte_tokenizer
 
 from lmfoundry.runtime.engine import SamplingParams
-from lmfoundry.runtime.engine.toy import byte_tokenizer
 from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.protocol import ChatMessage
 from lmfoundry.runtime.server.tools import ToolCallStream, ToolPlan, parse_tool_calls

@@ -10,8 +10,7 @@ import httpx
 import psutil
 import pytest
 from helpers import assert_one_error, post_in_background, run_cli, start_serve, stop_serve, wait_for_url
-
-from lmfoundry.runtime.engine.toy import save_toy_checkpoint
+from toy import save_toy_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,7 +15,18 @@ from typing import Any, Callable
 
 import torch
 
-from lmfoundry.kernels import activation, checks, kv_cache, norm_quant, paged_attention, rotary, scaled_mm, w4a16
+from lmfoundry.kernels import (
+    activation,
+    error_bounds,
+    kv_cache,
+    norm_quant,
+    paged_attention,
+    rotary,
+    scaled_mm,
+    tiled_layout,
+    w4a16,
+    w4a16_tiled,
+)
 from lmfoundry.kernels.dispatch import Executor, ReferenceExecutor
 from lmfoundry.kernels.spec import KernelCall
 
@@ -71,17 +82,17 @@ def _w4a16(kernel, types, sem, shape, device, gen) -> Example:
     x = torch.randn(m, k, generator=gen).to(act)
     w_dev = PackedLinear(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in
                            (w.weight_packed, w.weight_scale, bits, group, k, zp, gidx, bias)))
-    out = checks.poisoned((m, n), act, device)
+    out = error_bounds.poisoned((m, n), act, device)
     call = w4a16.make_call(x.to(device), w_dev, out)
     if call.kernel.name != kernel:
         raise ValueError(f"{kernel} does not serve M={m} (the op picks {call.kernel.name})")
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         abs_products = x.double().abs() @ w.dequantize().to(act).double().abs().t()
         if bias is not None:
             abs_products = abs_products + bias.double().abs()
         out_ref = ref.args["out_ptr"].cpu()
-        checks.assert_written(ran.args["out_ptr"], kernel)
-        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, checks.dot_bound(out_ref, abs_products, k, act, acc_u), kernel)
+        error_bounds.assert_written(ran.args["out_ptr"], kernel)
+        error_bounds.assert_within(ran.args["out_ptr"].cpu(), out_ref, error_bounds.dot_bound(out_ref, abs_products, k, act, acc_u), kernel)
 
     return Example(call, ("out_ptr",), _nbytes(x, w.weight_packed, scale, zp, gidx, bias, out), 2 * m * n * k, check)
 
@@ -95,20 +106,20 @@ def _w4a16_tiled(kernel, types, sem, shape, device, gen) -> Example:
     groups = 1 if group == 0 else k // group
     q = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.int32)
     scale = (torch.rand(n, groups, generator=gen) * 0.02 + 0.002).to(sdt)
-    zp = w4a16.pack_codes(torch.randint(0, 1 << bits, (n, groups), generator=gen, dtype=torch.int32), bits, 0) \
+    zp = tiled_layout.pack_codes(torch.randint(0, 1 << bits, (n, groups), generator=gen, dtype=torch.int32), bits, 0) \
         if sem["HAS_ZP"] else None
     bias = torch.randn(n, generator=gen).to(act) if sem["HAS_BIAS"] else None
-    tiled = w4a16.repack_tiled(w4a16.PackedLinear(w4a16.pack_codes(q, bits, 1), scale, bits, group, k, zp, None, bias))
+    tiled = tiled_layout.repack_tiled(w4a16.PackedLinear(tiled_layout.pack_codes(q, bits, 1), scale, bits, group, k, zp, None, bias))
     x = torch.randn(m, k, generator=gen).to(act)
-    out = checks.poisoned((m, n), act, device)
-    call = w4a16.make_tiled_call(x.to(device), tiled.to(device), out)
+    out = error_bounds.poisoned((m, n), act, device)
+    call = w4a16_tiled.make_tiled_call(x.to(device), tiled.to(device), out)
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
-        exact, offset, weight_u = w4a16.tiled_error_terms(tiled, act)
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+        exact, offset, weight_u = w4a16_tiled.tiled_error_terms(tiled, act)
         out_ref = ref.args["out_ptr"].cpu()
-        checks.assert_written(ran.args["out_ptr"], kernel)
-        bound = checks.exact_weight_bound(out_ref, x, exact, offset, act, weight_u, acc_u, bias)
-        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
+        error_bounds.assert_written(ran.args["out_ptr"], kernel)
+        bound = error_bounds.exact_weight_bound(out_ref, x, exact, offset, act, weight_u, acc_u, bias)
+        error_bounds.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
 
     return Example(call, ("out_ptr",), _nbytes(x, tiled.qweight, tiled.scale, tiled.zero, bias, out), 2 * m * n * k,
                    check)
@@ -126,20 +137,20 @@ def _scaled(kernel, types, sem, shape, device, gen) -> Example:
     a_s = torch.rand(m if sem["A_PER_TOKEN"] else 1, generator=gen) * 0.01 + 1e-3
     b_s = (torch.rand(n if sem["B_PER_CHANNEL"] else 1, generator=gen) * 0.01 + 1e-3).to(bsdt)
     bias = torch.randn(n, generator=gen).to(out_dt) if sem["HAS_BIAS"] else None
-    out = checks.poisoned((m, n), out_dt, device)
+    out = error_bounds.poisoned((m, n), out_dt, device)
     from lmfoundry.kernels import registry
 
     call = scaled_mm.make_call(registry.kernel(kernel), a.to(device), a_s.to(device), b.to(device), b_s.to(device),
                                None if bias is None else bias.to(device), out,
                                a_per_token=sem["A_PER_TOKEN"], b_per_channel=sem["B_PER_CHANNEL"])
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         abs_products = (a.double().abs() @ b.double().abs().t()) * a_s.double().reshape(-1, 1) * b_s.double().reshape(1, -1)
         if bias is not None:
             abs_products = abs_products + bias.double().abs()
         out_ref = ref.args["out_ptr"].cpu()
-        checks.assert_written(ran.args["out_ptr"], kernel)
-        bound = checks.dot_bound(out_ref, abs_products, k + 2, out_dt, acc_u if types["a"] != "i8" else checks.U32)
-        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
+        error_bounds.assert_written(ran.args["out_ptr"], kernel)
+        bound = error_bounds.dot_bound(out_ref, abs_products, k + 2, out_dt, acc_u if types["a"] != "i8" else error_bounds.U32)
+        error_bounds.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
 
     return Example(call, ("out_ptr",), _nbytes(a, b, a_s, b_s, bias, out), 2 * m * n * k, check)
 
@@ -152,9 +163,9 @@ def _norm(kernel, types, sem, shape, device, gen) -> Example:
     res = torch.randn(rows, h, generator=gen).to(act) if sem["HAS_RESIDUAL"] else None
     static = (x.float().abs().amax() / norm_quant.QMAX[sem["QUANT"]]).reshape(1) if sem["STATIC_SCALE"] else None
     dev = lambda t: None if t is None else t.to(device)  # noqa: E731
-    out = checks.poisoned((rows, h), out_dt, device)
-    scale_out = checks.poisoned((rows,), torch.float32, device) if sem["QUANT"] and not sem["STATIC_SCALE"] else None
-    res_out = checks.poisoned((rows, h), act, device) if res is not None else None
+    out = error_bounds.poisoned((rows, h), out_dt, device)
+    scale_out = error_bounds.poisoned((rows,), torch.float32, device) if sem["QUANT"] and not sem["STATIC_SCALE"] else None
+    res_out = error_bounds.poisoned((rows, h), act, device) if res is not None else None
     calls: list[KernelCall] = []
 
     class Capture:
@@ -167,21 +178,21 @@ def _norm(kernel, types, sem, shape, device, gen) -> Example:
     call = calls[0]
     outputs = tuple(n for n in ("out_ptr", "res_out_ptr", "scale_ptr") if
                     (n == "out_ptr") or (n == "res_out_ptr" and res is not None) or (n == "scale_ptr" and scale_out is not None))
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         h_ref, _, res_ref = norm_quant.reference(x, w, 1e-6, res, norm_quant.QUANT_NONE)
         src = res_ref if res is not None else x
-        h_err = checks.rmsnorm_bound(src, w, h_ref, 1e-6) if w is not None else torch.zeros_like(h_ref, dtype=torch.float64)
+        h_err = error_bounds.rmsnorm_bound(src, w, h_ref, 1e-6) if w is not None else torch.zeros_like(h_ref, dtype=torch.float64)
         for name in outputs:
-            checks.assert_written(ran.args[name], f"{kernel}.{name}")
+            error_bounds.assert_written(ran.args[name], f"{kernel}.{name}")
         if res is not None:
             assert torch.equal(ran.args["res_out_ptr"].cpu(), res_ref), "residual sum"
         got = ran.args["out_ptr"].cpu()
         if not sem["QUANT"]:
-            checks.assert_within(got, h_ref, h_err, kernel)
+            error_bounds.assert_within(got, h_ref, h_err, kernel)
             return
         s = (static if static is not None else ran.args["scale_ptr"].cpu()).double().reshape(-1, 1)
-        q_err = checks.quantization_error(h_ref.double().abs() + h_err, s, out_dt)
-        checks.assert_within(got.double() * s, h_ref, q_err + h_err, kernel)
+        q_err = error_bounds.quantization_error(h_ref.double().abs() + h_err, s, out_dt)
+        error_bounds.assert_within(got.double() * s, h_ref, q_err + h_err, kernel)
 
     return Example(call, outputs, _nbytes(x, w, res, out, scale_out, res_out), 0, check)
 
@@ -190,16 +201,16 @@ def _silu(kernel, types, sem, shape, device, gen) -> Example:
     rows, inter = shape["M"], shape["I"]
     act = TORCH_DTYPE[types["act"]]
     x = (torch.randn(rows, 2 * inter, generator=gen) * 3).to(act)
-    out = checks.poisoned((rows, inter), act, device)
+    out = error_bounds.poisoned((rows, inter), act, device)
     call = KernelCall(activation.KERNEL, {"x_ptr": x.to(device), "out_ptr": out, "INTER": inter,
                                           "stride_x": 2 * inter, "stride_o": inter}, dict(types), {}, {"M": rows, "I": inter})
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         g, u = x.double().chunk(2, dim=-1)
         exact = torch.nn.functional.silu(g) * u
         out_ref = ref.args["out_ptr"].cpu()
-        checks.assert_written(ran.args["out_ptr"], kernel)
-        bound = 2 * checks.unit_roundoff(act) * out_ref.double().abs() + 16 * checks.U32 * exact.abs() + 1e-30
-        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
+        error_bounds.assert_written(ran.args["out_ptr"], kernel)
+        bound = 2 * error_bounds.unit_roundoff(act) * out_ref.double().abs() + 16 * error_bounds.U32 * exact.abs() + 1e-30
+        error_bounds.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
 
     return Example(call, ("out_ptr",), _nbytes(x, out), 0, check)
 
@@ -212,7 +223,7 @@ def _rotary(kernel, types, sem, shape, device, gen) -> Example:
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
     cos, sin = rotary.rope_tables(inv, 4096)
     pos = torch.randint(0, 4096, (t,), generator=gen)
-    q_out, k_out = checks.poisoned((t, hq, d), act, device), checks.poisoned((t, hkv, d), act, device)
+    q_out, k_out = error_bounds.poisoned((t, hq, d), act, device), error_bounds.poisoned((t, hkv, d), act, device)
     calls: list[KernelCall] = []
 
     class Capture:
@@ -221,16 +232,16 @@ def _rotary(kernel, types, sem, shape, device, gen) -> Example:
 
     rotary.apply_rotary(q, k, pos.to(device), cos.to(device), sin.to(device), q_out, k_out, executor=Capture())
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         for name, x in (("q_out_ptr", q), ("k_out_ptr", k)):
-            checks.assert_written(ran.args[name], kernel)
+            error_bounds.assert_written(ran.args[name], kernel)
             out_ref = ref.args[name].cpu()
             half = d // 2
             c, s = cos[pos][:, None, :].double().abs(), sin[pos][:, None, :].double().abs()
             xa = x.cpu().double().abs()
             mag = torch.cat((xa[..., :half] * c + xa[..., half:] * s, xa[..., half:] * c + xa[..., :half] * s), -1)
-            bound = 2 * checks.unit_roundoff(act) * out_ref.double().abs() + 4 * checks.U32 * mag + 1e-30
-            checks.assert_within(ran.args[name].cpu(), out_ref, bound, kernel)
+            bound = 2 * error_bounds.unit_roundoff(act) * out_ref.double().abs() + 4 * error_bounds.U32 * mag + 1e-30
+            error_bounds.assert_within(ran.args[name].cpu(), out_ref, bound, kernel)
 
     return Example(calls[0], ("q_out_ptr", "k_out_ptr"), 2 * _nbytes(q, k) + _nbytes(pos), 0, check)
 
@@ -269,8 +280,8 @@ def _store(kernel, types, sem, shape, device, gen) -> Example:
     t, hkv, d, page = shape["T"], sem["NUM_KV_HEADS"], sem["HEAD_DIM"], sem["PAGE"]
     act, cdt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["kv"]]
     cache, _, slots, k, v = _cache([t], hkv, d, page, act, cdt, gen, "cpu")
-    empty = kv_cache.PagedKVCache(checks.poisoned(tuple(cache.key_cache.shape), cdt, device),
-                                  checks.poisoned(tuple(cache.key_cache.shape), cdt, device),
+    empty = kv_cache.PagedKVCache(error_bounds.poisoned(tuple(cache.key_cache.shape), cdt, device),
+                                  error_bounds.poisoned(tuple(cache.key_cache.shape), cdt, device),
                                   cache.k_scale.to(device), cache.v_scale.to(device))
     calls: list[KernelCall] = []
 
@@ -281,14 +292,14 @@ def _store(kernel, types, sem, shape, device, gen) -> Example:
     kv_cache.store_kv(k.to(device), v.to(device), empty, slots.to(device), executor=Capture())
     written = slots.long()
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         for name, src, scale in (("key_cache_ptr", k, cache.k_scale), ("value_cache_ptr", v, cache.v_scale)):
             got = ran.args[name].cpu().view(-1, hkv, d)[written]
-            checks.assert_written(got, kernel)
+            error_bounds.assert_written(got, kernel)
             deq = kv_cache.dequantize_kv(got, scale)
-            bound = (checks.quantization_error(src.double().abs(), scale.double()[:, None], cdt)
+            bound = (error_bounds.quantization_error(src.double().abs(), scale.double()[:, None], cdt)
                      if cdt in (torch.int8, torch.float8_e4m3fn) else torch.zeros_like(deq, dtype=torch.float64))
-            checks.assert_within(deq, src, bound, kernel)
+            error_bounds.assert_within(deq, src, bound, kernel)
 
     return Example(calls[0], ("key_cache_ptr", "value_cache_ptr"), 2 * _nbytes(k) + 2 * t * hkv * d * cdt.itemsize, 0, check)
 
@@ -323,7 +334,7 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
         q_lens = [min(n, shape.get("q_len", n)) for n in lens]
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
         q = torch.randn(sum(q_lens), hq, d, generator=gen).to(act)
-        out = checks.poisoned(tuple(q.shape), act, device)
+        out = error_bounds.poisoned(tuple(q.shape), act, device)
         paged_attention.paged_prefill(q.to(device), dcache, table.to(device), cu.to(device), ctx.to(device),
                                       max(q_lens), sm, out, executor=Capture())
         flops = causal_attention_flops(q_lens, lens, hq, d)
@@ -331,7 +342,7 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
     elif kernel == "paged_decode":  # the unsplit baseline: fp32 FMA reductions
         cu = torch.arange(nseq + 1, dtype=torch.int32)
         q = torch.randn(nseq, hq, d, generator=gen).to(act)
-        out = checks.poisoned(tuple(q.shape), act, device)
+        out = error_bounds.poisoned(tuple(q.shape), act, device)
         paged_attention.paged_decode_unsplit(q.to(device), dcache, table.to(device), ctx.to(device), sm, out,
                                              executor=Capture())
         flops = 4 * d * hq * sum(lens)
@@ -340,11 +351,11 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
         return _decode_split(kernel, {**shape, "Hq": hq}, act, cache, table, ctx, lens, gen, device)
     kv_bytes = 2 * sum(lens) * hkv * d * cdt.itemsize
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
-        checks.assert_written(ran.args["out_ptr"], kernel)
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+        error_bounds.assert_written(ran.args["out_ptr"], kernel)
         out_ref = ref.args["out_ptr"].cpu()
-        bound = checks.attention_bound(q, cache, table, cu, ctx, out_ref, sm, p_dtype)
-        checks.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
+        bound = error_bounds.attention_bound(q, cache, table, cu, ctx, out_ref, sm, p_dtype)
+        error_bounds.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
 
     return Example(calls[0], ("out_ptr",), kv_bytes + 2 * _nbytes(q), flops, check)
 
@@ -356,7 +367,7 @@ def _decode_calls(shape, act, cache, table, ctx, gen, device) -> tuple[list[Kern
     """The FlashDecoding calls (split, then merge when shape["splits"] > 1) on random queries. Each
     split takes at least shape["min_split_pages"] blocks (default 1: short contexts split too)."""
     q = torch.randn(len(ctx), shape["Hq"], cache.head_dim, generator=gen).to(act)
-    out = checks.poisoned(tuple(q.shape), act, device)
+    out = error_bounds.poisoned(tuple(q.shape), act, device)
     calls: list[KernelCall] = []
 
     class Capture:
@@ -370,21 +381,21 @@ def _decode_calls(shape, act, cache, table, ctx, gen, device) -> tuple[list[Kern
 
 
 def _decode_check(kernel: str, q, cache, table, ctx, splits: int, outputs: tuple[str, ...]):
-    """FlashDecoding's bound (`checks.attention_bound` with p_split) against the attention reference;
+    """FlashDecoding's bound (`error_bounds.attention_bound` with p_split) against the attention reference;
     partial states are merged by the reference merge first."""
     cu = torch.arange(len(ctx) + 1, dtype=torch.int32)
     sm = 1 / math.sqrt(cache.head_dim)
     exact = paged_attention.reference(q, cache, table, cu, ctx, sm)
-    bound = checks.attention_bound(q, cache, table, cu, ctx, exact, sm, q.dtype, p_split=True, splits=splits)
+    bound = error_bounds.attention_bound(q, cache, table, cu, ctx, exact, sm, q.dtype, p_split=True, splits=splits)
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = checks.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         for name in outputs:
-            checks.assert_written(ran.args[name], f"{kernel}.{name}")
+            error_bounds.assert_written(ran.args[name], f"{kernel}.{name}")
         if outputs == _PARTIALS:
             got = paged_attention.merge_partials_reference(*(ran.args[n].cpu() for n in _PARTIALS)).to(q.dtype)
         else:
             got = ran.args["out_ptr"].cpu()
-        checks.assert_within(got, exact, bound, kernel)
+        error_bounds.assert_within(got, exact, bound, kernel)
 
     return check
 
@@ -434,7 +445,7 @@ def build(kernel: str, types: dict[str, str], semantics: dict[str, Any], shape: 
     return BUILDERS[kernel](kernel, types, semantics, shape, device, gen)
 
 
-def run_and_check(ex: Example, executor: Executor, acc_u: float = checks.U32) -> KernelCall:
+def run_and_check(ex: Example, executor: Executor, acc_u: float = error_bounds.U32) -> KernelCall:
     """Run `ex` with `executor` and with the reference on copies; raise if outside the bounds.
     Returns the reference's call (its outputs), for checking another implementation against it."""
     ran = ex.clone()

@@ -1,4 +1,4 @@
-"""The benchmark/tuning harness (`lmfoundry.kernels.examples`) on every kernel, through the
+"""The benchmark/tuning harness (`lmfoundry.kernels.harness`) on every kernel, through the
 interpreter: its inputs are valid, its checks pass on correct kernels and fail on wrong output."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.kernels import examples, registry
+from lmfoundry.kernels import harness, registry
 from lmfoundry.kernels.dispatch import JitExecutor
 
 BF, F16 = "bf16", "fp16"
@@ -37,21 +37,21 @@ CASES = {
 
 
 def test_every_kernel_has_an_example():
-    assert set(CASES) == set(registry.KERNELS) == set(examples.BUILDERS)
+    assert set(CASES) == set(registry.KERNELS) == set(harness.BUILDERS)
 
 
 @pytest.mark.parametrize("kernel", sorted(CASES))
 def test_example_passes_its_own_check(kernel, device):
     types, sem, shape = CASES[kernel]
-    ex = examples.build(kernel, types, sem, shape, device)
+    ex = harness.build(kernel, types, sem, shape, device)
     assert ex.call.kernel.name == kernel and ex.bytes > 0
-    examples.run_and_check(ex, JitExecutor())
+    harness.run_and_check(ex, JitExecutor())
 
 
 @pytest.mark.parametrize("kernel", ["w4a16_gemm", "w4a16_tiled", "paged_prefill", "rmsnorm_quant", "paged_decode_reduce"])
 def test_example_check_rejects_wrong_output(kernel, device):
     types, sem, shape = CASES[kernel]
-    ex = examples.build(kernel, types, sem, shape, device)
+    ex = harness.build(kernel, types, sem, shape, device)
 
     class Wrong:
         def run(self, call):
@@ -61,7 +61,7 @@ def test_example_check_rejects_wrong_output(kernel, device):
             flat[flat.numel() // 2] = (flat[flat.numel() // 2].float() * 1.5 + 3).to(out.dtype)
 
     with pytest.raises(AssertionError):
-        examples.run_and_check(ex, Wrong())
+        harness.run_and_check(ex, Wrong())
 
 
 def test_causal_flops_count_the_pairs_the_mask_keeps():
@@ -71,13 +71,13 @@ def test_causal_flops_count_the_pairs_the_mask_keeps():
     for ql, n in zip(q_lens, ctx_lens):
         pos = torch.arange(n - ql, n)[:, None]
         pairs += int((torch.arange(n)[None, :] <= pos).sum())
-    assert examples.causal_attention_flops(q_lens, ctx_lens, heads, d) == 4 * d * heads * pairs
+    assert harness.causal_attention_flops(q_lens, ctx_lens, heads, d) == 4 * d * heads * pairs
     # a full prefill does about half the rectangle's work, not all of it
-    assert examples.causal_attention_flops([2048], [2048], 1, 1) == 4 * 2048 * 2049 // 2
+    assert harness.causal_attention_flops([2048], [2048], 1, 1) == 4 * 2048 * 2049 // 2
 
 
 def test_prefill_example_uniform_lengths_match_a_dense_batch():
     types, sem, _ = CASES["paged_prefill"]
-    ex = examples.build("paged_prefill", types, sem, {"B": 3, "ctx": 40, "q_len": 40, "uniform": 1})
+    ex = harness.build("paged_prefill", types, sem, {"B": 3, "ctx": 40, "q_len": 40, "uniform": 1})
     assert ex.call.args["ctx_len_ptr"].tolist() == [40, 40, 40]
     assert ex.flops == 4 * sem["HEAD_DIM"] * sem["NUM_Q_HEADS"] * 3 * (40 * 41 // 2)
