@@ -11,7 +11,7 @@ plan of `lmfoundry plan`, see `lmfoundry.capacity_*`, or compile's kernel plan,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from lmfoundry.errors import UserError
 
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     from lmfoundry.recipe import QuantizeSection
 
 KV_CHOICES = ("int8", "fp8")
-# a recipe's kv_strategy -> the scheme's strategy ("head" is the recipe's word for per attention head)
-KV_STRATEGIES: dict[str, Strategy] = {"tensor": "tensor", "head": "attn_head", "attn_head": "attn_head"}
 
 
 def build_plan(q: QuantizeSection) -> QuantizationPlan:
@@ -36,8 +34,10 @@ def build_plan(q: QuantizeSection) -> QuantizationPlan:
     if q.kv_cache:
         if q.kv_cache not in KV_CHOICES:
             raise UserError(f"kv_cache {q.kv_cache!r}: expected one of {', '.join(KV_CHOICES)}")
-        kv = QuantArgs(8, "float" if q.kv_cache == "fp8" else "int", True,
-                       "attn_head" if q.kv_strategy == "head" else "tensor", None)
+        # "head" is the recipe's word for per attention head; any other value goes through as it is
+        # and the doctor refuses what the KV cache cannot store (check_kv_args), with its reason
+        strategy = {"head": "attn_head"}.get(q.kv_strategy or "tensor", q.kv_strategy or "tensor")
+        kv = QuantArgs(8, "float" if q.kv_cache == "fp8" else "int", True, cast("Strategy", strategy), None)
     return QuantizationPlan([SchemeGroup(scheme, tuple(q.targets))], list(q.ignore), kv)
 
 
