@@ -20,7 +20,7 @@ Checks, each a row of the report (status ok / info / warn / FAIL; any FAIL block
 (`lmfoundry.quantization_plan`), reporting a step that fails as a row.
 
 The doctor judges a whole job (quantizer, calibration, compressed-tensors schema, GPU arch from
-`lmfoundry.gpus`, memory from `lmfoundry.capacity_math`), so it sits above the stages: it imports
+`lmfoundry.gpus`, memory from `lmfoundry.capacity.arithmetic`), so it sits above the stages: it imports
 the quantizers and calibration, and nothing below it imports the doctor; `lmfoundry doctor`
 (lmfoundry/commands/doctor.py) and the quantize job (lmfoundry/calibration/job.py) call it.
 """
@@ -276,7 +276,7 @@ def check_kv_plan(report: DoctorReport, kv: QuantArgs | None, config: ModelConfi
 
 # ------------------------------------------------------------------------------------- memory
 def _quant_spec(scheme: Scheme | None):
-    from lmfoundry.capacity_math import QuantSpec
+    from lmfoundry.capacity.arithmetic import QuantSpec
 
     if scheme is None:
         return QuantSpec("bf16", 16, "none")
@@ -290,7 +290,7 @@ def _quant_spec(scheme: Scheme | None):
 def serving_bytes(config: ModelConfig, plan: QuantizationPlan, ctx: int) -> dict[str, int]:
     """GPU bytes to serve one sequence of `ctx` tokens: stored weights (16-bit non-linear parts)
     plus the KV cache; the activation workspace is not counted."""
-    from lmfoundry.capacity_math import kv_bytes_per_token, weight_bytes
+    from lmfoundry.capacity.arithmetic import kv_bytes_per_token, weight_bytes
 
     scheme = plan.groups[0].scheme if plan.groups else None
     lm_head_quantized = plan.scheme_for("lm_head") is not None and not config.tie_word_embeddings

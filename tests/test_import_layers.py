@@ -27,7 +27,7 @@ LAYERS = [
     # the quantize job (calibration/job.py) composes every stage and runs the doctor: a verb's layer
     (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.doctor", "lmfoundry.quantization_plan",
           "lmfoundry.calibration.job",
-          "lmfoundry.capacity_inputs", "lmfoundry.capacity_math", "lmfoundry.capacity_report", "lmfoundry")),
+          "lmfoundry.capacity", "lmfoundry")),
 ]
 
 

@@ -4,8 +4,8 @@ Reads only a model's config.json (never its weights, never torch), so it answers
 second: how many bytes the weights take at each precision, how many bytes one token of KV cache
 costs, how many full-context sequences fit on the chosen GPU, and, given a throughput and prices,
 what a million output tokens costs and when self-hosting beats an API. This module parses the
-flags; the inputs are read in `lmfoundry.capacity_inputs`, the arithmetic is
-`lmfoundry.capacity_math`, and `lmfoundry.capacity_report` builds and renders the answer.
+flags; the inputs are read in `lmfoundry.capacity.inputs`, the arithmetic is
+`lmfoundry.capacity.arithmetic`, and `lmfoundry.capacity.report` builds and renders the answer.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 
-from lmfoundry.capacity_inputs import PlanInputs
-from lmfoundry.capacity_report import build_report, render, render_gpus
+from lmfoundry.capacity.inputs import PlanInputs
+from lmfoundry.capacity.report import build_report, render, render_gpus
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import load_gpus
 

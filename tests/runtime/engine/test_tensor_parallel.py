@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from helpers import assert_one_error, run_cli, tiny_model_folder
 from toy import save_toy_checkpoint
 
-from lmfoundry.capacity_math import default_quant_specs, kv_bytes_per_token, weight_bytes
+from lmfoundry.capacity.arithmetic import default_quant_specs, kv_bytes_per_token, weight_bytes
 from lmfoundry.cli import cli
 from lmfoundry.doctor import tp_partitions
 from lmfoundry.errors import UserError

@@ -1,7 +1,7 @@
 """The arithmetic behind `lmfoundry plan` (the memory plan): parameters, weight bytes, KV bytes,
 memory fit and cost.
 
-Kept apart from the inputs and the report (`lmfoundry.capacity_inputs`, `lmfoundry.capacity_report`)
+Kept apart from the inputs and the report (`lmfoundry.capacity.inputs`, `lmfoundry.capacity.report`)
 so that every number can be checked by hand in tests, and so that nothing here imports torch:
 planning has to work on a laptop before anyone rents a GPU.
 

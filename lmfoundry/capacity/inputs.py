@@ -1,7 +1,7 @@
 """The inputs of `lmfoundry plan` (the memory plan): a model's config.json, the quantization its
 checkpoint declares, a `lmfoundry bench` result, and the command's flags, each read and checked
 with one-line UserErrors. The GPU table is `lmfoundry.gpus`; the arithmetic is
-`lmfoundry.capacity_math`; `lmfoundry.capacity_report` puts them together. Nothing here imports torch.
+`lmfoundry.capacity.arithmetic`; `lmfoundry.capacity.report` puts them together. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmfoundry.capacity_math import KV_DTYPE_BYTES, WEIGHT_PRECISIONS, QuantSpec
+from lmfoundry.capacity.arithmetic import KV_DTYPE_BYTES, WEIGHT_PRECISIONS, QuantSpec
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 

@@ -1,5 +1,5 @@
 """The memory plan of `lmfoundry plan`: the report (plain JSON-able data) built from the inputs
-(`lmfoundry.capacity_inputs`, `lmfoundry.gpus`) with the arithmetic of `lmfoundry.capacity_math`,
+(`lmfoundry.capacity.inputs`, `lmfoundry.gpus`) with the arithmetic of `lmfoundry.capacity.arithmetic`,
 and its human-readable rendering. Nothing here imports torch.
 """
 
@@ -9,16 +9,7 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from lmfoundry.capacity_inputs import (
-    PlanInputs,
-    checkpoint_quant,
-    load_bench,
-    parse_group_size,
-    parse_model_config,
-    resolve_model,
-    validate,
-)
-from lmfoundry.capacity_math import (
+from lmfoundry.capacity.arithmetic import (
     GIB,
     KV_DTYPE_BYTES,
     UTILIZATIONS,
@@ -33,6 +24,15 @@ from lmfoundry.capacity_math import (
     param_counts,
     sharding,
     weight_bytes,
+)
+from lmfoundry.capacity.inputs import (
+    PlanInputs,
+    checkpoint_quant,
+    load_bench,
+    parse_group_size,
+    parse_model_config,
+    resolve_model,
+    validate,
 )
 from lmfoundry.gpus import load_gpus, resolve_gpu
 from lmfoundry.model.head_split import valid_tp_sizes

@@ -14,8 +14,7 @@ import sys
 
 import pytest
 
-from lmfoundry.capacity_inputs import PlanInputs, checkpoint_quant, load_bench
-from lmfoundry.capacity_math import (
+from lmfoundry.capacity.arithmetic import (
     CostPlan,
     QuantSpec,
     default_quant_specs,
@@ -24,7 +23,8 @@ from lmfoundry.capacity_math import (
     sharding,
     weight_bytes,
 )
-from lmfoundry.capacity_report import build_report, render
+from lmfoundry.capacity.inputs import PlanInputs, checkpoint_quant, load_bench
+from lmfoundry.capacity.report import build_report, render
 from lmfoundry.cli import main
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import load_gpus
