@@ -139,6 +139,7 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
             _serve(EngineCore(engine), commands, outputs, parent_pid)
         except EngineDead as exc:  # e.g. a lost tensor-parallel rank: the API process sees this one end
             log.error("the engine stops: %s", exc)
+            getattr(engine.model, "abandon", lambda: None)()  # a broken group's processes and memory
             lost = True
         else:
             lost = False

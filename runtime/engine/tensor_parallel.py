@@ -109,13 +109,22 @@ def worker_main(spec: ShardSpec, rank: int, folder: str, conn: Any, parent_pid: 
                 getattr(targets[target], method)(*args)
     except RankLost as exc:
         log.warning("tensor-parallel rank %d stops: %s", rank, exc)
-        os._exit(1)
+        _leave(folder, 1)
     except BaseException:  # noqa: BLE001 - the peers see this rank gone and fail the step
         traceback.print_exc()
         if hasattr(comm, "abort"):
             comm.abort()
-        os._exit(1)
-    os._exit(0)
+        _leave(folder, 1)
+    _leave(folder, 0)
+
+
+def _leave(folder: str, code: int) -> None:
+    """End a worker, removing the group's shared-memory folder: when rank 0 was killed nobody
+    else would, and it would stay in /dev/shm until reboot. (Whether rank 0 is gone cannot be
+    read from getppid here: its pipe closes before the kernel re-parents its children.) Ranks
+    still running keep their mappings of the removed files; rank 0's own removal ignores it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os._exit(code)
 
 
 class TensorParallelGroup:
@@ -187,6 +196,15 @@ class TensorParallelGroup:
         except OSError as exc:
             raise RankLost(f"a tensor-parallel rank is gone ({exc})") from exc
 
+    def abandon(self) -> None:
+        """The group is broken (a rank was lost) and this process is about to exit: kill what is
+        left of it and remove the shared memory now, without waiting for anyone."""
+        self._closed = True
+        for proc in self.workers:
+            if proc.is_alive():
+                proc.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -247,6 +265,9 @@ class ShardedModel:
 
     def close(self) -> None:
         self.group.close()
+
+    def abandon(self) -> None:
+        self.group.abandon()
 
 
 def load_sharded(spec: ShardSpec) -> tuple[ShardedModel, Any]:

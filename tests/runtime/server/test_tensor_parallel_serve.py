@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -22,6 +23,9 @@ def _worker_ranks(serve_pid: int) -> list[psutil.Process]:
 
 
 def test_serve_tp2_answers_and_a_lost_rank_is_503_and_exit(tmp_path) -> None:
+    import glob
+
+    shm_before = set(glob.glob("/dev/shm/lmfoundry-tp-*"))
     folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
     proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
                         "--dtype", "float32", "--skip-verify", "--tp", "2", "--threads", "2"])
@@ -44,6 +48,7 @@ def test_serve_tp2_answers_and_a_lost_rank_is_503_and_exit(tmp_path) -> None:
             stop_serve(proc)
     leftover = [p for p in psutil.process_iter(["cmdline"]) if str(folder) in " ".join(p.info["cmdline"] or [])]
     assert not leftover, "processes of the killed server are still running"
+    assert set(glob.glob("/dev/shm/lmfoundry-tp-*")) <= shm_before, "the lost group's shared memory stayed"
 
 
 def test_serve_refuses_what_tp_cannot_run(tmp_path, capsys) -> None:
@@ -53,3 +58,27 @@ def test_serve_refuses_what_tp_cannot_run(tmp_path, capsys) -> None:
         code, _, err = run_cli(["serve", str(folder), "--tp", "3" if not extra else "2", "--skip-verify", "--port",
                                 "0", *extra], capsys)
         assert_one_error(code, err, needle)
+
+
+def test_killed_engine_leaves_no_shared_memory(tmp_path) -> None:
+    """Killing the engine process (rank 0) outright: the worker notices, leaves, and removes the
+    group's shared-memory folder that rank 0 had no chance to remove."""
+    import glob
+
+    folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
+    before = set(glob.glob("/dev/shm/lmfoundry-tp-*"))
+    proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
+                        "--dtype", "float32", "--skip-verify", "--tp", "2", "--threads", "2"])
+    try:
+        wait_for_url(proc)
+        workers = _worker_ranks(proc.pid)
+        engine = workers[0].parent()
+        created = set(glob.glob("/dev/shm/lmfoundry-tp-*")) - before
+        assert len(created) == 1
+        engine.send_signal(signal.SIGKILL)
+        workers[0].wait(timeout=30)
+        assert not any(Path(f).exists() for f in created)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            stop_serve(proc)
