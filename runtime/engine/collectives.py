@@ -51,7 +51,6 @@ class ShmCollectives:
         self.path = Path(path)
         self.timeout = timeout
         self.alive = alive or (lambda: None)
-        self.slot_elems = SLOT_BYTES // 8  # in float64 units: the widest dtype we sum
         header = 64 + world_size  # counters [world] + abort flag, int64
         size = header * 8 + 2 * world_size * SLOT_BYTES
         if create:

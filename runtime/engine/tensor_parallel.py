@@ -257,12 +257,6 @@ class ShardedModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.run(self.local, "model", "forward", input_ids, positions)
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.run(self.local, "model", "hidden_states", input_ids)
-
-    def eval(self) -> "ShardedModel":
-        return self
-
     def close(self) -> None:
         self.group.close()
 
