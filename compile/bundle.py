@@ -5,6 +5,11 @@ Bundle layout:
     weights/                            the checkpoint's files (symlinked, copied, or repacked)
     kernels/<sm>/<key>.cubin|.ptx|.json one compiled specialization and its launch metadata
 
+With `tp` N > 1 (`compile --tp N`), one such bundle per tensor-parallel rank, for the shapes of
+that rank's share (`lmfoundry.compile.tensor_parallel`), under a manifest naming them:
+    engine.json                         manifest: source, degree, each rank's engine.json sha256
+    rank<r>/                            rank r's bundle, as above
+
 The bundle is written into a hidden sibling folder and moved into place once complete: a build
 that is refused, fails or is interrupted leaves neither a half-written bundle nor a damaged old one.
 """
@@ -14,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,11 +32,14 @@ from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
 from lmfoundry.compile.checkpoint import Checkpoint, load_checkpoint
 from lmfoundry.compile.plan import Plan, make_plan
+from lmfoundry.compile.tensor_parallel import write_share
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, COMPILE_ARCH_NAMES, SM_NAME
 from lmfoundry.manifest import verify_artifact
+from lmfoundry.model.tensor_parallel import RankShard
 
 ENGINE_FORMAT = "lmfoundry-engine/1"
+_RANK_FOLDER = re.compile(r"rank[0-9]+")
 WEIGHT_MODES = ("link", "copy", "repack")
 
 
@@ -59,10 +68,17 @@ class BuildResult:
     output: Path
     manifest: dict[str, Any]
     seconds: float
+    ranks: list[BuildResult] = field(default_factory=list)  # a tensor-parallel bundle's per-rank bundles
 
     @property
     def kernels(self) -> list[dict[str, Any]]:
+        if self.ranks:
+            return [k for r in self.ranks for k in r.kernels]
         return self.manifest["kernels"]
+
+    @property
+    def fusions(self) -> list[dict[str, Any]]:
+        return self.ranks[0].manifest["fusions"] if self.ranks else self.manifest["fusions"]
 
 
 def _is_engine_bundle(folder: Path) -> bool:
@@ -123,7 +139,8 @@ def _install(stage: Path, out: Path) -> None:
         os.replace(stage, out)
         return
     (out / "engine.json").unlink(missing_ok=True)
-    for sub in ("kernels", "weights", "cpu"):
+    ranks = {p.name for folder in (out, stage) for p in folder.iterdir() if _RANK_FOLDER.fullmatch(p.name)}
+    for sub in ("kernels", "weights", "cpu", *sorted(ranks)):
         if (out / sub).is_symlink() or (out / sub).is_file():
             (out / sub).unlink()
         elif (out / sub).exists():
@@ -185,8 +202,10 @@ def build_engine(
     tune: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = lambda msg: None,
+    tp: int = 1,
 ) -> BuildResult:
-    """Compile every kernel `checkpoint` needs for `archs` into an engine bundle at `output`."""
+    """Compile every kernel `checkpoint` needs for `archs` into an engine bundle at `output`;
+    with `tp` > 1, one bundle per tensor-parallel rank, each for its own share's shapes."""
     t0 = time.perf_counter()
     if not archs:
         raise UserError("name at least one --arch (ampere, ada, hopper)")
@@ -199,11 +218,22 @@ def build_engine(
     if src.is_dir():
         verify_artifact(src, "compile")  # before any tensor is read: the bundle records what it reads as good
     ck = load_checkpoint(src, dtype)
-    plan = make_plan(ck, caps, block_size)
-    if tune:
-        from lmfoundry.compile.tune import tune_plan
-
-        tune_plan(plan, log)
+    if tp > 1:
+        RankShard(ck.config, 0, tp).heads  # noqa: B018 - refuses a degree the heads or MLP width do not split into
+        if weights == "link":
+            raise UserError(f"--weights link with --tp {tp}: each rank's share is written anew, there is nothing "
+                            "to link to; use repack or copy")
+        stage, created = _staging(final)
+        try:
+            built = _write_tp_bundle(stage, ck, caps, src, tp, dtype, block_size, weights, workers, tune, progress,
+                                     log, t0)
+            _install(stage, final)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            _remove_dirs(created)
+            raise
+        return BuildResult(final, built.manifest, time.perf_counter() - t0, built.ranks)
+    plan = _plan(ck, caps, block_size, tune, log)
     stage, created = _staging(final)
     try:
         built = _write_bundle(stage, ck, plan, caps, src, weights, workers, tune, progress, log, t0)
@@ -215,9 +245,57 @@ def build_engine(
     return BuildResult(final, built.manifest, time.perf_counter() - t0)
 
 
+def _plan(ck: Checkpoint, caps: list[int], block_size: int, tune: bool, log: Callable[[str], None]) -> Plan:
+    plan = make_plan(ck, caps, block_size)
+    if tune:
+        from lmfoundry.compile.tune import tune_plan
+
+        tune_plan(plan, log)
+    return plan
+
+
+def _source_record(src: Path, ck: Checkpoint) -> dict[str, Any]:
+    return {"path": str(src.resolve()), "config_sha256": ck.config_sha256, "quantization_format": ck.quant_format}
+
+
+def _write_tp_bundle(out: Path, ck: Checkpoint, caps: list[int], src: Path, tp: int, dtype: str | None,
+                     block_size: int, weights: str, workers: int, tune: bool, progress: bool,
+                     log: Callable[[str], None], t0: float) -> BuildResult:
+    """Each rank's share of `src` written, planned and compiled into out/rank<r>, then the
+    manifest naming them. The ranks share one Triton cache: equal shapes compile once."""
+    shares = out / ".shares"
+    ranks: list[BuildResult] = []
+    with tempfile.TemporaryDirectory(prefix="lmfoundry-triton-") as cache:
+        for rank in range(tp):
+            log(f"rank {rank} of {tp}: writing its share")
+            share = write_share(src, RankShard(ck.config, rank, tp), shares / f"rank{rank}")
+            rck = load_checkpoint(share, dtype)
+            plan = _plan(rck, caps, block_size, tune, log)
+            (out / f"rank{rank}").mkdir()
+            source = {**_source_record(src, ck), "tensor_parallel": {"rank": rank, "size": tp}}
+            ranks.append(_write_bundle(out / f"rank{rank}", rck, plan, caps, share, weights, workers, tune, progress,
+                                       log, t0, triton_cache=Path(cache), source=source))
+            shutil.rmtree(share)
+    shares.rmdir()
+    manifest = {
+        "format": ENGINE_FORMAT,
+        "source": _source_record(src, ck),
+        "tensor_parallel": {"size": tp, "ranks": [
+            {"path": f"rank{rank}", "engine_sha256": sha256_file(out / f"rank{rank}" / "engine.json")}
+            for rank in range(tp)]},
+        "archs": ranks[0].manifest["archs"],
+        "build": {"seconds": round(time.perf_counter() - t0, 2), "workers": workers, "tuned": tune},
+    }
+    (out / "engine.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return BuildResult(out, manifest, time.perf_counter() - t0, ranks)
+
+
 def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: Path, weights: str, workers: int,
-                  tune: bool, progress: bool, log: Callable[[str], None], t0: float) -> BuildResult:
-    """Compile the kernels and write the whole bundle into `out` (a fresh staging folder)."""
+                  tune: bool, progress: bool, log: Callable[[str], None], t0: float,
+                  triton_cache: Path | None = None, source: dict[str, Any] | None = None) -> BuildResult:
+    """Compile the kernels and write the whole bundle into `out` (a fresh staging folder).
+    `triton_cache`: a Triton cache folder to reuse (default: a fresh one); `source`: the
+    manifest's source record (default: `src`'s)."""
     jobs = []
     for i, spec in enumerate(plan.specs):
         jobs.append({"id": i, "key": spec.key(), "capability": spec.capability, "sm": spec.sm, "kernel": spec.kernel,
@@ -236,7 +314,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
         bar = tqdm(total=len(jobs), desc="compile", unit="kernel", leave=False)
     with tempfile.TemporaryDirectory(prefix="lmfoundry-triton-") as cache:
         try:
-            replies = run_jobs(jobs, workers, Path(cache) / "triton", out / "compile.log",
+            replies = run_jobs(jobs, workers, (triton_cache or Path(cache)) / "triton", out / "compile.log",
                                on_done=(lambda r: bar.update(1)) if bar is not None else (lambda r: None))
         finally:
             if bar is not None:
@@ -283,8 +361,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
     cfg = ck.config
     manifest = {
         "format": ENGINE_FORMAT,
-        "source": {"path": str(src.resolve()), "config_sha256": ck.config_sha256,
-                   "quantization_format": ck.quant_format},
+        "source": source or _source_record(src, ck),
         "model": {"model_type": cfg.model_type, "dtype": plan.dtype, "hidden_size": cfg.hidden_size,
                   "intermediate_size": cfg.intermediate_size, "num_layers": cfg.num_layers,
                   "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,

@@ -152,14 +152,20 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     """Resolve `spec` and load its config and tokenizer (not its weights), so that a missing model,
     a folder without a usable config or tokenizer, or one of two mismatched models is reported in
     seconds, before minutes of evaluating the other. With `allow_bundle`, an engine bundle (which
-    `load_model` runs) is read from its weights/ folder."""
+    `load_model` runs) is read from its weights/ folder (rank 0's of a tensor-parallel bundle,
+    with the whole model's config)."""
     from lmfoundry.model.config import ModelConfig
     from lmfoundry.models import resolve_model
+    from lmfoundry.runtime.loader import bundle_degree, whole_model_config
 
     path = Path(spec).expanduser()
     bundle = allow_bundle and (path / "engine.json").is_file()
-    folder = path / "weights" if bundle else resolve_model(spec)
-    config = ModelConfig.from_file(folder)
+    if bundle:
+        folder = path / ("rank0/weights" if bundle_degree(path) > 1 else "weights")
+        config = whole_model_config(path)
+    else:
+        folder = resolve_model(spec)
+        config = ModelConfig.from_file(folder)
     try:
         from transformers import AutoTokenizer
 
@@ -208,6 +214,18 @@ def fingerprint(folder: Path) -> dict[str, Any]:
     return {"sha256": digest, "files": files}
 
 
+def bundle_fingerprint(engine: Path) -> dict[str, Any]:
+    """`fingerprint` of an engine bundle's weights: every rank's of a tensor-parallel bundle."""
+    from lmfoundry.runtime.loader import bundle_degree
+
+    degree = bundle_degree(engine)
+    if degree == 1:
+        return fingerprint(engine / "weights")
+    files = {f"rank{r}/{name}": sha for r in range(degree)
+             for name, sha in fingerprint(engine / f"rank{r}" / "weights")["files"].items()}
+    return {"sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(), "files": files}
+
+
 def _versions() -> dict[str, str]:
     from lmfoundry.manifest import tool_versions
 
@@ -243,7 +261,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     bundle = is_engine_bundle(spec)
     run_dtype = resolve_dtype(dtype, spec, device)
     folder = Path(spec) if bundle else resolve_model(spec)
-    fp = fingerprint(folder / "weights" if bundle else folder)
+    fp = bundle_fingerprint(folder) if bundle else fingerprint(folder)
     if gen is not None and prompts is None:
         prompts = tier_prompts(gen)
     key = {"schema": SCHEMA_VERSION, "model": fp["sha256"], "versions": _versions(),

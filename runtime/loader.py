@@ -20,7 +20,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.linears import build_linear, dense_linear
 from lmfoundry.model.reference import CausalLM, RotaryEmbedding
-from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_modules
+from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_modules, share_of
 from lmfoundry.models import resolve_model
 
 log = logging.getLogger("lmfoundry.runtime")
@@ -53,11 +53,17 @@ def load_model(
     the reference `CausalLM` on CPU, quantized weights packed in bfloat16 — or for an engine
     bundle: its `KernelModel` on a GPU; on the CPU its weights in the packed reference model
     (with the compiled step of an `--arch cpu` bundle), never the per-kernel references. With
-    `shard`, one tensor-parallel rank's share of a checkpoint (see `load_causal_lm`)."""
-    if shard is not None and is_engine_bundle(path_or_name):
-        raise UserError(f"{path_or_name}: an engine bundle runs on one device; serve the checkpoint it was "
-                        f"compiled from with --tp {shard.tp}")
+    `shard`, one tensor-parallel rank's share of a checkpoint (see `load_causal_lm`), or of a
+    bundle compiled with that `--tp` (`load_rank_bundle`)."""
     if is_engine_bundle(path_or_name):
+        degree = bundle_degree(path_or_name)
+        if degree != (shard.tp if shard is not None else 1):
+            raise UserError(_degree_refusal(path_or_name, degree, shard.tp if shard is not None else 1))
+        if shard is not None:
+            if torch.device(device).type != "cpu":
+                raise UserError(f"{path_or_name}: --tp runs its ranks as CPU processes; use --device cpu")
+            assert comm is not None, "a shard needs its rank's collectives"
+            return load_rank_bundle(path_or_name, shard, comm, dtype)
         if torch.device(device).type == "cpu":
             return load_bundle_on_cpu(path_or_name, dtype)
         return load_bundle(path_or_name, device, dtype=dtype)
@@ -87,17 +93,81 @@ def check_device(device: str) -> str:
 
 def check_tensor_parallel(tp: int, device: str, models: Any) -> None:
     """Refuse a --tp the runtime cannot honour, before any model is loaded (the split itself is
-    checked against each model's heads when its ranks start)."""
+    checked against each model's heads when its ranks start): an engine bundle runs at the
+    degree it was compiled for, and only there."""
     if tp < 1:
         raise UserError(f"--tp must be at least 1, got {tp}")
-    if tp == 1:
-        return
-    if torch.device(device).type != "cpu":
-        raise UserError(f"--tp {tp} splits a checkpoint over CPU processes; use --device cpu")
     for spec in models:
-        if is_engine_bundle(spec):
-            raise UserError(f"{spec}: an engine bundle runs on one device; pass the checkpoint it was compiled "
-                            f"from with --tp {tp}")
+        if is_engine_bundle(spec) and (degree := bundle_degree(spec)) != tp:
+            raise UserError(_degree_refusal(spec, degree, tp))
+    if tp > 1 and torch.device(device).type != "cpu":
+        raise UserError(f"--tp {tp} splits a model over CPU processes; use --device cpu")
+
+
+def _degree_refusal(spec: str | Path, degree: int, tp: int) -> str:
+    if degree == 1:
+        return (f"{spec}: this engine bundle was compiled for one device; run it without --tp, or compile the "
+                f"checkpoint with `lmfoundry compile ... --tp {tp}`")
+    return f"{spec}: this engine bundle was compiled for --tp {degree}; run it with --tp {degree}"
+
+
+def bundle_degree(path: str | Path) -> int:
+    """The tensor-parallel degree an engine bundle was compiled for (1: one device)."""
+    from lmfoundry.manifest import parse_json_object, read_bounded
+
+    manifest_path = Path(path) / "engine.json"
+    manifest = parse_json_object(read_bounded(manifest_path, 64 << 20), manifest_path)
+    if "tensor_parallel" not in manifest:
+        return 1
+    record = manifest["tensor_parallel"]
+    size = record.get("size") if isinstance(record, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+        raise UserError(f"{manifest_path}: malformed tensor_parallel record (a size of 2 or more is expected)")
+    return size
+
+
+def rank_bundle(path: str | Path, rank: int) -> Path:
+    """Rank `rank`'s bundle inside a tensor-parallel bundle, once its engine.json is the one the
+    bundle's manifest records (each rank's own manifest then checks its files)."""
+    from lmfoundry.compile.bundle import sha256_file
+    from lmfoundry.compile.loader import EngineIntegrityError
+    from lmfoundry.manifest import parse_json_object, read_bounded
+
+    engine = Path(path)
+    manifest = parse_json_object(read_bounded(engine / "engine.json", 64 << 20), engine / "engine.json")
+    ranks = manifest["tensor_parallel"].get("ranks")
+    entry = ranks[rank] if isinstance(ranks, list) and rank < len(ranks) else None
+    if not isinstance(entry, dict) or entry.get("path") != f"rank{rank}":
+        raise UserError(f"{engine}/engine.json: malformed tensor_parallel record (no entry rank{rank})")
+    folder = engine / f"rank{rank}"
+    if not (folder / "engine.json").is_file() or sha256_file(folder / "engine.json") != entry.get("engine_sha256"):
+        raise EngineIntegrityError(f"{folder}/engine.json: missing, or not the one {engine}/engine.json records")
+    return folder
+
+
+def whole_model_config(path: str | Path) -> ModelConfig:
+    """The config of the whole model behind a model spec: a checkpoint's own, a bundle's
+    weights', and for a tensor-parallel bundle the one its rank 0's share names."""
+    if is_engine_bundle(path):
+        weights = Path(path) / ("rank0/weights" if bundle_degree(path) > 1 else "weights")
+        config = ModelConfig.from_file(weights)
+        shard = share_of(config.raw, str(weights))
+        return shard.config if shard is not None else config
+    return ModelConfig.from_file(resolve_model(path))
+
+
+def load_rank_bundle(path: str | Path, shard: RankShard, comm: Collectives,
+                     dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of rank `shard.rank` from a bundle compiled with `--tp`: that rank's
+    share (`lmfoundry.compile.tensor_parallel`) loaded as the model its config describes, then
+    joined to the other ranks, without slicing anything again."""
+    folder = rank_bundle(path, shard.rank)
+    model, tokenizer = load_bundle_on_cpu(folder, dtype)
+    share = share_of(model.config.raw, str(folder / "weights"))
+    if share is None or (share.rank, share.tp) != (shard.rank, shard.tp) or share.config != shard.config:
+        raise UserError(f"{folder}: its weights are not rank {shard.rank} of {shard.tp}'s share of this model")
+    shard_modules(model, share, comm, presliced=True)
+    return model, tokenizer
 
 
 def resolve_dtype(name: str, path_or_name: str | Path, device: str = "cpu") -> torch.dtype | None:

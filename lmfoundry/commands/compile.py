@@ -28,21 +28,28 @@ from lmfoundry.errors import UserError
 @click.option("--max-tokens", type=int, default=None,
               help="--arch cpu: the most tokens one compiled step takes (decodes plus prefill chunk; default "
                    "8192; a larger step runs eagerly).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel degree: write one bundle per rank (rank<r>/), each with that rank's share of "
+                   "the weights and the kernels for its shapes; serve it with the same --tp.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, weights: str, workers: int,
-                block_size: int, dtype: str, tune: bool, max_tokens: int | None, quiet: bool) -> None:
+                block_size: int, dtype: str, tune: bool, max_tokens: int | None, tp: int, quiet: bool) -> None:
     """Cross-compile the Triton kernels CHECKPOINT needs into an engine bundle (no GPU needed).
 
     \b
     Examples:
       lmfoundry compile out/ --arch hopper --arch ampere -o engine/
       lmfoundry compile out/ --arch cpu -o engine-cpu/
+      lmfoundry compile out/ --arch hopper --tp 2 -o engine-tp2/
     """
     log = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
     if any(a.strip().lower() == "cpu" for a in archs):
         if len(archs) > 1:
             raise UserError("--arch cpu builds a bundle of its own (a compiled CPU step, no cubins): "
                             "run it separately from the GPU archs")
+        if tp > 1:
+            raise UserError(f"--arch cpu compiles one process's step; --tp {tp} serves the checkpoint (or a GPU "
+                            "arch's bundle) split over CPU processes without a compiled step")
         from lmfoundry.runtime.cpu_bundle import DEFAULT_MAX_TOKENS, build_cpu_engine
 
         out, manifest, seconds = build_cpu_engine(checkpoint, output, block_size=block_size,
@@ -58,11 +65,11 @@ def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, wei
 
     result = build_engine(checkpoint, list(archs), output, weights=weights, workers=workers, block_size=block_size,
                           dtype=None if dtype == "auto" else dtype, tune=tune, progress=not quiet,
-                          log=log)
+                          log=log, tp=tp)
     kernels = result.kernels
     per_arch = Counter(k["sm"] for k in kernels)
-    fusions = [f["name"] for f in result.manifest["fusions"] if f["applied"]]
-    click.echo(f"engine: {result.output}")
+    fusions = [f["name"] for f in result.fusions if f["applied"]]
+    click.echo(f"engine: {result.output}" + (f" ({tp} ranks: rank0/ .. rank{tp - 1}/)" if tp > 1 else ""))
     click.echo(f"kernels: {len(kernels)} ({', '.join(f'{sm}: {n}' for sm, n in sorted(per_arch.items()))}), "
                f"SASS checks passed, built in {result.seconds:.1f} s")
     click.echo(f"fusions: {', '.join(fusions) or 'none'}")

@@ -51,21 +51,43 @@ def inspect_cmd(folder: str, as_json: bool) -> None:
 
 
 def _inspect_engine(path: Path, as_json: bool) -> None:
-    """An engine bundle: what it was built for, and every file against engine.json."""
+    """An engine bundle: what it was built for, and every file against engine.json (every rank's
+    of a tensor-parallel bundle, each rank's engine.json against the top one)."""
     from lmfoundry.compile.loader import bundle_problems, read_manifest
+    from lmfoundry.runtime.loader import bundle_degree, rank_bundle
 
-    m = read_manifest(path)
-    problems = bundle_problems(path, m)
+    degree = bundle_degree(path)
+    problems: list[str] = []
+    ranks: list[dict[str, Any]] = []
+    if degree > 1:
+        for r in range(degree):
+            try:
+                folder = rank_bundle(path, r)
+            except UserError as exc:
+                problems.append(str(exc))
+                continue
+            ranks.append(read_manifest(folder))
+            problems += [f"rank{r}: {p}" for p in bundle_problems(folder, ranks[-1])]
+        if not ranks:
+            raise UserError(f"{path}: no rank bundle matches engine.json")
+        m = ranks[0]
+    else:
+        m = read_manifest(path)
+        problems = bundle_problems(path, m)
     model = _dict(m, "model")
     summary: dict[str, Any] = {"engine": str(path), "model": _text(model.get("model_type")),
                                "dtype": _text(model.get("dtype")), "source": _text(_dict(m, "source").get("path"))}
+    if degree > 1:
+        summary["tensor_parallel"] = f"{degree} ranks (rank0/ .. rank{degree - 1}/)"
     if m.get("target") == "cpu":
         cpu = _dict(m, "cpu")
         summary.update(target="cpu", isa=_text(cpu.get("isa")), torch=_text(cpu.get("torch")),
                        step=_text(_dict(cpu, "step").get("path")), max_tokens=_text(cpu.get("max_tokens")))
     else:
-        summary.update(target="gpu", archs=", ".join(sorted(_dict(m, "archs"))), kernels=len(m["kernels"]))
-    summary["weights"] = f"{_text(_dict(m, 'weights').get('mode'))}, {len(m['weights']['files'])} files"
+        summary.update(target="gpu", archs=", ".join(sorted(_dict(m, "archs"))),
+                       kernels=sum(len(r["kernels"]) for r in ranks or [m]))
+    files = sum(len(r["weights"]["files"]) for r in ranks or [m])
+    summary["weights"] = f"{_text(_dict(m, 'weights').get('mode'))}, {files} files"
     if as_json:
         click.echo(json.dumps({**summary, "verified": not problems, "problems": problems}, indent=2))
     else:

@@ -26,9 +26,12 @@ def _print_url(host: str, port: int, api_key: str | None) -> None:
 
 
 def _bundle_block_size(path: str) -> int:
-    from lmfoundry.compile.loader import read_manifest
+    from pathlib import Path
 
-    return int(read_manifest(path)["kv_cache"]["block_size"])
+    from lmfoundry.compile.loader import read_manifest
+    from lmfoundry.runtime.loader import bundle_degree
+
+    return int(read_manifest(Path(path) / "rank0" if bundle_degree(path) > 1 else path)["kv_cache"]["block_size"])
 
 
 def _compiled_step_bundle(model: str, device: str, block_size: int | None) -> str:
@@ -180,11 +183,10 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     if tp > 1:
         if compile_step:
             raise UserError("--compile-step compiles one process's step; drop it with --tp")
-        from lmfoundry.model.config import ModelConfig
         from lmfoundry.model.head_split import split_heads
-        from lmfoundry.models import resolve_model
+        from lmfoundry.runtime.loader import whole_model_config
 
-        split_heads(ModelConfig.from_file(resolve_model(model)), tp)  # before anything starts
+        split_heads(whole_model_config(model), tp)  # before anything starts
     run_dtype = resolve_dtype(dtype, model, device)
     if not skip_verify and not is_engine_bundle(model):
         from pathlib import Path

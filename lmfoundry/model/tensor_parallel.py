@@ -215,10 +215,14 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-def shard_modules(model: Any, shard: RankShard, comm: Collectives) -> None:
+def shard_modules(model: Any, shard: RankShard, comm: Collectives, presliced: bool = False) -> None:
     """After the linears were loaded sliced and the rest whole: local head counts on every
     attention, the all-reduce hooks, and the vocabulary-parallel embedding and LM head (which
-    shares the embedding's rows when they are tied; an untied LM head was loaded sliced)."""
+    shares the embedding's rows when they are tied; an untied LM head was loaded sliced).
+
+    `presliced`: the model was built from one rank's share (`rank_config`, written by `compile
+    --tp`), so its embedding already holds only this rank's rows; it then takes the whole
+    model's config, which the engine reads (vocabulary size) as the model's."""
     heads = shard.heads
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -227,7 +231,8 @@ def shard_modules(model: Any, shard: RankShard, comm: Collectives) -> None:
         layer.mlp.register_forward_hook(AllReduceOutput(comm))
     start, stop, per = shard.vocab_range()
     tied = model.lm_head.weight is model.model.embed_tokens.weight if hasattr(model.lm_head, "weight") else False
-    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens.weight[start:stop].clone(), start, comm)
+    rows = model.model.embed_tokens.weight
+    model.model.embed_tokens = VocabParallelEmbedding(rows if presliced else rows[start:stop].clone(), start, comm)
     head = model.lm_head
     if tied:
         with torch.device("meta"):
@@ -238,6 +243,47 @@ def shard_modules(model: Any, shard: RankShard, comm: Collectives) -> None:
     # wrapper must not again (CausalLM attaches it to a head without one, as the tied one here)
     wrapper._logit_softcap = getattr(head, "_logit_softcap", None)
     model.lm_head = wrapper
+    if presliced:
+        model.config = shard.config
+
+
+SHARE_KEY = "lmfoundry_tensor_parallel"  # config.json key of one rank's share: rank, size, whole config
+
+
+def rank_config(raw: dict[str, Any], shard: RankShard) -> dict[str, Any]:
+    """config.json of one rank's share of a model (what `compile --tp` writes per rank): the sizes
+    of the slices the rank holds, so that the share reads, plans and compiles as a model of its
+    own (its GEMM and attention shapes are the rank's), and under `SHARE_KEY` the rank, the
+    degree and the whole model's config, from which the runtime joins the ranks again."""
+    heads = shard.heads
+    start, stop, _ = shard.vocab_range()
+    width = "moe_intermediate_size" if shard.config.is_moe else "intermediate_size"
+    whole = {k: v for k, v in raw.items() if k != SHARE_KEY}
+    out = dict(whole)
+    out.update({"num_attention_heads": heads.heads_per_rank, "num_key_value_heads": heads.kv_heads_per_rank,
+                "head_dim": shard.config.head_dim, width: shard.config.mlp_width // shard.tp,
+                "vocab_size": stop - start})
+    out[SHARE_KEY] = {"rank": shard.rank, "size": shard.tp, "config": whole}
+    return out
+
+
+def share_of(raw: dict[str, Any], where: str) -> RankShard | None:
+    """The `RankShard` a share's config.json says it is (None: a whole model), refused with one
+    line when its sizes are not that rank's slice of the whole model it names."""
+    meta = raw.get(SHARE_KEY)
+    if meta is None:
+        return None
+    try:
+        rank, size, whole = int(meta["rank"]), int(meta["size"]), meta["config"]
+        shard = RankShard(ModelConfig.from_dict(whole), rank, size)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{where}: malformed {SHARE_KEY} entry in config.json ({exc})") from None
+    expected = rank_config(whole, shard)
+    wrong = [k for k, v in expected.items() if k != SHARE_KEY and raw.get(k) != v]
+    if wrong:
+        raise UserError(f"{where}: config.json is not rank {rank} of {size}'s share of the model it names "
+                        f"({', '.join(wrong)} differ)")
+    return shard
 
 
 def resident_bytes(model: nn.Module) -> int:

@@ -58,12 +58,11 @@ def _shm_folder() -> str:
 
 
 def _load_share(spec: ShardSpec, rank: int, folder: Path, alive: Any) -> tuple[Any, Any, Any]:
-    from lmfoundry.model.config import ModelConfig
-    from lmfoundry.runtime.loader import load_model
+    from lmfoundry.runtime.loader import load_model, whole_model_config
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    config = ModelConfig.from_file(spec.model)
+    config = whole_model_config(spec.model)
     shard = RankShard(config, rank, spec.tp)
     comm = open_collectives(spec.backend, folder, rank, spec.tp, spec.timeout, alive)
     model, tokenizer = load_model(spec.model, dtype=spec.dtype, shard=shard, comm=comm)
@@ -134,11 +133,11 @@ class TensorParallelGroup:
         if spec.backend not in BACKENDS:
             raise UserError(f"--tp-backend {spec.backend!r}: use one of {', '.join(BACKENDS)}")
         from lmfoundry.models import resolve_model
+        from lmfoundry.runtime.loader import is_engine_bundle, whole_model_config
 
-        spec = dataclasses.replace(spec, model=str(resolve_model(spec.model)))  # once, before the ranks read it
-        from lmfoundry.model.config import ModelConfig
-
-        RankShard(ModelConfig.from_file(spec.model), 0, spec.tp).heads  # noqa: B018 - refuse a bad --tp first
+        if not is_engine_bundle(spec.model):  # once, before the ranks read it
+            spec = dataclasses.replace(spec, model=str(resolve_model(spec.model)))
+        RankShard(whole_model_config(spec.model), 0, spec.tp).heads  # noqa: B018 - refuse a bad --tp first
         self.spec = spec
         self.folder = Path(_shm_folder())
         self._closed = False
