@@ -142,16 +142,17 @@ def wait_for_url(proc: Any, timeout: float = 120) -> str:
     raise AssertionError("no URL printed:\n" + "".join(seen))
 
 
-def start_serve(args: list[str]) -> Any:
+def start_serve(args: list[str], own_session: bool = False) -> Any:
     """`lmfoundry serve ARGS` as a user runs it: a one-thread subprocess whose output is readable
-    line by line (see `wait_for_url`)."""
+    line by line (see `wait_for_url`). `own_session`: in a process group of its own, as a service
+    manager starts it (so that the test can signal the whole group)."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "lmfoundry.cli", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=own_session)
 
 
 def stop_serve(proc: Any) -> None:

@@ -114,10 +114,13 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
     for commands while there is none. Exits on "shutdown" or when its parent is gone.
 
     It ignores SIGINT: Ctrl-C reaches the whole process group, and the API process decides when
-    the engine stops (after draining the requests in flight)."""
+    the engine stops (after draining the requests in flight). SIGTERM sent to it directly (a
+    service manager stopping every process of the service at once) ends it at once, but through
+    its cleanup: a tensor-parallel group's workers and shared memory go with it."""
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s engine: %(message)s")
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
@@ -127,6 +130,8 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
     try:
         try:
             engine = spec.build()
+        except SystemExit:
+            raise
         except UserError as exc:
             outputs.send_pyobj(("failed", str(exc)))
             return
@@ -141,6 +146,9 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
             log.error("the engine stops: %s", exc)
             getattr(engine.model, "abandon", lambda: None)()  # a broken group's processes and memory
             lost = True
+        except SystemExit:  # SIGTERM: no draining, but no processes or shared memory left behind
+            getattr(engine.model, "abandon", lambda: None)()
+            raise
         else:
             lost = False
             engine.close()
@@ -152,6 +160,10 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
         sys.stderr.flush()
     if lost:
         os._exit(1)  # not sys.exit: the lost group's processes must not be waited for
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _serve(core: EngineCore, commands: Any, outputs: Any, parent_pid: int) -> None:

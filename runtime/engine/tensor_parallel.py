@@ -75,6 +75,8 @@ def worker_main(spec: ShardSpec, rank: int, folder: str, conn: Any, parent_pid: 
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+    # SIGTERM to every process of the service at once: rank 0 may get no chance to clean up
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _leave(folder, 128 + signum))
 
     def parent_alive() -> str | None:
         return None if os.getppid() == parent_pid else "rank 0 is gone"

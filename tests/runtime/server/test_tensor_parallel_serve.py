@@ -82,3 +82,29 @@ def test_killed_engine_leaves_no_shared_memory(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             stop_serve(proc)
+
+
+def test_sigterm_to_every_process_leaves_nothing_behind(tmp_path) -> None:
+    """A service manager stopping serve (systemd's default: SIGTERM to every process of the
+    service at once) reaches the engine process and the worker rank directly: both end through
+    their cleanup, so no process and no shared-memory folder outlives the server."""
+    import glob
+    import os
+
+    folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
+    before = set(glob.glob("/dev/shm/lmfoundry-tp-*"))
+    proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
+                        "--dtype", "float32", "--skip-verify", "--tp", "2", "--threads", "2"], own_session=True)
+    try:
+        wait_for_url(proc)
+        processes = psutil.Process(proc.pid).children(recursive=True)
+        created = set(glob.glob("/dev/shm/lmfoundry-tp-*")) - before
+        assert len(created) == 1 and len(_worker_ranks(proc.pid)) == 1
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        psutil.wait_procs(processes, timeout=30)
+        assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not any(Path(f).exists() for f in created), "the group's shared memory stayed"
+    finally:
+        if proc.poll() is None:
+            stop_serve(proc)
