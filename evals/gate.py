@@ -295,7 +295,8 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     if tp > 1:
         from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
 
-        model, tokenizer = load_sharded(ShardSpec(str(folder), run_dtype, tp, max(1, torch.get_num_threads() // tp)))
+        model, tokenizer = load_sharded(ShardSpec.on(str(folder), run_dtype, tp, max(1, torch.get_num_threads() // tp),
+                                                     device))
     else:
         model, tokenizer = load_model(folder, dtype=run_dtype, device=device)
     lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos)

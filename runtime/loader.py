@@ -60,10 +60,8 @@ def load_model(
         if degree != (shard.tp if shard is not None else 1):
             raise UserError(_degree_refusal(path_or_name, degree, shard.tp if shard is not None else 1))
         if shard is not None:
-            if torch.device(device).type != "cpu":
-                raise UserError(f"{path_or_name}: --tp runs its ranks as CPU processes; use --device cpu")
             assert comm is not None, "a shard needs its rank's collectives"
-            return load_rank_bundle(path_or_name, shard, comm, dtype)
+            return load_rank_bundle(path_or_name, shard, comm, dtype, device)
         if torch.device(device).type == "cpu":
             return load_bundle_on_cpu(path_or_name, dtype)
         return load_bundle(path_or_name, device, dtype=dtype)
@@ -101,7 +99,13 @@ def check_tensor_parallel(tp: int, device: str, models: Any) -> None:
         if is_engine_bundle(spec) and (degree := bundle_degree(spec)) != tp:
             raise UserError(_degree_refusal(spec, degree, tp))
     if tp > 1 and torch.device(device).type != "cpu":
-        raise UserError(f"--tp {tp} splits a model over CPU processes; use --device cpu")
+        for spec in models:
+            if not is_engine_bundle(spec):
+                raise UserError(f"{spec}: on GPUs --tp {tp} runs an engine bundle compiled with `lmfoundry compile "
+                                f"{spec} --arch ... --tp {tp}` (or split the checkpoint over CPU processes with "
+                                "--device cpu)")
+        if torch.cuda.device_count() < tp:
+            raise UserError(f"--tp {tp} runs one rank per GPU; this machine has {torch.cuda.device_count()}")
 
 
 def _degree_refusal(spec: str | Path, degree: int, tp: int) -> str:
@@ -156,17 +160,22 @@ def whole_model_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_file(resolve_model(path))
 
 
-def load_rank_bundle(path: str | Path, shard: RankShard, comm: Collectives,
-                     dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+def load_rank_bundle(path: str | Path, shard: RankShard, comm: Collectives, dtype: torch.dtype | None = None,
+                     device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """(model, tokenizer) of rank `shard.rank` from a bundle compiled with `--tp`: that rank's
-    share (`lmfoundry.compile.tensor_parallel`) loaded as the model its config describes, then
-    joined to the other ranks, without slicing anything again."""
+    share (`lmfoundry.compile.tensor_parallel`) loaded as the model its config describes (on a
+    CPU the packed reference model, on a GPU its `KernelModel`), then joined to the other ranks,
+    without slicing anything again."""
     folder = rank_bundle(path, shard.rank)
-    model, tokenizer = load_bundle_on_cpu(folder, dtype)
-    share = share_of(model.config.raw, str(folder / "weights"))
+    share = share_of(ModelConfig.from_file(folder / "weights").raw, str(folder / "weights"))
     if share is None or (share.rank, share.tp) != (shard.rank, shard.tp) or share.config != shard.config:
         raise UserError(f"{folder}: its weights are not rank {shard.rank} of {shard.tp}'s share of this model")
-    shard_modules(model, share, comm, presliced=True)
+    if torch.device(device).type == "cpu":
+        model, tokenizer = load_bundle_on_cpu(folder, dtype)
+        shard_modules(model, share, comm, presliced=True)
+    else:
+        model, tokenizer = load_bundle(folder, device, dtype=dtype)
+        model.join(share, comm)
     return model, tokenizer
 
 

@@ -391,3 +391,33 @@ def post_in_background(url: str, body: dict, timeout: float = 60) -> tuple[Any, 
     thread = threading.Thread(target=call)
     thread.start()
     return thread, result
+
+
+def kernel_model_rank(engine: str, rank: int, tp: int, folder: str, ids: list[int], queue: Any) -> None:
+    """One rank of a tensor-parallel bundle as a GPU rank runs it, its `KernelModel` (here on the
+    CPU, through the kernels' PyTorch references) joined to the others through shared memory:
+    put rank 0's logits of `ids` on `queue`."""
+    from pathlib import Path
+
+    from lmfoundry.model.config import ModelConfig
+    from lmfoundry.model.tensor_parallel import share_of
+    from lmfoundry.runtime.engine.collectives import ShmCollectives
+    from lmfoundry.runtime.loader import load_bundle, rank_bundle
+
+    torch.set_num_threads(1)
+    try:
+        from lmfoundry.kernels.dispatch import is_interpreter
+
+        if is_interpreter():  # as tests/conftest.py does in the test process
+            from lmfoundry.kernels.interpreter import patch_interpreter
+
+            patch_interpreter()
+        comm = ShmCollectives(Path(folder) / "collectives", rank, tp, create=False, timeout=120)
+        weights = rank_bundle(engine, rank)
+        model, _ = load_bundle(weights, "cpu")
+        model.join(share_of(ModelConfig.from_file(weights / "weights").raw, "rank"), comm)
+        logits = model(torch.tensor([ids]))
+        comm.close()
+        queue.put(("ok", logits.numpy() if rank == 0 else None))  # not shared memory: the rank exits
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))

@@ -49,8 +49,9 @@ def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
 @click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows.")
 @click.option("--batch-size", default=4, show_default=True, help="Windows per forward pass (at least 1).")
 @click.option("--tp", type=int, default=1, show_default=True,
-              help="Split each checkpoint over this many CPU processes, as `serve --tp` runs it (must divide "
-                   "the attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes).")
+              help="Split each model over this many processes, as `serve --tp` runs it (must divide the "
+                   "attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes; a bundle runs at "
+                   "the degree it was compiled for).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per model (for scripts and CI).")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu or cuda[:N]: where an engine bundle's kernels run (checkpoints run on CPU).")
@@ -87,7 +88,7 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
 
             from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
 
-            lm, tokenizer = load_sharded(ShardSpec(spec, run_dtype, tp, max(1, torch.get_num_threads() // tp)))
+            lm, tokenizer = load_sharded(ShardSpec.on(spec, run_dtype, tp, max(1, torch.get_num_threads() // tp), device))
         else:
             lm, tokenizer = load_model(spec, dtype=run_dtype, device=device)
         try:

@@ -32,8 +32,9 @@ from lmfoundry.runtime.dtypes import DTYPES
               help="Execution dtype of checkpoints on CPU, the same for both models. auto: bfloat16 where the "
                    "CPU has bf16 arithmetic (quantized weights then stay packed), float32 elsewhere.")
 @click.option("--tp", type=int, default=1, show_default=True,
-              help="Split each checkpoint over this many CPU processes, as `serve --tp` runs it (must divide "
-                   "the attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes).")
+              help="Split each model over this many processes, as `serve --tp` runs it (must divide the "
+                   "attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes; a bundle runs at "
+                   "the degree it was compiled for).")
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each checkpoint's files against the sha256 in its lmfoundry.json first.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,

@@ -135,14 +135,15 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
               help="torch threads of the engine process (default: OMP_NUM_THREADS or all cores); with --tp, "
                    "shared by its ranks (each gets threads / tp, at least 1).")
 @click.option("--tp", type=int, default=1, show_default=True,
-              help="Tensor parallel: split the model over this many CPU processes (ranks), Megatron-style: each "
+              help="Tensor parallel: split the model over this many processes (ranks), Megatron-style: each "
                    "holds 1/tp of the attention heads, MLP width and vocabulary, and its own KV cache for its KV "
                    "heads; they meet in one all-reduce per attention and MLP block. Must divide the attention "
                    "heads and MLP width, and divide or be a multiple of the KV heads (`lmfoundry plan --tp` lists "
-                   "the valid sizes). Serves a checkpoint folder or model name, not an engine bundle.")
+                   "the valid sizes). On CPU: a checkpoint folder, model name or bundle; on GPUs (one a rank, "
+                   "NCCL): a bundle built with `compile --tp` at the same degree.")
 @click.option("--tp-backend", type=click.Choice(["shm", "gloo"]), default="shm", show_default=True,
-              help="How --tp ranks exchange partial sums: shm (shared memory, the fast one on one machine) or gloo "
-                   "(torch.distributed over TCP).")
+              help="How CPU --tp ranks exchange partial sums: shm (shared memory, the fast one on one machine) or "
+                   "gloo (torch.distributed over TCP); GPU ranks use NCCL.")
 @click.option("--max-request-mb", type=float, default=8.0, show_default=True,
               help="Largest request body in MiB (larger: HTTP 413).")
 @click.option("--timeout-read", type=float, default=30.0, show_default=True,

@@ -183,12 +183,30 @@ class VocabParallelEmbedding(nn.Module):
         self.comm = comm
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        n = self.weight.shape[0]
-        local = input_ids - self.start
-        outside = (local < 0) | (local >= n)
-        x = F.embedding(local.clamp(0, max(n - 1, 0)), self.weight)
-        x.masked_fill_(outside[..., None], 0)
-        return self.comm.all_reduce(x)
+        return embed_vocab_share(self.weight, self.start, input_ids, self.comm)
+
+
+def embed_vocab_share(rows: torch.Tensor, start: int, input_ids: torch.Tensor, comm: Collectives) -> torch.Tensor:
+    """Embeddings of `input_ids` from a rank's vocabulary rows [start, start + len(rows)), summed
+    over the ranks (an id outside the rows embeds to zero here, and is non-zero on one rank)."""
+    n = rows.shape[0]
+    local = input_ids - start
+    outside = (local < 0) | (local >= n)
+    x = F.embedding(local.clamp(0, max(n - 1, 0)), rows)
+    x.masked_fill_(outside[..., None], 0)
+    return comm.all_reduce(x)
+
+
+def gather_vocab_share(y: torch.Tensor, vocab_size: int, per_rank: int, comm: Collectives) -> torch.Tensor:
+    """The whole vocabulary's logits on rank 0 from each rank's columns (in rank order, the last
+    rank's short share padded and cut); other ranks get their own columns back."""
+    short = per_rank - y.shape[-1]
+    if short:
+        y = F.pad(y, (0, short))
+    parts = comm.gather(y.contiguous())
+    if parts is None:
+        return y
+    return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
 class VocabParallelHead(nn.Module):
@@ -205,14 +223,7 @@ class VocabParallelHead(nn.Module):
         self._logit_softcap: float | None = None  # set when the local head already soft-caps (Gemma)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        y = self.local(hidden)
-        short = self.per_rank - y.shape[-1]
-        if short:
-            y = F.pad(y, (0, short))
-        parts = self.comm.gather(y.contiguous())
-        if parts is None:
-            return y
-        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+        return gather_vocab_share(self.local(hidden), self.vocab_size, self.per_rank, self.comm)
 
 
 def shard_modules(model: Any, shard: RankShard, comm: Collectives, presliced: bool = False) -> None:

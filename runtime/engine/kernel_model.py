@@ -118,6 +118,15 @@ class KernelModel:
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer [Hkv] fp32
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    # A tensor-parallel rank (`join`): which share of the whole model it is, and its collectives.
+    # The weights and `config` are then the share's (`compile --tp`), so every kernel runs on the
+    # rank's own shapes; the ranks meet after o_proj and down_proj, in the embedding and the logits.
+    share: Any = None  # lmfoundry.model.tensor_parallel.RankShard
+    comm: Any = None  # its Collectives
+
+    def join(self, share: Any, comm: Any) -> None:
+        """Make this model (loaded from rank `share.rank`'s bundle) one rank of a tensor-parallel group."""
+        self.share, self.comm = share, comm
 
     @property
     def block_size(self) -> int:
@@ -205,7 +214,7 @@ class KernelModel:
         splits = (self.decode_splits(attn.num_decode, attn.decode_tables.shape[1])
                   if attn.num_decode and attn.decode_tables is not None else 1)
         hq_heads, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = self.embed.index_select(0, ids)
+        x = self._embed(ids)
         residual: torch.Tensor | None = None
         t = x.shape[0]
         for i, layer in enumerate(self.layers):
@@ -231,17 +240,34 @@ class KernelModel:
             if nd < t:
                 ks.paged_prefill(q[nd:], caches[i], attn.prefill_tables, attn.cu_seqlens, attn.prefill_lens,
                                  attn.max_q_len, out=out[nd:])
-            x = self._gemm(layer.o_proj, out.view(t, hq_heads * d))
+            x = self._reduce(self._gemm(layer.o_proj, out.view(t, hq_heads * d)))
             h, hq, residual = self._norm(x, layer.post_norm, residual, layer.gate_up,
                                          self.norm_quant["post_attention_layernorm"])
             parts = [self._gemm(g, h, hq) for g in layer.gate_up]
             gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-            x = self._gemm(layer.down, ks.silu_mul(gate_up))
+            x = self._reduce(self._gemm(layer.down, ks.silu_mul(gate_up)))
         out, _, _ = ks.rmsnorm_quant(x, self.final_norm, cfg.rms_norm_eps, residual=residual)
         return out
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return self.embed.index_select(0, ids)
+        from lmfoundry.model.tensor_parallel import embed_vocab_share
+
+        return embed_vocab_share(self.embed, self.share.vocab_range()[0], ids, self.comm)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel GEMM's partial sums joined over the ranks (as they are on one device)."""
+        return partial if self.comm is None else self.comm.all_reduce(partial.contiguous())
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._gemm(self.lm_head, hidden).float()
+        y = self._gemm(self.lm_head, hidden.to(self.device))
+        if self.comm is not None:
+            from lmfoundry.model.tensor_parallel import gather_vocab_share
+
+            _, _, per = self.share.vocab_range()
+            y = gather_vocab_share(y, self.share.config.vocab_size, per, self.comm)
+        return y.float()
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:

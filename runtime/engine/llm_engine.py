@@ -114,10 +114,8 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
 
-            if torch.device(device).type != "cpu":
-                raise UserError("--tp runs on CPU ranks in this release (--device cpu)")
-            model, tokenizer = load_sharded(ShardSpec(str(path_or_name), dtype, config.tensor_parallel_size,
-                                                      config.rank_threads, config.tp_backend))
+            model, tokenizer = load_sharded(ShardSpec.on(str(path_or_name), dtype, config.tensor_parallel_size,
+                                                         config.rank_threads, device, config.tp_backend))
             try:
                 return cls(model, tokenizer, config, draft)
             except BaseException:

@@ -42,7 +42,8 @@ START_TIMEOUT = 1800.0  # seconds a worker may take to load its share
 @dataclass(frozen=True)
 class ShardSpec:
     """What every rank needs to load its share: the model, its execution dtype, the degree, the
-    intra-op threads of each rank and the collectives backend."""
+    intra-op threads of each rank, the collectives backend and the device type (on "cuda", rank
+    r runs on GPU r and the ranks meet through NCCL)."""
 
     model: str
     dtype: torch.dtype | None
@@ -50,6 +51,18 @@ class ShardSpec:
     threads: int | None = None
     backend: str = "shm"
     timeout: float = 600.0
+    device: str = "cpu"
+
+    @classmethod
+    def on(cls, model: str, dtype: torch.dtype | None, tp: int, threads: int | None, device: str | torch.device,
+           backend: str = "shm") -> "ShardSpec":
+        """The spec for ranks on `device`'s type: CPU processes joined by `backend`, or one GPU a
+        rank joined by NCCL."""
+        gpu = torch.device(device).type == "cuda"
+        return cls(model, dtype, tp, threads, "nccl" if gpu else backend, device="cuda" if gpu else "cpu")
+
+    def rank_device(self, rank: int) -> str:
+        return "cpu" if self.device == "cpu" else f"cuda:{rank}"
 
 
 def _shm_folder() -> str:
@@ -65,8 +78,19 @@ def _load_share(spec: ShardSpec, rank: int, folder: Path, alive: Any) -> tuple[A
     config = whole_model_config(spec.model)
     shard = RankShard(config, rank, spec.tp)
     comm = open_collectives(spec.backend, folder, rank, spec.tp, spec.timeout, alive)
-    model, tokenizer = load_model(spec.model, dtype=spec.dtype, shard=shard, comm=comm)
+    model, tokenizer = load_model(spec.model, dtype=spec.dtype, shard=shard, comm=comm, device=spec.rank_device(rank))
     return model, tokenizer, comm
+
+
+def rank_executor(model: Any, config: Any) -> Any:
+    """A rank's executor over its share: the bundle's kernels for a `KernelModel` (without CUDA
+    graphs: a captured step would replay without its collectives), else the reference path."""
+    from lmfoundry.runtime.engine.executor import KernelModelExecutor, ReferenceModelExecutor
+    from lmfoundry.runtime.engine.kernel_model import KernelModel
+
+    if isinstance(model, KernelModel):
+        return KernelModelExecutor(model, dataclasses.replace(config, cuda_graphs=False))
+    return ReferenceModelExecutor(model, config)
 
 
 def worker_main(spec: ShardSpec, rank: int, folder: str, conn: Any, parent_pid: int) -> None:
@@ -102,9 +126,7 @@ def worker_main(spec: ShardSpec, rank: int, folder: str, conn: Any, parent_pid: 
                 if op[0] == "stop":
                     break
                 if op[0] == "executor":
-                    from lmfoundry.runtime.engine.executor import ReferenceModelExecutor
-
-                    targets["executor"] = ReferenceModelExecutor(model, op[1])
+                    targets["executor"] = rank_executor(model, op[1])
                     continue
                 _, target, method, args = op
                 getattr(targets[target], method)(*args)
@@ -139,7 +161,8 @@ class TensorParallelGroup:
 
         if not is_engine_bundle(spec.model):  # once, before the ranks read it
             spec = dataclasses.replace(spec, model=str(resolve_model(spec.model)))
-        RankShard(whole_model_config(spec.model), 0, spec.tp).heads  # noqa: B018 - refuse a bad --tp first
+        self.config = whole_model_config(spec.model)  # the whole model's (a rank's own may be its share's)
+        RankShard(self.config, 0, spec.tp).heads  # noqa: B018 - refuse a bad --tp first
         self.spec = spec
         self.folder = Path(_shm_folder())
         self._closed = False
@@ -240,7 +263,7 @@ class ShardedModel:
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
         self.local = group.model
-        self.config = group.model.config
+        self.config = group.config
 
     @property
     def dtype(self) -> torch.dtype:
@@ -251,7 +274,8 @@ class ShardedModel:
         return self.group.spec.tp
 
     def run(self, target: Any, name: str, method: str, *args: Any) -> Any:
-        self.group.send("call", name, method, args)
+        # tensors travel through host memory (each rank moves them to its own device)
+        self.group.send("call", name, method, tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
         return getattr(target, method)(*args)
 
     @torch.inference_mode()
@@ -278,13 +302,11 @@ class TensorParallelExecutor:
     name = "tensor-parallel"
 
     def __init__(self, model: ShardedModel, config: Any) -> None:
-        from lmfoundry.runtime.engine.executor import ReferenceModelExecutor
-
         if getattr(model.local, "compiled_step", None) is not None:
             raise UserError("a compiled CPU step runs on one rank; drop --compile-step or --tp")
         self.sharded = model
         model.group.send("executor", config)
-        self.local = ReferenceModelExecutor(model.local, config)
+        self.local = rank_executor(model.local, config)
         self.model = model.local
         self.config = self.local.config
         self.dtype = self.local.dtype

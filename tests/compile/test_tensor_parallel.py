@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import assert_one_error, run_cli, tiny_model_folder
+from helpers import assert_one_error, kernel_model_rank, run_cli, tiny_model_folder
 
 from lmfoundry.cli import cli
 from lmfoundry.compile.bundle import build_engine
@@ -159,3 +159,56 @@ def test_a_rank_bundle_that_is_not_the_recorded_one_is_refused(w4a16_tp2, tmp_pa
         rank_bundle(copy, 1)
     code, out, err = run_cli(["inspect", str(copy)], capsys)
     assert code == 1 and "rank1/engine.json: missing, or not the one" in err, err
+
+
+def test_kernel_model_ranks_join_like_one_device(w4a16, w4a16_tp2, tmp_path) -> None:
+    """The GPU path of a tensor-parallel bundle (each rank's `KernelModel`, its kernels on the
+    rank's shapes, joined after o_proj and down_proj, in the embedding and the logits), run here
+    through the kernels' PyTorch references: rank 0's logits are the single-device bundle's, up
+    to the bf16 rounding of the two partial sums each row-parallel GEMM now has (two roundings
+    instead of one per block: a few bf16 steps of the logits' scale), with the same argmax."""
+    import multiprocessing
+
+    from lmfoundry.runtime.engine.collectives import ShmCollectives
+    from lmfoundry.runtime.loader import load_bundle
+
+    ids = [5, 9, 33, 70, 12, 7, 7, 8, 100, 3, 4, 5]
+    single = build_engine(w4a16, ["hopper"], tmp_path / "single", progress=False).output
+    with torch.inference_mode():
+        expect = load_bundle(single, "cpu")[0](torch.tensor([ids]))
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    ShmCollectives(folder / "collectives", 0, 2, create=True).close()
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    ranks = [ctx.Process(target=kernel_model_rank, args=(str(w4a16_tp2), r, 2, str(folder), ids, queue))
+             for r in range(2)]
+    for p in ranks:
+        p.start()
+    replies = [queue.get(timeout=300) for _ in ranks]
+    for p in ranks:
+        p.join(timeout=60)
+    assert all(kind == "ok" for kind, _ in replies), replies
+    got = torch.from_numpy(next(logits for _, logits in replies if logits is not None))
+    assert got.shape == expect.shape and torch.isfinite(got).all()
+    scale = float(expect.abs().max())
+    assert float((got - expect).abs().max()) <= 8 * 2**-8 * scale
+    assert torch.equal(got.argmax(-1), expect.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp_bundle_on_two_gpus_decodes_like_one(w4a16, w4a16_tp2, tmp_path) -> None:
+    """`serve ENGINE --tp 2 --device cuda`: rank r on GPU r runs its share's cubins, the ranks
+    meet through NCCL; greedy tokens equal the single-GPU bundle's."""
+    single = build_engine(w4a16, ["hopper", "ampere", "ada"], tmp_path / "single", progress=False).output
+
+    def tokens(model: Path, tp: int) -> list[list[int]]:
+        engine = LLMEngine.from_pretrained(str(model), config=EngineConfig(
+            num_kv_blocks=64, block_size=16, max_num_batched_tokens=32, tensor_parallel_size=tp), device="cuda")
+        try:
+            return [o.outputs[0].token_ids for o in engine.generate(PROMPTS, GREEDY)]
+        finally:
+            engine.close()
+
+    assert tokens(w4a16_tp2, 2) == tokens(single, 1)
