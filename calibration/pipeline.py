@@ -119,6 +119,7 @@ def check_plan(plan: QuantizationPlan, config: ModelConfig) -> None:
             scheme = plan.scheme_for(f"model.layers.{i}.{local}")
             if scheme is None or scheme.weights.strategy != "group":
                 continue
+            assert scheme.weights.group_size is not None  # QuantArgs requires one for "group"
             g = int(scheme.weights.group_size)
             if in_features % g:
                 dims = sorted({k for _, k in config.linear_shapes.values()})
@@ -223,6 +224,7 @@ def _two_pass_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: 
     metrics: dict[str, Any] = {}
     if calib is not None:
         q_out = calib.run(layer, keep_outputs=True)
+        assert float_out is not None  # computed above whenever calib is
         err = [weight_error(f, q) for f, q in zip(float_out, q_out)]
         group = ranks()  # the mean over every rank's batches
         metrics["output_rel_error"] = group.sum_number(sum(err)) / group.sum_number(len(err))
@@ -290,6 +292,7 @@ def run_pipeline(
     start = journal.done if journal is not None else 0
     calib: LayerCalibration | None = None
     if start:  # resumed: shards of layers < start and the activations entering `start` are on disk
+        assert journal is not None  # start > 0 only comes from a journal
         inputs = journal.restore(writer, report)
     else:  # --- embeddings: inputs of layer 0
         embed = reader.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
@@ -297,10 +300,12 @@ def run_pipeline(
             writer.write_shard(_shard(0, config), {"model.embed_tokens.weight": embed.to(out_dtype)})
         if needs_data:  # rows gathered in the stored dtype, then widened (exact): no float32 copy of the table
             # (Gemma's sqrt(hidden) factor applied in the stored dtype too, as the served model does)
+            assert calib_ids is not None  # refused above otherwise
             inputs = [embed_rows(config, embed, b).to(work_dtype)
                       for b in calibration_batches(calib_ids, batch_size)]
         del embed
     if needs_data:
+        assert calib_ids is not None  # refused above otherwise
         positions = torch.arange(calib_ids.shape[1]).unsqueeze(0)
         cos, sin = RotaryEmbedding(config)(positions, work_dtype)
         stored = torch.device("cpu") if offload else device
@@ -320,6 +325,7 @@ def run_pipeline(
             layer = load_layer(reader, config, idx, work_dtype, device, experts)
             schemes = layer_schemes(plan, config, idx)
             if sequential:  # one pass, group by group; no float outputs, so no layer output error
+                assert calib is not None  # `sequential` requires it
                 result = _sequential_layer(layer, schemes, quantizer, calib, idx, work_dtype)
                 layer_metrics: dict[str, Any] = {}
             else:

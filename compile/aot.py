@@ -48,6 +48,7 @@ def run_jobs(
     def serve() -> None:
         proc = subprocess.Popen([sys.executable, "-m", "lmfoundry.compile.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, text=True, env=worker_env(cache_dir))
+        assert proc.stdin is not None and proc.stdout is not None  # both are pipes
         try:
             while True:
                 try:

@@ -16,8 +16,9 @@ from typing import Any, Sequence
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 STATIC_SHARED_LIMIT = 48 * 1024
 
-_CTYPES = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64,
-           "f32": ctypes.c_float, "u8": ctypes.c_uint8, "ptr": ctypes.c_uint64}
+_CTYPES: dict[str, type[ctypes._SimpleCData[Any]]] = {
+    "i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64,
+    "f32": ctypes.c_float, "u8": ctypes.c_uint8, "ptr": ctypes.c_uint64}
 
 
 class CudaError(RuntimeError):
@@ -89,6 +90,7 @@ class Driver:
         if shared > STATIC_SHARED_LIMIT:
             self.check(self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
                        "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+        assert module.value is not None and fn.value is not None  # both set by the calls checked above
         return module.value, fn.value
 
     def launch(self, function: int, grid: Sequence[int], threads: int, shared: int, stream: int,

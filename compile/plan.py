@@ -135,6 +135,7 @@ def _concat_fusion(ck: Checkpoint, fused: str, members: tuple[str, ...]) -> Fusi
                       f"schemes differ ({', '.join(f'{n}: {s.describe()}' for n, s in zip(short, schemes))})")
     s = schemes[0]
     if s.kind == "w4a16" and not s.symmetric:
+        assert s.bits is not None  # every w4a16 scheme has its bit width
         per = 32 // s.bits
         for m in members:
             n = ck.config.linear_shapes[m][0]
@@ -244,12 +245,12 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
     for norm, names in (("input_layernorm", qkv_names), ("post_attention_layernorm", up_names)):
         q = consumers_quant(names)
         fused_q = q is not None and q[0] != 0
+        quant, static = q if q is not None and fused_q else (0, False)
         target = names[0].split(".")[-1] if len(names) == 1 else "/".join(n.split(".")[-1] for n in names)
-        reason = ("consumers take per-token dynamic activations" if fused_q and not q[1] else
+        reason = ("consumers take per-token dynamic activations" if fused_q and not static else
                   "consumers take a static activation scale" if fused_q else
                   "consumers are not activation-quantized" if q is not None else "consumers quantize differently")
         norm_fusions.append(Fusion(f"{norm}+{target}.input_quant", "norm_quant", [norm, *names], fused_q, reason))
-        quant, static = q if fused_q else (0, False)
         for residual in (False, True) if norm == "input_layernorm" else (True,):
             requests.append(("rmsnorm_quant", {"act": act, "out": QUANT_TYPE.get(quant, act)},
                              {"APPLY_NORM": True, "HAS_RESIDUAL": residual, "QUANT": quant, "STATIC_SCALE": static},
@@ -297,13 +298,13 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
     for cap in capabilities:
         for kernel, types, semantics, shape, used_by in requests:
             kd = registry.kernel(kernel)
-            static = {k: shape[k] for k in kd.static_shape}
+            static_shape = {k: shape[k] for k in kd.static_shape}
             for lo, hi, config in tiles.buckets(cap, kernel, shape):
                 sig = (cap, kernel, tuple(sorted(types.items())), tuple(sorted(semantics.items())), config)
                 spec = specs.setdefault(sig, Spec(cap, kernel, dict(types), dict(semantics), config))
-                cover = next((c for c in spec.covers if c["shape"] == static and c["rows"] == [lo, hi]), None)
+                cover = next((c for c in spec.covers if c["shape"] == static_shape and c["rows"] == [lo, hi]), None)
                 if cover is None:
-                    cover = {"shape": static, "rows": [lo, hi], "used_by": [], "_ints": kd.shape_ints(shape)}
+                    cover = {"shape": static_shape, "rows": [lo, hi], "used_by": [], "_ints": kd.shape_ints(shape)}
                     spec.covers.append(cover)
                 if used_by not in cover["used_by"]:
                     cover["used_by"].append(used_by)
@@ -330,6 +331,7 @@ def _gemm_requests(g: Gemm, act: str) -> list[tuple[str, dict[str, str], dict[st
     if s.kind == "dense":
         return []  # torch / cuBLAS
     if s.kind == "w4a16":  # the tiled layout: act-order is a K permutation there, not a kernel variant
+        assert s.bits is not None  # every w4a16 scheme has its bit width
         types = {"act": act, "scale": triton_type(g.scale_dtype)}
         sem = {"BITS": s.bits, "GROUP_SIZE": s.group_size or 0, "HAS_ZP": not s.symmetric, "HAS_BIAS": g.bias}
         shape = {"N": g.n, "K": g.k, "bits": s.bits, "group": s.group_size or 0}

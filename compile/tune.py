@@ -7,9 +7,14 @@ candidates below, on random inputs built by `lmfoundry.kernels.harness`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from lmfoundry.errors import UserError
+
+if TYPE_CHECKING:  # imported where used: they pull in torch
+    from lmfoundry.compile.plan import Plan, Spec
+    from lmfoundry.kernels.dispatch import ConfigPicker
+    from lmfoundry.kernels.spec import TileConfig
 
 CANDIDATES = {
     "BLOCK_M": (16, 32, 64, 128),
@@ -22,7 +27,7 @@ CANDIDATES = {
 }
 
 
-def tune_plan(plan, log: Callable[[str], None]) -> None:
+def tune_plan(plan: Plan, log: Callable[[str], None]) -> None:
     """Re-pick the configs of `plan`'s GEMM specs for the local GPU's arch (in place)."""
     import torch
 
@@ -47,7 +52,7 @@ def tune_plan(plan, log: Callable[[str], None]) -> None:
             best, best_ms = spec.config, float("inf")
             for cfg in _candidates(spec.config, spec.kernel):
                 try:
-                    ms = harness.time_ms(ex, JitExecutor(pick_config=lambda call, cfg=cfg: cfg))
+                    ms = harness.time_ms(ex, JitExecutor(pick_config=_always(cfg)))
                 except Exception:  # out of resources / unsupported tile: not a candidate
                     continue
                 if ms < best_ms:
@@ -58,7 +63,12 @@ def tune_plan(plan, log: Callable[[str], None]) -> None:
     plan.specs = kept + _merge(tuned)
 
 
-def _candidates(base, kernel: str):
+def _always(cfg: TileConfig) -> ConfigPicker:
+    """A config picker that answers `cfg` for every call."""
+    return lambda call: cfg
+
+
+def _candidates(base: TileConfig, kernel: str) -> Iterator[TileConfig]:
     from itertools import product
 
     from lmfoundry.kernels.spec import TileConfig
@@ -73,8 +83,8 @@ def _candidates(base, kernel: str):
         yield TileConfig.make(num_warps=values[-2], num_stages=values[-1], **d)
 
 
-def _merge(specs):
-    merged: dict[tuple, object] = {}
+def _merge(specs: list[Spec]) -> list[Spec]:
+    merged: dict[tuple, Spec] = {}
     for s in specs:
         key = (s.capability, s.kernel, tuple(sorted(s.types.items())), tuple(sorted(s.semantics.items())), s.config)
         if key in merged:

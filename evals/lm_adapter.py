@@ -18,7 +18,7 @@ lm-eval's `apply_chat_template`, which calls `apply_chat_template` below).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +28,11 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from lmfoundry.errors import UserError
-from lmfoundry.model.reference import AttentionSpec, CausalLM
+from lmfoundry.model.reference import AttentionSpec, CausalLM, DecoderLayer
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine.kernel_model import KernelModel
+    from lmfoundry.runtime.engine.llm_engine import LLMEngine
     from lmfoundry.runtime.engine.tensor_parallel import ShardedModel
 
 BOS_CHOICES = ("tokenizer", "true", "false")
@@ -96,12 +97,13 @@ class PrefixCache:
                spec: AttentionSpec | None = None) -> torch.Tensor:
         from lmfoundry.model.reference import causal_attention, spec_attention
 
-        round_trip = self.model.model.layers[layer_idx].self_attn.kv_round_trip
+        round_trip = cast(DecoderLayer, self.model.model.layers[layer_idx]).self_attn.kv_round_trip
         if round_trip is not None:
             k, v = round_trip(k, v)
         if self.rows is None:  # prefix pass: plain causal attention, keep K/V
             self.kv[layer_idx] = (k, v)
             return causal_attention(q, k, v) if spec is None else spec_attention(q, k, v, spec)
+        assert self.lengths is not None  # set with rows by extend()
         kp, vp = self.kv[layer_idx]
         keys = torch.cat([kp[self.rows], k], dim=1)
         values = torch.cat([vp[self.rows], v], dim=1)
@@ -168,14 +170,15 @@ class RuntimeLM(TemplateLM):
         # through its own batched scoring.
         self.kernel_model = isinstance(model, KernelModel)
         self.on_engine = self.kernel_model or isinstance(model, ShardedModel)
-        self.model = model if self.on_engine else model.eval()
+        self.model: CausalLM | ShardedModel | KernelModel = (
+            model if self.on_engine else cast(CausalLM, model).eval())
         self.tokenizer = tokenizer
         self.add_bos = parse_add_bos(add_bos)
         self.batch_tokens = int(batch_tokens)
         self._max_length = int(max_length) if max_length else int(model.config.max_position_embeddings)
         self._max_gen_toks = int(max_gen_toks)
         self._engine_config = engine_config
-        self._engine = None
+        self._engine: LLMEngine | None = None
 
     # ---- identity and tokenization --------------------------------------------------------
     @property
@@ -200,7 +203,7 @@ class RuntimeLM(TemplateLM):
     def device(self) -> torch.device:
         if self.on_engine:
             return getattr(self.model, "device", torch.device("cpu"))
-        return self.model.lm_head.weight.device
+        return cast(CausalLM, self.model).lm_head.weight.device
 
     @property
     def tokenizer_name(self) -> str:
@@ -273,6 +276,7 @@ class RuntimeLM(TemplateLM):
         taken in float32."""
         if self.on_engine:
             return self._score_on_engine(jobs)
+        model = cast(CausalLM, self.model)  # not on the engine: the reference model
         parts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         for job in jobs:
             n = self._checked_length(job)
@@ -297,19 +301,20 @@ class RuntimeLM(TemplateLM):
             rows = max(1, self.batch_tokens // len(order[i]))
             batch = order[i : i + rows]
             exts = [(g, e) for g, p in enumerate(batch) for e in sorted(groups[p]) if e]
-            cache = PrefixCache(self.model) if exts else None
-            hidden = self.model.hidden_states(*self._padded(batch, [0] * len(batch)), context=cache)
+            cache = PrefixCache(model) if exts else None
+            hidden = model.hidden_states(*self._padded(batch, [0] * len(batch)), context=cache)
             for g, p in enumerate(batch):
-                first[p] = Scored.of(F.log_softmax(self.model.lm_head(hidden[g, len(p) - 1]).float(), -1), need_first[p])
+                first[p] = Scored.of(F.log_softmax(model.lm_head(hidden[g, len(p) - 1]).float(), -1), need_first[p])
             exts.sort(key=lambda x: (-len(x[1]), x))
             j = 0
             while j < len(exts):  # extensions in chunks of at most batch_tokens tokens too
                 chunk = exts[j : j + max(1, self.batch_tokens // len(exts[j][1]))]
+                assert cache is not None  # made whenever there are extensions
                 cache.extend([g for g, _ in chunk], [len(p) for p in batch])
                 ids, pos = self._padded([e for _, e in chunk], [len(batch[g]) for g, _ in chunk])
-                hidden = self.model.hidden_states(ids, pos, context=cache)
+                hidden = model.hidden_states(ids, pos, context=cache)
                 for r, (g, e) in enumerate(chunk):
-                    lp = F.log_softmax(self.model.lm_head(hidden[r, : len(e)]).float(), dim=-1)
+                    lp = F.log_softmax(model.lm_head(hidden[r, : len(e)]).float(), dim=-1)
                     inner = torch.tensor(e[1:], dtype=torch.long, device=lp.device)  # targets of all but the last
                     total = float(lp[:-1].gather(1, inner[:, None]).sum()) if len(e) > 1 else 0.0
                     greedy = bool((lp[:-1].argmax(-1) == inner).all()) if len(e) > 1 else True
@@ -382,8 +387,10 @@ class RuntimeLM(TemplateLM):
             from lmfoundry.runtime.engine.llm_engine import LLMEngine
 
             config = self._engine_config or EngineConfig(
-                block_size=self.model.block_size if self.kernel_model else EngineConfig.block_size)
-            self._engine = LLMEngine(self.model, self.tokenizer, config)
+                block_size=cast("KernelModel", self.model).block_size if self.kernel_model else EngineConfig.block_size)
+            # LLMEngine's `model: nn.Module` annotation predates the engine bundles and tensor-parallel
+            # models it also drives (llm_engine.py is still excused from mypy)
+            self._engine = LLMEngine(self.model, self.tokenizer, config)  # type: ignore[arg-type]
         return self._engine
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:

@@ -40,7 +40,7 @@ class Example:
     outputs: tuple[str, ...]
     bytes: int
     flops: int
-    check: Callable[[KernelCall, KernelCall], None]
+    check: Callable[[KernelCall, KernelCall, float], None]  # (ran, reference, accumulation unit roundoff)
     notes: dict[str, Any] = field(default_factory=dict)
 
     def clone(self) -> KernelCall:
@@ -80,8 +80,12 @@ def _w4a16(kernel, types, sem, shape, device, gen) -> Example:
     bias = torch.randn(n, generator=gen).to(act) if sem["HAS_BIAS"] else None
     w = PackedLinear(pack(q, 1), scale, bits, group, k, zp, gidx, bias)
     x = torch.randn(m, k, generator=gen).to(act)
-    w_dev = PackedLinear(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in
-                           (w.weight_packed, w.weight_scale, bits, group, k, zp, gidx, bias)))
+
+    def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    w_dev = PackedLinear(w.weight_packed.to(device), w.weight_scale.to(device), bits, group, k,
+                         on_device(zp), on_device(gidx), on_device(bias))
     out = error_bounds.poisoned((m, n), act, device)
     call = w4a16.make_call(x.to(device), w_dev, out)
     if call.kernel.name != kernel:
@@ -180,12 +184,12 @@ def _norm(kernel, types, sem, shape, device, gen) -> Example:
                     (n == "out_ptr") or (n == "res_out_ptr" and res is not None) or (n == "scale_ptr" and scale_out is not None))
     def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         h_ref, _, res_ref = norm_quant.reference(x, w, 1e-6, res, norm_quant.QUANT_NONE)
-        src = res_ref if res is not None else x
+        src = x if res_ref is None else res_ref  # res_ref: the residual sum, when there is a residual
         h_err = error_bounds.rmsnorm_bound(src, w, h_ref, 1e-6) if w is not None else torch.zeros_like(h_ref, dtype=torch.float64)
         for name in outputs:
             error_bounds.assert_written(ran.args[name], f"{kernel}.{name}")
         if res is not None:
-            assert torch.equal(ran.args["res_out_ptr"].cpu(), res_ref), "residual sum"
+            assert res_ref is not None and torch.equal(ran.args["res_out_ptr"].cpu(), res_ref), "residual sum"
         got = ran.args["out_ptr"].cpu()
         if not sem["QUANT"]:
             error_bounds.assert_within(got, h_ref, h_err, kernel)

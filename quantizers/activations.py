@@ -62,6 +62,12 @@ class InputRecorder:
         self._reduce()
         return self._absmax
 
+    def channel_absmax(self) -> torch.Tensor:
+        """`absmax` of a recorder that has seen data."""
+        if self.absmax is None:
+            raise RuntimeError("activation recorder saw no data")
+        return self.absmax
+
     def sample(self) -> torch.Tensor:
         self._reduce()
         return torch.cat(self.rows) if self.rows else torch.empty(0)
@@ -103,6 +109,7 @@ def static_input_scales(schemes: dict[str, Scheme], recorders: dict[str, InputRe
         if not scheme.needs_activation_calibration:
             continue
         act = scheme.input_activations
+        assert act is not None  # needs_activation_calibration implies activation args
         if act.strategy != "tensor" or not act.symmetric:
             raise ValueError(f"static activations are calibrated per tensor, symmetric; got {act.describe()}")
         absmax = recorders[name].tensor_absmax((divisors or {}).get(name))

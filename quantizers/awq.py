@@ -35,14 +35,23 @@ kv_attention_weights (false).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import QKV, ROUTER
+from lmfoundry.model.reference import DecoderLayer, RMSNorm
 from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
+from lmfoundry.quantizers.base import (
+    LayerCalibration,
+    LayerResult,
+    QuantizedWeight,
+    Quantizer,
+    get_linear,
+    weight_error,
+)
 from lmfoundry.quantizers.hessian import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
@@ -69,6 +78,7 @@ class InputStats:
         if self.xtx is None:
             self.xtx = torch.zeros(x.shape[1], x.shape[1])
             self.abs_sum = torch.zeros(x.shape[1])
+        assert self.abs_sum is not None  # allocated with xtx
         self.abs_sum += x.abs().sum(0)
         xc = cap_token_energy(x, self.token_cap)  # the error objective, not the magnitudes
         if weights is not None:
@@ -90,6 +100,8 @@ class InputStats:
 
     def mean_abs(self) -> torch.Tensor:
         self._reduce()
+        if self.abs_sum is None:
+            raise RuntimeError("no calibration inputs reached this linear")
         return self.abs_sum / max(self.count, 1)
 
     def hessian(self) -> torch.Tensor:
@@ -138,7 +150,7 @@ def layer_mappings(schemes: dict[str, Scheme], mlp_norm: str = "post_attention_l
 def pooled_mean_abs(stats: list[InputStats]) -> torch.Tensor:
     """Mean |x| per channel over the tokens of several statistics (each counted once)."""
     distinct = list({id(st): st for st in stats}.values())
-    total = sum(st.mean_abs() * st.count for st in distinct)
+    total = cast(torch.Tensor, sum(st.mean_abs() * st.count for st in distinct))  # `stats` is never empty
     return total / max(sum(st.count for st in distinct), 1)
 
 
@@ -179,7 +191,7 @@ def search_scales(weights: list[torch.Tensor], args: list[QuantArgs], h: torch.T
             if not torch.isfinite(s).all() or (s <= 0).any():
                 continue
             cols = s[expand] if expand is not None else s
-            err = 0.0
+            err: float | torch.Tensor = 0.0
             for w, a, hw in zip(weights, args, hs):
                 ws = w * cols
                 err = err + output_error(w - _fake_quant(ws, a, scale_dtype) / cols, hw)
@@ -195,7 +207,11 @@ def clip_qparams(w: torch.Tensor, args: QuantArgs, h: torch.Tensor, scale_dtype:
     """Per (row, group) qparams minimizing the group's output error tr(Δ H_gg Δᵀ), among the
     observer's own and min/max ranges shrunk by p ∈ [1 − max_shrink, 1]."""
     rows, cols = w.shape
-    gs = int(args.group_size) if args.strategy == "group" else cols
+    if args.strategy == "group":
+        assert args.group_size is not None  # QuantArgs requires one for "group"
+        gs = int(args.group_size)
+    else:
+        gs = cols
     ngroups = cols // gs
     hb = torch.stack([h[g * gs:(g + 1) * gs, g * gs:(g + 1) * gs] for g in range(ngroups)])  # [G, gs, gs]
 
@@ -219,6 +235,7 @@ def clip_qparams(w: torch.Tensor, args: QuantArgs, h: torch.Tensor, scale_dtype:
         best_e = torch.where(better, e, best_e)
         best_s = torch.where(better, s, best_s)
         if z is not None:
+            assert best_z is not None  # the observer's zero points exist exactly when the range's do
             best_z = torch.where(better, z, best_z)
     return best_s, best_z
 
@@ -253,7 +270,7 @@ class AWQQuantizer(Quantizer):
         return hooks
 
     @torch.no_grad()
-    def smooth_layer(self, layer: nn.Module, schemes: dict[str, Scheme]) -> dict[str, dict[str, float]]:
+    def smooth_layer(self, layer: DecoderLayer, schemes: dict[str, Scheme]) -> dict[str, dict[str, float]]:
         """Search and fold the smoothing scales into `layer` (float function unchanged). Returns
         per-mapping metrics. The stored statistics are rescaled to the smoothed inputs."""
         metrics: dict[str, dict[str, float]] = {}
@@ -268,16 +285,17 @@ class AWQQuantizer(Quantizer):
                 heads = torch.arange(attn.num_heads).repeat_interleave(attn.head_dim) // rep
                 expand = heads * attn.head_dim + torch.arange(attn.head_dim).repeat(attn.num_heads)
                 x_mean = torch.zeros(attn.num_kv_heads * attn.head_dim).index_add_(0, expand, x_mean) / rep
-            weights = [layer.get_submodule(n).weight.data.float() for n in m.linears]
+            weights = [get_linear(layer, n).weight.data.float() for n in m.linears]
             args = [schemes[n].weights for n in m.linears]
             s, info = search_scales(weights, args, h, x_mean, self.scale_dtype, self.n_grid, self.duo, expand)
             s = self._fold(layer, m.prev, s, self.scale_dtype)  # the factor the stored tensors realize
             cols = s[expand] if expand is not None else s
             for n in m.linears + m.carry:
-                lin = layer.get_submodule(n)
+                lin = get_linear(layer, n)
                 lin.weight.data = (lin.weight.data.float() * cols).to(lin.weight.dtype)
             # the linears now read x / s: rescale the statistics they share
             for shared in {id(self._stats[n]): self._stats[n] for n in m.linears}.values():
+                assert shared.xtx is not None and shared.abs_sum is not None  # read by hessian() above
                 shared.xtx = shared.xtx / torch.outer(cols, cols)
                 shared.abs_sum = shared.abs_sum / cols
             metrics[f"{m.prev}->{'+'.join(n.split('.')[-1] for n in m.linears)}"] = info
@@ -294,9 +312,9 @@ class AWQQuantizer(Quantizer):
                 mod.bias.data = (mod.bias.data.float() / s).to(mod.bias.dtype)
             return s
         # RMSNorm: y = gain * normalized(x), gain w (or Gemma's 1 + w)
-        return mod.divide_gain_(s, storage_dtype)
+        return cast(RMSNorm, mod).divide_gain_(s, storage_dtype)
 
-    def quantize_layer(self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None,
+    def quantize_layer(self, layer: DecoderLayer, schemes: dict[str, Scheme], calib: LayerCalibration | None,
                        layer_idx: int) -> LayerResult:
         if calib is None or not self._stats:
             raise UserError("awq needs calibration data")
@@ -304,7 +322,7 @@ class AWQQuantizer(Quantizer):
         result = LayerResult({}, metrics={"awq": smooth})
         for name, scheme in schemes.items():
             args = scheme.weights
-            w = layer.get_submodule(name).weight.data.float()
+            w = get_linear(layer, name).weight.data.float()
             h = self._stats[name].hessian()
             if self.clip and name not in NO_CLIP and args.strategy in ("group", "channel"):
                 scale, zp = clip_qparams(w, args, h, self.scale_dtype, self.n_grid)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import GATE_UP, QKV
-from lmfoundry.model.reference import SparseMoE
+from lmfoundry.model.reference import MLP, DecoderLayer, SparseMoE
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
@@ -112,7 +112,7 @@ class LayerCalibration:
     @torch.no_grad()
     def run_sequential(
         self,
-        layer: nn.Module,
+        layer: DecoderLayer,
         observe: Callable[[tuple[str, ...], torch.Tensor], None],
         finish: Callable[[tuple[str, ...]], None],
     ) -> list[torch.Tensor]:
@@ -162,7 +162,8 @@ class LayerCalibration:
         routed outputs, weighted, add into the residual stream."""
         load, store = self.load, self.store
         routes = [moe.route(load(x).reshape(-1, x.shape[-1])) for x in normed]
-        for e, expert in enumerate(moe.experts):
+        for e, module in enumerate(moe.experts):
+            expert = cast(MLP, module)  # a ModuleList of MLPs (its items are typed as Module)
             picked = [moe.expert_tokens(chosen, e) for chosen, _ in routes]
             flats = [load(x).reshape(-1, x.shape[-1]) for x in normed]
             tokens = [flat if every else flat[rows] for flat, (rows, _, every) in zip(flats, picked)]
@@ -172,7 +173,7 @@ class LayerCalibration:
             mids = step((prefix + "gate_proj", prefix + "up_proj"), tokens,
                         lambda i, x, expert=expert: expert.hidden(x))
 
-            def add(i: int, m: torch.Tensor, expert: nn.Module = expert, picked: list = picked) -> torch.Tensor:
+            def add(i: int, m: torch.Tensor, expert: MLP = expert, picked: list = picked) -> torch.Tensor:
                 rows, slots, every = picked[i]
                 y = expert.down_proj(m)
                 y = y[rows] if every else y
@@ -211,7 +212,7 @@ class Quantizer(ABC):
         """Refuse a scheme this method cannot produce (before any work)."""
 
     def calibration_hooks(
-        self, layer: nn.Module, schemes: dict[str, Scheme], layer_idx: int
+        self, layer: DecoderLayer, schemes: dict[str, Scheme], layer_idx: int
     ) -> dict[str, Callable[[torch.Tensor], None]]:
         """Callbacks (submodule name -> fn(input)) the pipeline attaches during its float pass over
         the layer, so statistics cost no extra pass. Default: none."""
@@ -227,7 +228,7 @@ class Quantizer(ABC):
     # pass (`LayerCalibration.run_sequential`) instead of a float pass plus a quantized pass.
     sequential: bool = False
 
-    def quantize_group(self, layer: nn.Module, group: tuple[str, ...], schemes: dict[str, Scheme],
+    def quantize_group(self, layer: DecoderLayer, group: tuple[str, ...], schemes: dict[str, Scheme],
                        layer_idx: int, result: "LayerResult") -> None:
         """Quantize the linears of one input group (statistics from `calibration_hooks`) into
         `result`; only for `sequential` methods."""
@@ -235,7 +236,7 @@ class Quantizer(ABC):
 
     @abstractmethod
     def quantize_layer(
-        self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None, layer_idx: int
+        self, layer: DecoderLayer, schemes: dict[str, Scheme], calib: LayerCalibration | None, layer_idx: int
     ) -> LayerResult:
         """Quantize the linears named in `schemes` (local names). May modify `layer` in place
         (e.g. fold smoothing scales into norms) but must leave its function in float unchanged
@@ -264,6 +265,12 @@ def get_quantizer(method: str, options: dict[str, Any] | None = None) -> Quantiz
     except (TypeError, ValueError) as exc:  # a constructor only parses its options: float("banana")
         shown = ", ".join(f"{k}={v!r}" for k, v in (options or {}).items())
         raise UserError(f"{method}: an option has a value of the wrong type ({shown}): {exc}") from None
+
+
+def get_linear(layer: nn.Module, name: str) -> nn.Linear:
+    """The linear `name` (a local name, "self_attn.q_proj") of `layer`: `get_submodule` is typed
+    as returning any Module, whose attributes torch types as `Tensor | Module`."""
+    return cast(nn.Linear, layer.get_submodule(name))
 
 
 def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

@@ -49,7 +49,14 @@ from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import input_groups
-from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
+from lmfoundry.quantizers.base import (
+    LayerCalibration,
+    LayerResult,
+    QuantizedWeight,
+    Quantizer,
+    get_linear,
+    weight_error,
+)
 from lmfoundry.quantizers.hessian import (
     DEFAULT_TOKEN_CAP,
     HessianAccumulator,
@@ -112,7 +119,11 @@ def gptq_sweep(
     del w
     u = hinv.u
     strategy = args.strategy
-    gs = int(args.group_size) if strategy == "group" else cols
+    if strategy == "group":
+        assert args.group_size is not None  # QuantArgs requires one for "group"
+        gs = int(args.group_size)
+    else:
+        gs = cols
     if strategy == "group" and cols % gs:
         raise UserError(f"group size {gs} does not divide the input dimension {cols}")
     ngroups = cols // gs if strategy == "group" else 1
@@ -324,7 +335,7 @@ class GPTQQuantizer(Quantizer):
                        layer_idx: int, result: LayerResult) -> None:
         """GPTQ over the stacked rows of `names` (one Hessian, same args); RTN when it has no factor."""
         label = f"model.layers.{layer_idx}.{'+'.join(n.split('.')[-1] for n in names)}"
-        weights = [layer.get_submodule(n).weight.data.float() for n in names]
+        weights = [get_linear(layer, n).weight.data.float() for n in names]
         if hinv is None:
             result.warnings.append(f"{label}: fell back to RTN")
             for n, w in zip(names, weights):

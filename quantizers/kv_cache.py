@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.kv_quant import (
@@ -25,6 +24,7 @@ from lmfoundry.model.kv_quant import (
     kv_scales_from_absmax,
     quantize_kv,
 )
+from lmfoundry.model.reference import DecoderLayer
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult
 from lmfoundry.quantizers.scheme import QuantArgs
 
@@ -87,7 +87,7 @@ def kv_round_trip_from_checkpoint(kv_args: QuantArgs, k_scale: torch.Tensor, v_s
     return round_trip
 
 
-def calibrate_kv_scales(layer: nn.Module, calib: LayerCalibration, kv_args: QuantArgs,
+def calibrate_kv_scales(layer: DecoderLayer, calib: LayerCalibration, kv_args: QuantArgs,
                         scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_scale, v_scale) of one decoder layer from its calibration inputs."""
     per_head = check_kv_args(kv_args)
@@ -115,7 +115,7 @@ def kv_calibration_pass(kv_args: QuantArgs, out_dtype: torch.dtype) -> Callable[
     propagated outputs include the KV error."""
     check_kv_args(kv_args)
 
-    def kv_pass(layer: nn.Module, calib: LayerCalibration | None, layer_idx: int, result: LayerResult) -> None:
+    def kv_pass(layer: DecoderLayer, calib: LayerCalibration | None, layer_idx: int, result: LayerResult) -> None:
         if calib is None:
             raise UserError("KV cache quantization needs calibration data")
         k_scale, v_scale = calibrate_kv_scales(layer, calib, kv_args, out_dtype)

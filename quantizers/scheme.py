@@ -223,7 +223,7 @@ def to_compressed_tensors(plan: QuantizationPlan) -> dict[str, Any]:
     """The `quantization_config` dict, validated through compressed-tensors' own pydantic schema."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    groups = {}
+    groups: dict[str, dict[str, Any]] = {}
     for i, g in enumerate(plan.groups):
         groups[f"group_{i}"] = {
             "targets": list(g.targets),

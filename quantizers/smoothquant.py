@@ -34,10 +34,10 @@ from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import QKV, ROUTER
-from lmfoundry.model.reference import SparseMoE
+from lmfoundry.model.reference import DecoderLayer, RMSNorm, SparseMoE
 from lmfoundry.quantizers import qmath
 from lmfoundry.quantizers.activations import InputRecorder, input_recorders, static_input_scales
-from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, get_quantizer
+from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, get_linear, get_quantizer
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
 from lmfoundry.quantizers.scheme import QuantArgs, Scheme
@@ -75,13 +75,13 @@ class Mapping:
     carry: list[str] = field(default_factory=list)  # float linears scaled alike, not in the statistics (router)
 
 
-def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool,
+def layer_mappings(layer: DecoderLayer, smooth_vo: bool, smooth_down: bool,
                    storage_dtype: torch.dtype | None = None) -> list[Mapping]:
     """The smoothing sites of one layer. `storage_dtype` (the checkpoint's) lets a norm fold
     report the factor its stored gain really realizes (`RMSNorm.divide_gain_`)."""
     attn, mlp = layer.self_attn, layer.mlp
 
-    def fold_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fold_norm(norm: RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:
         def fold(s: torch.Tensor) -> torch.Tensor:
             # gain w, or Gemma's (1 + w), divided by s; the factor the stored gain realizes
             return norm.divide_gain_(s, storage_dtype)
@@ -115,7 +115,7 @@ def layer_mappings(layer: nn.Module, smooth_vo: bool, smooth_down: bool,
 
         maps.append(Mapping("v_proj", ["self_attn.o_proj"], fold_rows(attn.v_proj), expand, reduce))
     if smooth_down:
-        maps += [Mapping(p + "up_proj", [p + "down_proj"], fold_rows(layer.get_submodule(p + "up_proj")))
+        maps += [Mapping(p + "up_proj", [p + "down_proj"], fold_rows(get_linear(layer, p + "up_proj")))
                  for p in prefixes]
     return maps
 
@@ -179,14 +179,14 @@ class SmoothQuantQuantizer(Quantizer):
         if self.weight_quantizer is not None:
             self.weight_quantizer.validate(scheme)
 
-    def calibration_hooks(self, layer: nn.Module, schemes: dict[str, Scheme], layer_idx: int
+    def calibration_hooks(self, layer: DecoderLayer, schemes: dict[str, Scheme], layer_idx: int
                           ) -> dict[str, Callable[[torch.Tensor], None]]:
         rows = self.rows_per_batch if self.alpha_search else 0
         self._recorders, hooks = input_recorders(list(layer.linear_names), rows)
         return hooks
 
     @torch.no_grad()
-    def quantize_layer(self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None,
+    def quantize_layer(self, layer: DecoderLayer, schemes: dict[str, Scheme], calib: LayerCalibration | None,
                        layer_idx: int) -> LayerResult:
         if not self._recorders or any(r.absmax is None for r in self._recorders.values()):
             if calib is None:
@@ -197,9 +197,9 @@ class SmoothQuantQuantizer(Quantizer):
         metrics: dict[str, Any] = {"smoothing": {}}
         divisors: dict[str, torch.Tensor] = {}
         for m in layer_mappings(layer, self.smooth_vo, self.smooth_down, self.scale_dtype):
-            balance = [layer.get_submodule(n) for n in m.balance]
+            balance = [get_linear(layer, n) for n in m.balance]
             # max over the recorders of the balance linears: MoE experts each record their own tokens
-            act = m.reduce(torch.stack([recorders[n].absmax for n in m.balance]).amax(0))
+            act = m.reduce(torch.stack([recorders[n].channel_absmax() for n in m.balance]).amax(0))
             wmax = m.reduce(column_absmax(balance))
             alpha = self.alpha
             if self.alpha_search:
@@ -208,7 +208,7 @@ class SmoothQuantQuantizer(Quantizer):
             realized = m.fold(s)
             s = realized if realized is not None else s
             s_in = m.expand(s)
-            for lin in balance + [layer.get_submodule(n) for n in m.carry]:
+            for lin in balance + [get_linear(layer, n) for n in m.carry]:
                 lin.weight.data = (lin.weight.data.float() * s_in[None, :]).to(lin.weight.dtype)
             for n in m.balance:
                 divisors[n] = s_in
@@ -221,11 +221,11 @@ class SmoothQuantQuantizer(Quantizer):
         self._recorders = {}
         return LayerResult(weights, extra_tensors=extra, metrics=metrics)
 
-    def _quantize_weights(self, layer: nn.Module, schemes: dict[str, Scheme], calib: LayerCalibration | None,
+    def _quantize_weights(self, layer: DecoderLayer, schemes: dict[str, Scheme], calib: LayerCalibration | None,
                           layer_idx: int) -> dict:
         wq = self.weight_quantizer
         if wq is None:
-            return {n: rtn_quantize_weight(layer.get_submodule(n).weight.data, s.weights, self.scale_dtype)
+            return {n: rtn_quantize_weight(get_linear(layer, n).weight.data, s.weights, self.scale_dtype)
                     for n, s in schemes.items()}
         # GPTQ needs Hessians of the *smoothed* inputs: one more pass through the smoothed layer
         # (its float function is unchanged, only the linears' inputs are rescaled).
@@ -254,7 +254,8 @@ class SmoothQuantQuantizer(Quantizer):
                 w = lin.weight.detach().float() * s_in[None, :]
                 scale, zp = weight_observer(scheme.weights.observer)(w, scheme.weights, torch.float32)
                 w_hat = qmath.fake_quantize(w, scale, zp, scheme.weights)
-                static = (rec.absmax / s_in).amax() if scheme.needs_activation_calibration else None
+                static = (rec.channel_absmax() / s_in).amax() if scheme.needs_activation_calibration else None
+                assert scheme.input_activations is not None  # validate() admits W8A8 schemes only
                 x_hat = fake_quant_activation(xs, scheme.input_activations, static)
                 err += float((x_hat @ w_hat.t() - y).pow(2).sum())
             if err < best_err:

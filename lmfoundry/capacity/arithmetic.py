@@ -74,8 +74,10 @@ class QuantSpec:
         if self.strategy == "channel":
             return out_features
         if self.strategy == "group":
+            assert self.group_size is not None  # a "group" spec carries its group size
             return out_features * math.ceil(in_features / self.group_size)
         if self.strategy == "block":
+            assert self.block is not None  # a "block" spec carries its tile
             rows, cols = self.block
             return math.ceil(out_features / rows) * math.ceil(in_features / cols)
         raise ValueError(f"no scales for strategy {self.strategy!r}")
@@ -344,6 +346,7 @@ class CostPlan:
         if self.api_price is None:
             return ""
         be, util = self.breakeven_tokens_per_month, self.breakeven_utilization
+        assert be is not None and util is not None  # both set whenever api_price is
         full = self.cost_per_million(1.0)
         if util > 1.0:
             return (

@@ -138,9 +138,10 @@ class CheckpointQuant:
 
 def checkpoint_quant(raw: dict[str, Any]) -> tuple[CheckpointQuant | None, list[str]]:
     """Read `quantization_config` (compressed-tensors, GPTQ, AWQ, HF fp8) into a QuantSpec."""
-    qc = raw.get("quantization_config") or raw.get("compression_config")
-    if not isinstance(qc, dict):
+    found = raw.get("quantization_config") or raw.get("compression_config")
+    if not isinstance(found, dict):
         return None, []
+    qc: dict[str, Any] = found  # JSON object: string keys
     method = str(qc.get("quant_method", "?"))
     if method == "compressed-tensors":
         return _compressed_tensors_quant(qc)

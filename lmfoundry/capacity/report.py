@@ -62,7 +62,7 @@ def build_report(inp: PlanInputs) -> dict[str, Any]:
     gpu_bytes = int(gpu["memory_mib"]) * (1 << 20)
     act = activation_bytes(cfg, inp.tp, inp.batch_tokens)
     overhead = int(inp.overhead_gib * GIB)
-    weights = {
+    weights: dict[str, dict[str, Any]] = {  # precision -> layout (str) and byte counts by part
         p: {
             "layout": specs[p].describe(),
             "model_bytes": weight_bytes(cfg, specs[p], 1, quantize_lm_head),

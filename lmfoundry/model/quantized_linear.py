@@ -32,6 +32,12 @@ KIND = {"int-quantized": (QUANT_INT8, "int", "W8A8-INT8"), "float-quantized": (Q
 class ActivationQuantizedLinear(nn.Module):
     """A linear stored as int8 or e4m3 codes with fp32 scales, run with quantized activations."""
 
+    # buffers (registered in __init__)
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  input_scale: torch.Tensor | None, dtype: torch.dtype, quant: int) -> None:
         super().__init__()

@@ -13,6 +13,7 @@ to; with scales present, re-encoding those values recovers the same integer/fp8 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.model.kv_quant import FP8_DTYPE as FP8
 from lmfoundry.model.kv_quant import broadcast_scale, dequantize_kv, quantize_kv
+
+if TYPE_CHECKING:
+    from lmfoundry.model.reference import CausalLM, DecoderLayer
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZED = {"int8": ("int", torch.int8), "fp8": ("float", FP8)}
@@ -49,6 +53,7 @@ class KVFormat:
     def encode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if scale is None:
             return x.to(self.storage_dtype)
+        assert self.kind is not None  # set with the scales
         return quantize_kv(x, scale, self.kind)
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -79,14 +84,16 @@ def _layer_kv_quant(attn: nn.Module) -> tuple[str | None, torch.Tensor | None, t
 
 def resolve_kv_formats(model: nn.Module, kv_cache_dtype: str = "auto") -> list[KVFormat]:
     """One KVFormat per layer, from the requested dtype, the checkpoint's scheme and scales."""
-    compute = model.dtype
-    attns = [layer.self_attn for layer in model.model.layers]
+    lm = cast("CausalLM", model)  # the reference model's structure (ModuleList items are typed as Module)
+    compute = lm.dtype
+    attns = [cast("DecoderLayer", layer).self_attn for layer in lm.model.layers]
     scheme = kv_cache_scheme(model)
     requested = kv_cache_dtype
     if requested == "auto":
         kinds = {_layer_kv_quant(a)[0] for a in attns} - {None}
         kind = scheme.get("type") if scheme is not None else (kinds.pop() if len(kinds) == 1 else None)
-        requested = {"float": "fp8", "int": "int8"}.get(kind, str(compute).replace("torch.", ""))
+        quantized_dtype: dict[str | None, str] = {"float": "fp8", "int": "int8"}
+        requested = quantized_dtype.get(kind, str(compute).replace("torch.", ""))
     if scheme is not None and scheme.get("num_bits", 8) != 8:
         raise UserError(f"kv_cache_scheme with {scheme.get('num_bits')} bits is not supported (8 only)")
     if requested not in FLOAT_DTYPES and requested not in QUANTIZED:
