@@ -139,8 +139,8 @@ def main() -> None:
 
     from lmfoundry.calibration.data import eval_token_stream
     from lmfoundry.calibration.job import QuantizeJob, run_job
-    from lmfoundry.gguf_export import export_gguf
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
+    from lmfoundry.export.gguf import export_gguf
     from lmfoundry.recipe import Recipe
     from lmfoundry.runtime.loader import load_model
 

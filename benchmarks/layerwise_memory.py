@@ -74,7 +74,7 @@ def write_random_llama(folder: Path, layers: int, hidden: int, intermediate: int
                                                                       "weight_map": weight_map}))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     # a tokenizer: borrow the default model's (same vocab size is not required for RTN)
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
 
     src = resolve_model("smollm2-135m")
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -584,7 +584,7 @@ def main() -> None:
             if why:
                 failed[p] = why
                 peers.remove(p)
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
 
     folder = resolve_model(args.model)
     tok = None

@@ -30,7 +30,7 @@ from lmfoundry.quantization_plan import build_plan, build_quantizer, fit_plan
 from lmfoundry.recipe import Recipe
 
 if TYPE_CHECKING:
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.model.config import ModelConfig
     from lmfoundry.quantizers.base import Quantizer
     from lmfoundry.quantizers.scheme import QuantizationPlan
@@ -245,9 +245,9 @@ def _read_inputs(job: QuantizeJob) -> _Inputs:
     """Build the plan and quantizer (refusing a bad recipe before a model is resolved or converted),
     then resolve and read the model, fit and check the plan, and run the doctor on these objects."""
     from lmfoundry.calibration.pipeline import check_plan, check_tensors_match_config
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
+    from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.model.config import ModelConfig
-    from lmfoundry.models import resolve_model
 
     q = job.recipe.quantize
     plan = build_plan(q)
@@ -281,10 +281,10 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     from lmfoundry.calibration.journal import LayerJournal, run_key
     from lmfoundry.calibration.memory import activations_offload
     from lmfoundry.calibration.pipeline import current_rss_bytes, run_pipeline
-    from lmfoundry.checkpoint import TOKENIZER_FILES, CheckpointWriter, quantized_config
+    from lmfoundry.checkpoint.folder import TOKENIZER_FILES, CheckpointWriter, quantized_config
+    from lmfoundry.checkpoint.sources import safetensors_files
     from lmfoundry.distributed import ranks
     from lmfoundry.manifest import sha256_file, tool_versions
-    from lmfoundry.models import safetensors_files
     from lmfoundry.runtime.loader import load_tokenizer
 
     t0 = time.time()

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lmfoundry.calibration.journal import LayerJournal
-from lmfoundry.checkpoint import CheckpointReader, CheckpointWriter, checkpoint_names, encode_linear
+from lmfoundry.checkpoint.folder import CheckpointReader, CheckpointWriter, checkpoint_names, encode_linear
 from lmfoundry.distributed import ranks
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
@@ -136,7 +136,7 @@ def check_tensors_match_config(reader: CheckpointReader, config: ModelConfig) ->
     """The layer count and the embedding's shape that config.json declares are the tensors'
     (read from the safetensors headers, nothing loaded): a wrong num_hidden_layers or vocab_size
     would otherwise quantize part of a model, or fail inside a layer."""
-    from lmfoundry.tensor_files import read_safetensors_header
+    from lmfoundry.checkpoint.headers import read_safetensors_header
 
     n = config.num_layers
     if not any(k.startswith(f"model.layers.{n - 1}.") for k in reader.index):

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
-from lmfoundry.compile.checkpoint import Checkpoint, load_checkpoint
 from lmfoundry.compile.plan import Plan, make_plan
+from lmfoundry.compile.source import Checkpoint, load_checkpoint
 from lmfoundry.compile.tensor_parallel import write_share
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, COMPILE_ARCH_NAMES, SM_NAME

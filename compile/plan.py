@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmfoundry.compile import tiles
-from lmfoundry.compile.checkpoint import Checkpoint, LinearScheme
+from lmfoundry.compile.source import Checkpoint, LinearScheme
 from lmfoundry.errors import UserError
 from lmfoundry.kernels import registry
 from lmfoundry.kernels.spec import TileConfig, Variant, triton_type

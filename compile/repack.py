@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from lmfoundry.compile.checkpoint import Checkpoint
 from lmfoundry.compile.plan import ACT_ORDER_FOLD, Plan
+from lmfoundry.compile.source import Checkpoint
 from lmfoundry.kernels.tiled_layout import act_order_perm, repack_tiled
 from lmfoundry.kernels.w4a16 import PackedLinear
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS
@@ -172,7 +172,7 @@ def unrepack_bundle(tensors: dict[str, torch.Tensor], fused: dict[str, list[str]
     tiled linears back to packed codes in their original row and column order (`unrepack_tiled`,
     exact), fused GEMMs split into their members (`fused`: fused prefix -> member prefixes, as
     `repack` records it; `rows_of(member)` its output rows). What serves a GPU bundle on a CPU."""
-    from lmfoundry.checkpoint import split_fused_tensor
+    from lmfoundry.checkpoint.folder import split_fused_tensor
     from lmfoundry.kernels.tiled_layout import TiledLinear, unrepack_tiled
 
     out: dict[str, torch.Tensor] = {}

@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from lmfoundry.checkpoint import TOKENIZER_FILES, CheckpointReader, checkpoint_names, decode_linear, encode_linear
+from lmfoundry.checkpoint.folder import (
+    TOKENIZER_FILES,
+    CheckpointReader,
+    checkpoint_names,
+    decode_linear,
+    encode_linear,
+)
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.tensor_parallel import RankShard, rank_config

@@ -154,8 +154,8 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     seconds, before minutes of evaluating the other. With `allow_bundle`, an engine bundle (which
     `load_model` runs) is read from its weights/ folder (rank 0's of a tensor-parallel bundle,
     with the whole model's config)."""
+    from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.model.config import ModelConfig
-    from lmfoundry.models import resolve_model
     from lmfoundry.runtime.loader import bundle_degree, whole_model_config
 
     path = Path(spec).expanduser()
@@ -203,8 +203,8 @@ def check_context(ctx: int, model: CheckedModel, option: str) -> None:
 
 def fingerprint(folder: Path) -> dict[str, Any]:
     """sha256 of the files that determine what a model computes (weights, config, tokenizer)."""
+    from lmfoundry.checkpoint.sources import safetensors_files
     from lmfoundry.manifest import sha256_file
-    from lmfoundry.models import safetensors_files
 
     files = {p.relative_to(folder).as_posix(): sha256_file(p) for p in safetensors_files(folder)}
     for name in FINGERPRINT_FILES:
@@ -254,7 +254,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     is part of the cache key."""
     import torch
 
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.runtime.loader import is_engine_bundle, resolve_dtype
 
     tasks, ppl, gen = tier.tasks, tier.perplexity, tier.generation

@@ -425,8 +425,8 @@ def diagnose(model: str, recipe: Recipe, arch: str | None = None, gpu_mem: int |
              ctx: int | None = None, allow_pickle: bool = False, tp: int | None = None) -> DoctorReport:
     """`lmfoundry doctor MODEL`: the checks of an existing checkpoint, or of quantizing a float
     model with `recipe`."""
-    from lmfoundry.checkpoint import CheckpointReader
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.folder import CheckpointReader
+    from lmfoundry.checkpoint.sources import resolve_model
 
     folder = resolve_model(model, allow_pickle=allow_pickle)
     reader = CheckpointReader(folder)

@@ -108,9 +108,9 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
                      max_tokens: int = DEFAULT_MAX_TOKENS, log_line: Callable[[str], None] = lambda m: None
                      ) -> tuple[Path, dict[str, Any], float]:
     """Write the `--arch cpu` bundle of `checkpoint`; (bundle folder, engine.json, seconds)."""
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
+    from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.compile.bundle import default_output
-    from lmfoundry.models import resolve_model
     from lmfoundry.runtime.cpu_isa import cpu_features, isa, native_bf16
     from lmfoundry.runtime.loader import load_causal_lm
 
@@ -180,7 +180,7 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     enter the key by name, size and modification time, as quantize's resume journal keys its
     source: `serve` has just verified their sha256 against the manifest, and hashing gigabytes of
     weights a second time on every start would cost more than the lookup saves."""
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.resources import cache_dir
     from lmfoundry.runtime.cpu_isa import isa
 
@@ -217,7 +217,7 @@ def verify_step(engine: Path, entry: dict[str, Any]) -> Path:
 def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype | None = None) -> nn.Module:
     """The bundle's model on CPU: the compiled step where this CPU and torch match, else (one log
     line) the packed eager model of the same weights."""
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.compile.loader import verify_weights
     from lmfoundry.runtime.engine.compiled_step import compiled_step_refusal, load_compiled_step
     from lmfoundry.runtime.loader import load_causal_lm

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmfoundry.checkpoint import CheckpointReader, decode_linear
+from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
+from lmfoundry.checkpoint.sources import resolve_model
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.linears import build_linear, dense_linear
 from lmfoundry.model.reference import CausalLM, RotaryEmbedding
 from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_modules, share_of
-from lmfoundry.models import resolve_model
 
 log = logging.getLogger("lmfoundry.runtime")
 
@@ -208,7 +208,7 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
     reader = CheckpointReader(weights)
     record = manifest["weights"]
     if record.get("mode") == "repack":
-        from lmfoundry.checkpoint import InMemoryCheckpoint
+        from lmfoundry.checkpoint.folder import InMemoryCheckpoint
         from lmfoundry.compile.repack import unrepack_bundle
 
         shapes = ModelConfig.from_dict(reader.config).linear_shapes

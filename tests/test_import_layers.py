@@ -15,10 +15,10 @@ FOLDERS = {"lmfoundry": "lmfoundry", "lmfoundry.quantizers": "quantizers", "lmfo
 # (layer, module prefixes), earliest first: the longest matching prefix decides
 LAYERS = [
     (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.resources", "lmfoundry.gpus", "lmfoundry.recipe",
-         "lmfoundry.tensor_files", "lmfoundry.recipes")),
+         "lmfoundry.checkpoint.headers", "lmfoundry.recipes")),
     (2, ("lmfoundry.kernels",)),
     (3, ("lmfoundry.model", "lmfoundry.quantizers.scheme", "lmfoundry.quantizers.qmath", "lmfoundry.quantizers.base")),
-    (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.models", "lmfoundry.checkpoint")),
+    (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.checkpoint")),
     (5, ("lmfoundry.quantizers",)),
     (6, ("lmfoundry.calibration",)),
     (7, ("lmfoundry.compile",)),

@@ -135,7 +135,7 @@ def main() -> None:
         return
     from transformers import AutoTokenizer
 
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
 
     named = [(n, resolve_model(m)) for n, m in (spec.split("=", 1) for spec in args.models)]
     tok = AutoTokenizer.from_pretrained(named[0][1])

@@ -24,7 +24,7 @@ def export_cmd(checkpoint: str, fmt: str, output: str, tokenizer_pre: str, overw
     codes onto ggml blocks without requantizing: int4 symmetric -> Q4_0, int4 asymmetric -> Q4_1,
     int8 symmetric -> Q8_0 (group sizes that are multiples of 32, or per channel). Quantize with
     `--dtype float16` for fp16 scales, which Q4_0/Q8_0 then carry bit-exactly."""
-    from lmfoundry.gguf_export import export_gguf
+    from lmfoundry.export.gguf import export_gguf
     from lmfoundry.manifest import sha256_file
 
     out = Path(output).expanduser()

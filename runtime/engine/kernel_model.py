@@ -331,7 +331,7 @@ def _scheme_gemm(name: str, tensors: dict[str, torch.Tensor], scheme: Any, in_fe
 def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device,
                       progress: Callable[[int], None] | None = None) -> KernelModel:
     """Read the bundle's (verified) weights onto `device` in the layout its kernels were built for."""
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.compile.plan import ACT_ORDER_FOLD
     from lmfoundry.compile.repack import fuse_members, tile_layer
 

@@ -156,7 +156,7 @@ class TensorParallelGroup:
     def __init__(self, spec: ShardSpec) -> None:
         if spec.backend not in BACKENDS:
             raise UserError(f"--tp-backend {spec.backend!r}: use one of {', '.join(BACKENDS)}")
-        from lmfoundry.models import resolve_model
+        from lmfoundry.checkpoint.sources import resolve_model
         from lmfoundry.runtime.loader import is_engine_bundle, whole_model_config
 
         if not is_engine_bundle(spec.model):  # once, before the ranks read it

@@ -144,7 +144,7 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def _codes(folder: Path) -> dict[str, torch.Tensor]:
-    from lmfoundry.checkpoint import CheckpointReader, decode_linear
+    from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
     from lmfoundry.model.config import LAYER_LINEARS
 
     reader = CheckpointReader(folder)

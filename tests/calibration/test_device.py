@@ -94,7 +94,7 @@ def test_cuda_calibration_agrees_with_cpu(tmp_path: Path) -> None:
     """GPTQ on the GPU (Hessians, Cholesky and sweep on the device, activations resident or
     offloaded to pinned memory) against the CPU run: codes agree on >= 99 % of weights (matmul
     rounding differs between the devices), and offloading changes no byte."""
-    from lmfoundry.checkpoint import CheckpointReader, decode_linear
+    from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
     from lmfoundry.model.config import LAYER_LINEARS
 
     src = tiny_model_folder(tmp_path / "src", "llama")

@@ -13,8 +13,8 @@ import torch
 from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
 from lmfoundry.compile.bundle import build_engine
-from lmfoundry.compile.checkpoint import load_checkpoint
 from lmfoundry.compile.plan import make_plan
+from lmfoundry.compile.source import load_checkpoint
 from lmfoundry.kernels import tiled_layout
 
 

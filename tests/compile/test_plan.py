@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lmfoundry.compile import tiles
-from lmfoundry.compile.checkpoint import load_checkpoint
 from lmfoundry.compile.plan import make_plan
+from lmfoundry.compile.source import load_checkpoint
 from lmfoundry.errors import UserError
 
 

@@ -34,10 +34,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from lmfoundry.checkpoint.headers import read_safetensors_header
 from lmfoundry.compile import bundle, loader
-from lmfoundry.compile.checkpoint import load_checkpoint
+from lmfoundry.compile.source import load_checkpoint
 from lmfoundry.errors import UserError
-from lmfoundry.tensor_files import read_safetensors_header
 
 
 def _one_line(exc: pytest.ExceptionInfo) -> str:
@@ -198,7 +198,7 @@ def _model_folder(root: Path) -> Path:
 
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
 def test_index_pointing_outside_is_refused(tmp_path, how):
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
 
     folder = _model_folder(tmp_path)
     outside = _tiny_shard(tmp_path / "outside.safetensors", 7.0)
@@ -216,7 +216,7 @@ def test_index_pointing_outside_is_refused(tmp_path, how):
 
 def test_index_inside_the_folder_is_read(tmp_path):
     """The control: an index naming a shard in a subfolder of the checkpoint works."""
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
 
     folder = _model_folder(tmp_path)
     (folder / "shards").mkdir()
@@ -227,7 +227,7 @@ def test_index_inside_the_folder_is_read(tmp_path):
 
 
 def test_index_shard_must_be_a_regular_file(tmp_path):
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
 
     folder = _model_folder(tmp_path)
     (folder / "dir.safetensors").mkdir()
@@ -239,7 +239,7 @@ def test_index_shard_must_be_a_regular_file(tmp_path):
 
 def test_hub_cache_snapshot_links_are_allowed(tmp_path):
     """A Hugging Face hub cache snapshot is all symlinks into its repo's blobs/: still a checkpoint."""
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
 
     repo = tmp_path / "models--org--tiny"
     (repo / "blobs").mkdir(parents=True)

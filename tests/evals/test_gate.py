@@ -263,9 +263,9 @@ def test_adapter_matches_lm_eval_hf_backend_on_the_quick_tier(tmp_path):
     for every request of the quick tier's tasks."""
     from lm_eval.models.huggingface import HFLM
 
+    from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.evals.gate import run_lm_eval
     from lmfoundry.evals.lm_adapter import RuntimeLM
-    from lmfoundry.models import resolve_model
     from lmfoundry.runtime.loader import load_model
 
     gate = load_gate(None)

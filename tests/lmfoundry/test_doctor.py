@@ -8,7 +8,7 @@ from helpers import tiny_model_folder, write_text
 from safetensors.torch import load_file, save_file
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
-from lmfoundry.checkpoint import CheckpointReader
+from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.commands.doctor import doctor
 from lmfoundry.doctor import FAIL, diagnose, parse_arch, parse_bytes
 from lmfoundry.errors import UserError

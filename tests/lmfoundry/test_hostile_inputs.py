@@ -176,7 +176,7 @@ def test_tokenizer_faults_are_one_line(fault, model, calib, tmp_path, capsys) ->
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(model, calib, tmp_path, capsys, monkeypatch) -> None:
-    import lmfoundry.checkpoint as checkpoint
+    import lmfoundry.checkpoint.folder as checkpoint
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", args[1])

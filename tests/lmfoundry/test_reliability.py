@@ -165,7 +165,7 @@ def _pickle_folder(model: Path, dest: Path, seed: int) -> Path:
 def test_pickle_cache_follows_content(model, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
 
     monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path / "cache"))
     src = _pickle_folder(model, tmp_path / "pickled", seed=1)
@@ -240,7 +240,7 @@ CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import safetensors.torch, transformers, torch
-    import lmfoundry.models as models
+    import lmfoundry.checkpoint.sources as models
     real_save = safetensors.torch.save_file
     def slow_save(*a, **k):
         time.sleep(1.5)

@@ -8,7 +8,7 @@ import torch
 from helpers import tiny_model_folder, write_text
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
-from lmfoundry.checkpoint import CheckpointReader
+from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.errors import UserError
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Fp8Linear
 from lmfoundry.quantizers.fp8 import FP8Quantizer
@@ -23,7 +23,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 def static_scales_loader(monkeypatch):
     """The loader does not pass `input_scale` to runtime linears yet (see the issue report)."""
     import lmfoundry.runtime.loader as loader
-    from lmfoundry.checkpoint import decode_linear
+    from lmfoundry.checkpoint.folder import decode_linear
 
     def decode(tensors, scheme):
         qw = decode_linear(tensors, scheme)

@@ -233,7 +233,7 @@ def _reference_dense(qw) -> torch.Tensor:
 
 
 def _our_logits_and_check_weights(out: Path, ids: torch.Tensor) -> torch.Tensor:
-    from lmfoundry.checkpoint import CheckpointReader, decode_linear
+    from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
     from lmfoundry.runtime.loader import load_model
 
     model, _ = load_model(out)
@@ -283,7 +283,7 @@ def test_actorder_dynamic_checkpoint_g_idx(tmp_path):
     ours = _our_logits_and_check_weights(out, ids)
     assert torch.isfinite(ours).all()
     # the g_idx is not trivial (otherwise this test would prove nothing)
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
 
     g_idx = CheckpointReader(out).get(["model.layers.0.self_attn.q_proj.weight_g_idx"])
     g_idx = g_idx["model.layers.0.self_attn.q_proj.weight_g_idx"].long()

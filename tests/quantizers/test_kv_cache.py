@@ -20,7 +20,7 @@ from helpers import tiny_model_folder, write_text
 from safetensors.torch import load_file, save_file
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
-from lmfoundry.checkpoint import CheckpointReader
+from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.errors import UserError
 from lmfoundry.model.kv_quant import kv_scales_from_absmax
 from lmfoundry.model.reference import causal_attention

@@ -23,7 +23,7 @@ def attach_input_scales(monkeypatch):
     """Until the loader passes `input_scale` to the runtime linears (see the issue report), attach
     it to the decoded weight, where the factories look for it."""
     import lmfoundry.runtime.loader as loader
-    from lmfoundry.checkpoint import decode_linear
+    from lmfoundry.checkpoint.folder import decode_linear
 
     def decode(tensors, scheme):
         qw = decode_linear(tensors, scheme)
@@ -131,7 +131,7 @@ def test_static_w8a8_writes_shared_input_scales(tmp_path, monkeypatch):
     attach_input_scales(monkeypatch)
     folder = outlier_model(tmp_path)
     import lmfoundry.calibration.job as job
-    from lmfoundry.checkpoint import CheckpointReader
+    from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.quantizers.scheme import QuantizationPlan, SchemeGroup
 
     static = with_static_activations(make_scheme("w8a8"))

@@ -143,7 +143,7 @@ def assert_experts_decompress_like_compressed_tensors(folder: Path, qcfg: dict) 
     from compressed_tensors.quantization import QuantizationScheme
     from safetensors.torch import load_file
 
-    from lmfoundry.checkpoint import CheckpointReader, decode_linear
+    from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
 
     group = qcfg["config_groups"]["group_0"]
     scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])

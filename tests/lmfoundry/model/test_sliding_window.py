@@ -117,7 +117,7 @@ def test_engine_generates_past_the_window_like_transformers(windowed: Path) -> N
 
 def test_gguf_export_refuses_a_window(windowed: Path, tmp_path: Path) -> None:
     from lmfoundry.calibration.job import QuantizeJob, run_job
-    from lmfoundry.gguf_export import export_gguf
+    from lmfoundry.export.gguf import export_gguf
     from lmfoundry.recipe import Recipe
 
     rec = Recipe().with_overrides(method="rtn", scheme="w4a16", group_size=32)

@@ -28,7 +28,7 @@ def smollm():
 def test_greedy_matches_transformers_generate(smollm) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
 
     model, tok = smollm
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the tallest mountain?"}],

@@ -168,7 +168,7 @@ def test_smollm2_at_tp3_decodes_like_one_process(which: str) -> None:
     tokens as one process."""
     from helpers import w4a16_checkpoint
 
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.runtime.loader import load_tokenizer
 
     target = "smollm2-135m" if which == "float" else str(w4a16_checkpoint())

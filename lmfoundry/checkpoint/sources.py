@@ -28,12 +28,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lmfoundry.checkpoint.headers import read_safetensors_header
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import contained_file, new_unique_folder, parse_json_object, read_bounded
 from lmfoundry.manifest import sha256_file as file_sha256
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.resources import SMOLLM2_GGUF, cache_dir, packaged_file
-from lmfoundry.tensor_files import read_safetensors_header
 
 DEFAULT_MODEL = "smollm2-135m"
 BUILTIN_MODELS = {DEFAULT_MODEL: SMOLLM2_GGUF}

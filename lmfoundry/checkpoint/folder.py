@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lmfoundry.checkpoint.sources import safetensors_files
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import MANIFEST, hash_folder
-from lmfoundry.models import safetensors_files
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme, plan_from_compressed_tensors, to_compressed_tensors
 
@@ -155,7 +155,7 @@ class CheckpointReader:
     before any tensor is mapped."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
-        from lmfoundry.tensor_files import read_safetensors_header, regular_file
+        from lmfoundry.checkpoint.headers import read_safetensors_header, regular_file
 
         self.folder = Path(folder)
         config_path = self.folder / "config.json"

@@ -13,12 +13,12 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmfoundry.checkpoint.headers import read_safetensors_header
+from lmfoundry.checkpoint.sources import safetensors_files
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import contained_file
 from lmfoundry.model.config import LAYER_LINEARS, ModelConfig
-from lmfoundry.models import safetensors_files
 from lmfoundry.quantizers.scheme import Scheme, plan_from_compressed_tensors
-from lmfoundry.tensor_files import read_safetensors_header
 
 
 @dataclass(frozen=True)

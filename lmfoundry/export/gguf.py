@@ -133,7 +133,7 @@ def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "defa
     import gguf
     from tqdm.auto import tqdm
 
-    from lmfoundry.checkpoint import CheckpointReader, decode_linear
+    from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
     from lmfoundry.model.config import LAYER_LINEARS, ModelConfig
 
     reader = CheckpointReader(checkpoint)

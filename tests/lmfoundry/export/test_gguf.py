@@ -14,14 +14,14 @@ from helpers import tiny_model_folder
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
-from lmfoundry.gguf_export import export_gguf, rope_interleave_rows
+from lmfoundry.export.gguf import export_gguf, rope_interleave_rows
 from lmfoundry.recipe import Recipe
 
 VOCAB = 49152  # the shipped model's BPE tokenizer (a GGUF embeds a BPE vocabulary)
 
 
 def _bpe_model(path: Path, arch: str) -> Path:
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
 
     # transformers' GGUF reader takes Qwen3's head_dim from its config default (128), not from
     # the file's key_length (llama.cpp reads that): give the tiny Qwen3 that head_dim
@@ -69,7 +69,7 @@ def test_codes_land_in_ggml_blocks_exactly(llama_src: Path, tmp_path: Path, q: d
     our scales bit for bit (q/k rows in llama.cpp's interleaved rope order)."""
     import gguf
 
-    from lmfoundry.checkpoint import CheckpointReader, decode_linear
+    from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
     from lmfoundry.model.config import LAYER_LINEARS
 
     ckpt = _quantize(llama_src, tmp_path / "q", dtype="float16", **q)
@@ -127,7 +127,7 @@ def test_rope_base_and_llama3_frequency_factors(tmp_path: Path) -> None:
     `factor` and its short ones kept."""
     import gguf
 
-    from lmfoundry.gguf_export import rope_freq_factors
+    from lmfoundry.export.gguf import rope_freq_factors
     from lmfoundry.model.config import ModelConfig
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -219,7 +219,7 @@ def test_llama_cpp_chats_on_our_gguf_like_serve(tmp_path: Path) -> None:
 
     if not is_installed("xllamacpp"):
         pytest.skip("no xllamacpp venv (python benchmarks/peers/venvs.py xllamacpp)")
-    from lmfoundry.models import resolve_model
+    from lmfoundry.checkpoint.sources import resolve_model
 
     ckpt = _quantize(resolve_model("smollm2-135m"), tmp_path / "q", scheme="w4a16", group_size=32, dtype="float16")
     export_gguf(ckpt, tmp_path / "q.gguf", tokenizer_pre="smollm", progress=False)  # fp16 scales: bit-exact

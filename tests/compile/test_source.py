@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmfoundry.compile.checkpoint import load_checkpoint
+from lmfoundry.compile.source import load_checkpoint
 from lmfoundry.errors import UserError
 
 

@@ -1,0 +1,1 @@
+"""Exports of a checkpoint into other runtimes' formats (GGUF for llama.cpp)."""
