@@ -212,7 +212,7 @@ def acc_unit(kernel: str, cap: int) -> float:
 
 
 def run_all(args, cap: int, ceil: dict) -> list[dict]:
-    from lmfoundry.compile import tiles
+    from lmfoundry.kernels import tiles
 
     jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
     rows_out = []
@@ -284,8 +284,7 @@ def w4a16_llm_section(args, cap: int, ceil: dict) -> list[dict]:
     first against the dequantize-then-matmul reference with `error_bounds.exact_weight_bound`."""
     from functools import partial
 
-    from lmfoundry.compile import tiles
-    from lmfoundry.kernels import error_bounds, tiled_layout, w4a16, w4a16_tiled
+    from lmfoundry.kernels import error_bounds, tiled_layout, tiles, w4a16, w4a16_tiled
 
     jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -433,8 +432,7 @@ def decode_section(args, cap: int, ceil: dict) -> list[dict]:
     replaces and torch SDPA on a dense bf16 copy of the same KV, each as GB/s of the bytes it must
     move and as % of the device-to-device copy bandwidth measured at the start of this run. The
     first 4 sequences of every shape are checked against the reference (error_bounds.attention_bound)."""
-    from lmfoundry.compile import tiles
-    from lmfoundry.kernels import error_bounds, paged_attention
+    from lmfoundry.kernels import error_bounds, paged_attention, tiles
 
     jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
     sms = paged_attention.device_sm_count(torch.device("cuda"))
@@ -549,8 +547,7 @@ def gemm8_section(args, cap: int, ceil: dict) -> list[dict]:
     peer, against the reference with `error_bounds.dot_bound`)."""
     from functools import partial
 
-    from lmfoundry.compile import tiles
-    from lmfoundry.kernels import scaled_mm
+    from lmfoundry.kernels import scaled_mm, tiles
 
     jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -617,7 +614,7 @@ def prefill_section(args, cap: int, ceil: dict) -> list[dict]:
     (`harness.causal_attention_flops`), ours reading the paged cache against torch SDPA (its flash
     backend on H100/H200) on dense bf16 [B, H, n, D] of the same lengths; % of the dense bf16 peak
     measured in this run. Correctness of the kernel at these heads is the per-kernel table's check."""
-    from lmfoundry.compile import tiles
+    from lmfoundry.kernels import tiles
 
     jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
     hq, hkv, d = PREFILL_HEADS["NUM_Q_HEADS"], PREFILL_HEADS["NUM_KV_HEADS"], PREFILL_HEADS["HEAD_DIM"]
@@ -695,8 +692,8 @@ def verify_engine(path: str, cap: int) -> bool:
     """Load a bundle built elsewhere; every shipped kernel must run from its cubin and pass."""
     import triton
 
-    from lmfoundry.compile.loader import load_engine
     from lmfoundry.kernels import registry
+    from lmfoundry.runtime.kernel_set import load_engine
 
     compiles = {"n": 0}
 

@@ -21,10 +21,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmfoundry.compile import tiles
+from lmfoundry.checkpoint.bundle_layout import ACT_ORDER_FOLD
 from lmfoundry.compile.source import Checkpoint, LinearScheme
 from lmfoundry.errors import UserError
-from lmfoundry.kernels import registry
+from lmfoundry.kernels import registry, tiles
 from lmfoundry.kernels.spec import TileConfig, Variant, triton_type
 from lmfoundry.model.config import FUSED_LINEARS
 
@@ -154,8 +154,6 @@ def _concat_fusion(ck: Checkpoint, fused: str, members: tuple[str, ...]) -> Fusi
             return Fusion(fused, "concat_gemm", list(members), False, why)
     return Fusion(fused, "concat_gemm", list(members), True, f"all {s.describe()}")
 
-
-ACT_ORDER_FOLD = "mlp.down_proj.input_perm"
 
 
 def _act_order_fold(ck: Checkpoint, fusions: dict[str, Fusion]) -> Fusion | None:

@@ -33,9 +33,8 @@ def tune_plan(plan: Plan, log: Callable[[str], None]) -> None:
 
     if not torch.cuda.is_available():
         raise UserError("--tune needs a CUDA GPU on this machine; none found (the per-arch tables are used without it)")
-    from lmfoundry.compile import tiles
     from lmfoundry.compile.plan import Spec
-    from lmfoundry.kernels import harness
+    from lmfoundry.kernels import harness, tiles
     from lmfoundry.kernels.dispatch import JitExecutor
 
     major, minor = torch.cuda.get_device_capability()

@@ -1,6 +1,6 @@
 """How a `KernelCall` gets executed: Triton JIT (or its interpreter), or the PyTorch reference.
 
-The engine loader (`lmfoundry.compile.loader`) adds a third executor that launches shipped cubins
+The engine loader (`lmfoundry.runtime.kernel_set`) adds a third executor that launches shipped cubins
 through the CUDA driver. Every op function in this package takes `executor=`; `None` means "pick
 the natural one": Triton for CUDA tensors or when `TRITON_INTERPRET=1`, the reference otherwise.
 """

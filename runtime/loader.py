@@ -133,9 +133,8 @@ def bundle_degree(path: str | Path) -> int:
 def rank_bundle(path: str | Path, rank: int) -> Path:
     """Rank `rank`'s bundle inside a tensor-parallel bundle, once its engine.json is the one the
     bundle's manifest records (each rank's own manifest then checks its files)."""
-    from lmfoundry.compile.bundle import sha256_file
-    from lmfoundry.compile.loader import EngineIntegrityError
-    from lmfoundry.manifest import parse_json_object, read_bounded
+    from lmfoundry.manifest import parse_json_object, read_bounded, sha256_file
+    from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 
     engine = Path(path)
     manifest = parse_json_object(read_bounded(engine / "engine.json", 64 << 20), engine / "engine.json")
@@ -197,7 +196,7 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
     step; a GPU bundle's verified weights (un-tiled and un-fused again when compile repacked them:
     exact) in the reference model with packed linears, which is what a CPU runs fastest (its
     kernels' PyTorch references are a correctness tool)."""
-    from lmfoundry.compile.loader import read_manifest, verify_weights
+    from lmfoundry.runtime.bundle_manifest import read_manifest, verify_weights
 
     engine = Path(path)
     manifest = read_manifest(engine)
@@ -208,8 +207,8 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
     reader = CheckpointReader(weights)
     record = manifest["weights"]
     if record.get("mode") == "repack":
+        from lmfoundry.checkpoint.bundle_layout import unrepack_bundle
         from lmfoundry.checkpoint.folder import InMemoryCheckpoint
-        from lmfoundry.compile.repack import unrepack_bundle
 
         shapes = ModelConfig.from_dict(reader.config).linear_shapes
         fused = record.get("fused_tensors") or {}
@@ -230,8 +229,9 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
     """(KernelModel, tokenizer) of an engine bundle: kernel files and weights verified against
     engine.json first (a tampered or foreign file refuses the bundle), then the kernels for
     `device` (cubins, JIT, interpreter or references) and the weights in their stored form."""
-    from lmfoundry.compile.loader import load_engine, read_manifest, verify_weights
+    from lmfoundry.runtime.bundle_manifest import read_manifest, verify_weights
     from lmfoundry.runtime.engine.kernel_model import load_kernel_model
+    from lmfoundry.runtime.kernel_set import load_engine
 
     device = torch.device(device)
     engine = Path(path)

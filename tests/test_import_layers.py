@@ -21,8 +21,8 @@ LAYERS = [
     (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.checkpoint")),
     (5, ("lmfoundry.quantizers",)),
     (6, ("lmfoundry.calibration",)),
-    (7, ("lmfoundry.compile",)),
-    (8, ("lmfoundry.runtime",)),
+    (7, ("lmfoundry.runtime",)),
+    (8, ("lmfoundry.compile",)),  # --arch cpu traces the runtime's step; the runtime reads no compile code
     (9, ("lmfoundry.evals",)),
     # the quantize job (calibration/job.py) composes every stage and runs the doctor: a verb's layer
     (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.doctor", "lmfoundry.quantization_plan",

@@ -50,7 +50,7 @@ def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, wei
         if tp > 1:
             raise UserError(f"--arch cpu compiles one process's step; --tp {tp} serves the checkpoint (or a GPU "
                             "arch's bundle) split over CPU processes without a compiled step")
-        from lmfoundry.runtime.cpu_bundle import DEFAULT_MAX_TOKENS, build_cpu_engine
+        from lmfoundry.compile.cpu_step import DEFAULT_MAX_TOKENS, build_cpu_engine
 
         out, manifest, seconds = build_cpu_engine(checkpoint, output, block_size=block_size,
                                                   max_tokens=max_tokens or DEFAULT_MAX_TOKENS, log_line=log)

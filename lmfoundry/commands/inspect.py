@@ -53,7 +53,7 @@ def inspect_cmd(folder: str, as_json: bool) -> None:
 def _inspect_engine(path: Path, as_json: bool) -> None:
     """An engine bundle: what it was built for, and every file against engine.json (every rank's
     of a tensor-parallel bundle, each rank's engine.json against the top one)."""
-    from lmfoundry.compile.loader import bundle_problems, read_manifest
+    from lmfoundry.runtime.bundle_manifest import bundle_problems, read_manifest
     from lmfoundry.runtime.loader import bundle_degree, rank_bundle
 
     degree = bundle_degree(path)

@@ -28,7 +28,7 @@ def _print_url(host: str, port: int, api_key: str | None) -> None:
 def _bundle_block_size(path: str) -> int:
     from pathlib import Path
 
-    from lmfoundry.compile.loader import read_manifest
+    from lmfoundry.runtime.bundle_manifest import read_manifest
     from lmfoundry.runtime.loader import bundle_degree
 
     return int(read_manifest(Path(path) / "rank0" if bundle_degree(path) > 1 else path)["kv_cache"]["block_size"])
@@ -36,7 +36,7 @@ def _bundle_block_size(path: str) -> int:
 
 def _compiled_step_bundle(model: str, device: str, block_size: int | None) -> str:
     """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new)."""
-    from lmfoundry.runtime.cpu_bundle import cached_cpu_engine
+    from lmfoundry.compile.cpu_step import cached_cpu_engine
     from lmfoundry.runtime.loader import is_engine_bundle
 
     if device != "cpu":

@@ -108,7 +108,7 @@ class KernelModel:
     config: ModelConfig
     dtype: torch.dtype
     device: torch.device
-    kernels: Any  # lmfoundry.compile.loader.KernelSet
+    kernels: Any  # lmfoundry.runtime.kernel_set.KernelSet
     embed: torch.Tensor
     final_norm: torch.Tensor
     lm_head: Gemm
@@ -195,7 +195,7 @@ class KernelModel:
         if self.device.type == "cuda":
             return device_sm_count(self.device)
         if getattr(self.kernels, "mode", "") == "interpret":
-            from lmfoundry.compile import tiles
+            from lmfoundry.kernels import tiles
 
             return tiles.nominal_sm_count(max(int(a["capability"]) for a in self.kernels.manifest["archs"].values()))
         return 1
@@ -331,9 +331,8 @@ def _scheme_gemm(name: str, tensors: dict[str, torch.Tensor], scheme: Any, in_fe
 def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device,
                       progress: Callable[[int], None] | None = None) -> KernelModel:
     """Read the bundle's (verified) weights onto `device` in the layout its kernels were built for."""
+    from lmfoundry.checkpoint.bundle_layout import ACT_ORDER_FOLD, fuse_members, tile_layer
     from lmfoundry.checkpoint.folder import CheckpointReader
-    from lmfoundry.compile.plan import ACT_ORDER_FOLD
-    from lmfoundry.compile.repack import fuse_members, tile_layer
 
     engine = Path(engine_dir)
     manifest = kernels.manifest

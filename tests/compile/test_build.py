@@ -107,7 +107,8 @@ def test_repacked_weights_concatenate_the_fused_members(make_checkpoint, tmp_pat
     members' compressed-tensors tensors, concatenated."""
     from safetensors.torch import load_file
 
-    from lmfoundry.compile.repack import fuse_members, repack
+    from lmfoundry.checkpoint.bundle_layout import fuse_members
+    from lmfoundry.compile.repack import repack
 
     ckpt = make_checkpoint(scheme="w4a16", group=32, symmetric=False)
     ck = load_checkpoint(ckpt)
@@ -133,7 +134,7 @@ def test_act_order_is_folded_into_gate_up(make_checkpoint, tmp_path):
     tiled tensors still unrepack to the checkpoint's exactly, g_idx included."""
     from safetensors.torch import load_file
 
-    from lmfoundry.compile.plan import ACT_ORDER_FOLD
+    from lmfoundry.checkpoint.bundle_layout import ACT_ORDER_FOLD
     from lmfoundry.compile.repack import repack
 
     ckpt = make_checkpoint(scheme="w4a16", group=32, actorder=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lmfoundry.compile import tiles
 from lmfoundry.compile.plan import make_plan
 from lmfoundry.compile.source import load_checkpoint
 from lmfoundry.errors import UserError
+from lmfoundry.kernels import tiles
 
 
 def fusion(plan, name):

@@ -14,10 +14,10 @@ from helpers import assert_one_error, kernel_model_rank, run_cli, tiny_model_fol
 
 from lmfoundry.cli import cli
 from lmfoundry.compile.bundle import build_engine
-from lmfoundry.compile.loader import EngineIntegrityError
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.tensor_parallel import SHARE_KEY, RankShard, share_of
+from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.timeout(600)

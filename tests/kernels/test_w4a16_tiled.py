@@ -94,7 +94,7 @@ def test_tiled_kernel_matches_reference(m, n, k, bits, group, symmetric, actorde
 
 def test_default_and_hopper_table_configs(gen, device, acc_u):
     """The kernel's default tiles and the Hopper table's decode bucket (BLOCK_N 128, split from the SMs)."""
-    from lmfoundry.compile import tiles
+    from lmfoundry.kernels import tiles
 
     run_and_check(3, 64, 256, 4, 64, True, False, BF, False, None, gen, device, acc_u)
     shape = {"N": 256, "K": 1024, "bits": 4, "group": 128}

@@ -18,9 +18,9 @@ import torch
 from helpers import tiny_model_folder, write_text
 
 from lmfoundry.cli import main
-from lmfoundry.compile.loader import EngineIntegrityError
 from lmfoundry.errors import UserError
 from lmfoundry.runtime import cpu_isa
+from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.loader import load_model
 
@@ -125,7 +125,7 @@ def test_compile_refuses_a_checkpoint_that_does_not_match_its_manifest(built: Bu
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x10
     shard.write_bytes(bytes(data))
-    from lmfoundry.runtime.cpu_bundle import build_cpu_engine
+    from lmfoundry.compile.cpu_step import build_cpu_engine
 
     with pytest.raises(UserError, match=f"{shard.name}: sha256 mismatch"):
         build_cpu_engine(copy, tmp_path / "out")
@@ -157,13 +157,13 @@ def test_serve_compile_step_builds_the_bundle_once_into_the_cache(built: Built, 
     """`serve --compile-step`: the first start compiles the checkpoint's step into the cache, later
     starts (same files, block size, torch, ISA) reuse it; a bundle or a GPU device is refused."""
     from lmfoundry.commands.serve import _compiled_step_bundle
-    from lmfoundry.runtime import cpu_bundle
+    from lmfoundry.compile import cpu_step
 
     monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path / "cache"))
-    first, built_now = cpu_bundle.cached_cpu_engine(built.checkpoint, max_tokens=64)  # a small step: quick
+    first, built_now = cpu_step.cached_cpu_engine(built.checkpoint, max_tokens=64)  # a small step: quick
     assert built_now and (first / "engine.json").is_file() and first.parent == tmp_path / "cache" / "cpu-steps"
-    monkeypatch.setattr(cpu_bundle, "build_cpu_engine", lambda *a, **k: pytest.fail("built twice"))
-    again, built_now = cpu_bundle.cached_cpu_engine(built.checkpoint, max_tokens=64)
+    monkeypatch.setattr(cpu_step, "build_cpu_engine", lambda *a, **k: pytest.fail("built twice"))
+    again, built_now = cpu_step.cached_cpu_engine(built.checkpoint, max_tokens=64)
     assert again == first and not built_now
     model, tok = load_model(first)
     reference, _ = load_model(built.checkpoint)

@@ -41,7 +41,7 @@ def test_packed_w4a16_scores_like_the_dense_dequantized_model() -> None:
 
 
 def test_cpu_bundle_decodes_what_the_checkpoint_decodes(tmp_path) -> None:
-    from lmfoundry.runtime.cpu_bundle import build_cpu_engine
+    from lmfoundry.compile.cpu_step import build_cpu_engine
 
     ckpt = w4a16_checkpoint()
     engine_dir, manifest, _ = build_cpu_engine(ckpt, tmp_path / "engine", max_tokens=256)

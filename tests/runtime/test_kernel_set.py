@@ -10,12 +10,13 @@ import shutil
 import pytest
 import torch
 
-from lmfoundry.compile import cuda_driver, loader
-from lmfoundry.compile.loader import DeviceInfo, EngineIntegrityError, load_engine
 from lmfoundry.kernels import activation, registry, tiled_layout, w4a16, w4a16_tiled
 from lmfoundry.kernels.dispatch import is_interpreter
 from lmfoundry.kernels.error_bounds import U32, assert_within, exact_weight_bound, unit_roundoff
 from lmfoundry.kernels.interpreter import patch_interpreter
+from lmfoundry.runtime import cuda_driver, kernel_set
+from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
+from lmfoundry.runtime.kernel_set import DeviceInfo, load_engine
 
 # These run the JIT fallback on host tensors standing in for device memory (fake driver).
 interpreter_only = pytest.mark.skipif(not is_interpreter(), reason="JIT fallback on CPU tensors needs the interpreter")
@@ -137,9 +138,9 @@ class FakeDriver:
 def cubin_set(hopper_engine, monkeypatch):
     fake = FakeDriver()
     monkeypatch.setattr(cuda_driver, "driver", lambda: fake)
-    monkeypatch.setattr(loader, "current_stream", lambda device: 0x5EED)
+    monkeypatch.setattr(kernel_set, "current_stream", lambda device: 0x5EED)
     # CPU tensors stand in for device memory here: nothing is dereferenced by the fake driver.
-    monkeypatch.setattr(loader.ShippedKernel, "check_device", lambda self, call: None)
+    monkeypatch.setattr(kernel_set.ShippedKernel, "check_device", lambda self, call: None)
     ks = load_engine(hopper_engine, "cuda:0", device_info=DeviceInfo(90, 12080, "H100"))
     assert ks.mode == "cubin"
     return ks, fake
@@ -229,10 +230,10 @@ def test_host_tensors_are_rejected_on_the_gpu_path(hopper_engine, monkeypatch):
 def test_arch_matching_rules():
     manifest = {"archs": {"ampere": {"capability": 80, "sm": "sm_80"}, "hopper": {"capability": 90, "sm": "sm_90a"}},
                 "toolchain": {"cuda": "12.8", "ptxas": "12.8.93"}}
-    assert loader.match_arch(manifest, DeviceInfo(90, 12080))[0] == 90
-    assert loader.match_arch(manifest, DeviceInfo(86, 12080))[0] == 80  # sm_80 cubins run on sm_86
-    assert loader.match_arch(manifest, DeviceInfo(89, 13000))[0] == 80
-    assert loader.match_arch(manifest, DeviceInfo(100, 13000))[0] is None  # sm_90a is arch-specific
+    assert kernel_set.match_arch(manifest, DeviceInfo(90, 12080))[0] == 90
+    assert kernel_set.match_arch(manifest, DeviceInfo(86, 12080))[0] == 80  # sm_80 cubins run on sm_86
+    assert kernel_set.match_arch(manifest, DeviceInfo(89, 13000))[0] == 80
+    assert kernel_set.match_arch(manifest, DeviceInfo(100, 13000))[0] is None  # sm_90a is arch-specific
     hopper_only = {**manifest, "archs": {"hopper": manifest["archs"]["hopper"]}}
-    cap, reason = loader.match_arch(hopper_only, DeviceInfo(80, 12080, "A100"))
+    cap, reason = kernel_set.match_arch(hopper_only, DeviceInfo(80, 12080, "A100"))
     assert cap is None and "sm_80 (A100)" in reason

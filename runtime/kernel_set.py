@@ -1,4 +1,4 @@
-"""Load an engine bundle for the runtime: `load_engine(path, device) -> KernelSet`.
+"""The kernels of an engine bundle for the runtime: `load_engine(path, device) -> KernelSet`.
 
 What runs, by device:
   - a GPU whose arch and driver match the bundle: the shipped cubins, launched through the CUDA
@@ -6,19 +6,17 @@ What runs, by device:
     dependency; a call whose shape no shipped kernel covers (or that breaks an alignment the build
     assumed) falls back to Triton JIT for that call and says so once;
   - a GPU that does not match (other arch, older driver): one log line, then Triton JIT with the
-    per-arch tile tables;
-  - CPU: the PyTorch reference of every kernel.
-Every kernel file's sha256 is checked against engine.json first; a mismatch refuses the bundle.
+    per-arch tile tables (`kernels/tiles.py`);
+  - CPU: the PyTorch reference of every kernel (or Triton's interpreter).
+Every kernel file's sha256 is checked against engine.json first (`bundle_manifest.verify`); a
+mismatch refuses the bundle.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
-import os
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,16 +25,12 @@ from typing import Any, Callable
 import torch
 
 from lmfoundry.errors import UserError
+from lmfoundry.kernels import tiles
 from lmfoundry.kernels.dispatch import Executor, JitExecutor, ReferenceExecutor
 from lmfoundry.kernels.spec import KernelCall, TileConfig, Variant, compile_grid_rule
+from lmfoundry.runtime.bundle_manifest import read_manifest, verify
 
 log = logging.getLogger("lmfoundry.engine")
-
-
-class EngineIntegrityError(UserError):
-    """A bundle file does not match the hash recorded at build time."""
-
-    exit_code = 4
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,7 @@ class DeviceInfo:
 
 
 def probe_device(device: torch.device) -> DeviceInfo:
-    from lmfoundry.compile.cuda_driver import CudaError, driver
+    from lmfoundry.runtime.cuda_driver import CudaError, driver
 
     major, minor = torch.cuda.get_device_capability(device)
     try:
@@ -57,139 +51,6 @@ def probe_device(device: torch.device) -> DeviceInfo:
     except CudaError:
         version = 0
     return DeviceInfo(major * 10 + minor, version, torch.cuda.get_device_name(device))
-
-
-ENGINE_JSON_MAX_BYTES = 64 << 20  # a real engine.json is a few hundred KiB
-_KIND_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "true or false"}
-
-
-def _malformed(manifest_path: Path, why: str) -> UserError:
-    return UserError(f"{manifest_path}: malformed engine.json: {why}")
-
-
-def _field(obj: dict[str, Any], key: str, kind: type, where: str, manifest_path: Path) -> Any:
-    """obj[key], refused unless present and of `kind` (JSON true is not an integer here)."""
-    if key not in obj:
-        raise _malformed(manifest_path, f"{where} has no {key!r}")
-    value = obj[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise _malformed(manifest_path, f"{where}.{key} must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
-    return value
-
-
-def check_manifest(manifest: Any, manifest_path: Path) -> dict[str, Any]:
-    """`manifest` if it has every key, with the types, that the loader and the runtime read from
-    engine.json. A hand-edited, truncated or foreign engine.json would otherwise surface as a
-    KeyError or TypeError deep inside loading; this makes it one line naming the bad field. Paths
-    are only checked lexically here (plain names under weights/); `verify` resolves kernel files."""
-    if not isinstance(manifest, dict):
-        raise _malformed(manifest_path, f"the top level must be an object, got {type(manifest).__name__}")
-    if manifest.get("format") != "lmfoundry-engine/1":
-        raise UserError(f"{manifest_path}: unknown engine format {manifest.get('format')!r}")
-    f = functools.partial(_field, manifest_path=manifest_path)
-    model = f(manifest, "model", dict, "engine.json")
-    if f(model, "dtype", str, "model") not in ("float16", "bfloat16"):
-        raise _malformed(manifest_path, f"model.dtype {model['dtype']!r} is not float16 or bfloat16")
-    kv = f(manifest, "kv_cache", dict, "engine.json")
-    f(kv, "dtype", str, "kv_cache")
-    if f(kv, "block_size", int, "kv_cache") <= 0:
-        raise _malformed(manifest_path, "kv_cache.block_size must be positive")
-    archs = f(manifest, "archs", dict, "engine.json")
-    if manifest.get("target") == "cpu":  # `compile --arch cpu`: a compiled step, no cubins
-        cpu = f(manifest, "cpu", dict, "engine.json")
-        f(cpu, "isa", str, "cpu")
-        f(cpu, "torch", str, "cpu")
-        if f(cpu, "max_tokens", int, "cpu") < 1:
-            raise _malformed(manifest_path, "cpu.max_tokens must be positive")
-        step = f(cpu, "step", dict, "cpu")
-        f(step, "path", str, "cpu.step")
-        f(step, "sha256", str, "cpu.step")
-    elif not archs:
-        raise _malformed(manifest_path, "archs is empty")
-    for name in archs:
-        arch = f(archs, name, dict, "archs")
-        f(arch, "capability", int, f"archs.{name}")
-        f(arch, "sm", str, f"archs.{name}")
-    cuda = f(manifest, "toolchain", dict, "engine.json").get("cuda")
-    if cuda is not None and not (isinstance(cuda, str) and re.fullmatch(r"\d+\.\d+(\.\d+)*", cuda)):
-        raise _malformed(manifest_path, f"toolchain.cuda must be a version like \"12.8\", got {cuda!r}")
-    for i, fusion in enumerate(f(manifest, "fusions", list, "engine.json")):
-        if not isinstance(fusion, dict):
-            raise _malformed(manifest_path, f"fusions[{i}] must be an object")
-        for key, kind in (("name", str), ("kind", str), ("members", list), ("applied", bool)):
-            f(fusion, key, kind, f"fusions[{i}]")
-    weights = f(manifest, "weights", dict, "engine.json")
-    for name in f(weights, "files", dict, "weights"):
-        if name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:
-            raise UserError(f"{manifest_path}: weights file {name!r} is not a plain file name inside weights/; "
-                            "refusing the bundle")
-        f(weights["files"], name, dict, "weights.files")
-    for i, entry in enumerate(f(manifest, "kernels", list, "engine.json")):
-        where = f"kernels[{i}]"
-        if not isinstance(entry, dict):
-            raise _malformed(manifest_path, f"{where} must be an object")
-        for key, kind in (("key", str), ("kernel", str), ("sm", str), ("capability", int), ("types", dict),
-                          ("semantics", dict), ("covers", list), ("files", dict), ("sha256", dict)):
-            f(entry, key, kind, where)
-        for ext in ("cubin", "json"):
-            if ext not in entry["files"]:
-                raise _malformed(manifest_path, f"{where}.files has no {ext!r}")
-        for ext in entry["files"]:
-            f(entry["files"], ext, str, f"{where}.files")
-            f(entry["sha256"], ext, str, f"{where}.sha256")
-    return manifest
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The bundle's engine.json, parsed and checked by `check_manifest`: every way it can be wrong
-    (missing, not a regular file, not JSON, not an object, missing keys, wrong types) is one
-    `UserError` line, never a traceback."""
-    from lmfoundry.manifest import contained_file
-
-    engine = Path(path)
-    manifest_path = engine / "engine.json"
-    if not os.path.lexists(manifest_path):
-        raise UserError(f"{engine}: no engine.json (not an engine bundle; build one with `lmfoundry compile`)")
-    try:
-        st = os.stat(contained_file(engine, manifest_path.name))  # inside the bundle, a regular file
-    except UserError as exc:
-        raise UserError(f"{engine}: {exc}") from None
-    if st.st_size > ENGINE_JSON_MAX_BYTES:
-        raise _malformed(manifest_path, f"{st.st_size} bytes, larger than any engine.json lmfoundry writes")
-    try:
-        manifest = json.loads(manifest_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _malformed(manifest_path, f"not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise UserError(f"{manifest_path}: cannot read it ({exc.strerror})") from None
-    return check_manifest(manifest, manifest_path)
-
-
-def _kernel_file(engine: Path, rel: str) -> Path:
-    """engine/rel for a kernel file named by engine.json: inside the bundle after resolving
-    symlinks, present, and a regular file — else the bundle is refused (EngineIntegrityError)."""
-    from lmfoundry.manifest import contained_file
-
-    try:
-        return contained_file(engine, rel)
-    except UserError as exc:
-        raise EngineIntegrityError(f"{engine}: kernel file {exc}; refusing to load the bundle") from None
-
-
-def verify(path: str | Path, manifest: dict[str, Any]) -> None:
-    """Raise EngineIntegrityError unless every kernel file is a regular file inside the bundle
-    (no `..`, absolute path or symlink out: engine.json may come with an untrusted download) and
-    hashes to its recorded sha256."""
-    engine = Path(path)
-    for entry in manifest["kernels"]:
-        for ext, rel in entry["files"].items():
-            f = _kernel_file(engine, rel)
-            digest = hashlib.sha256(f.read_bytes()).hexdigest()
-            if digest != entry["sha256"][ext]:
-                raise EngineIntegrityError(
-                    f"{rel}: sha256 {digest[:16]}… does not match engine.json ({entry['sha256'][ext][:16]}…); "
-                    "the bundle was modified or corrupted — refusing to load it"
-                )
 
 
 def _cuda_version_int(text: str | None) -> int:
@@ -278,7 +139,7 @@ class ShippedKernel:
 
     def load(self) -> None:
         """Load the cubin into the driver once; on refusal remember why (the caller falls back)."""
-        from lmfoundry.compile.cuda_driver import CudaError, driver
+        from lmfoundry.runtime.cuda_driver import CudaError, driver
 
         if self.function is not None or self.unusable:
             return
@@ -290,7 +151,7 @@ class ShippedKernel:
             self.unusable = f"the driver refused {self.cubin_path.name}: {exc}"
 
     def launch(self, call: KernelCall) -> None:
-        from lmfoundry.compile.cuda_driver import driver
+        from lmfoundry.runtime.cuda_driver import driver
 
         names: dict[str, Any] = {k: v for k, v in call.args.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         names.update(call.shape)
@@ -314,6 +175,7 @@ class ShippedKernel:
             else:
                 args.append(("ptr", 0))
         stream = current_stream(device)
+        assert self.function is not None, "load() first"
         driver().launch(self.function, grid, self.block, self.meta["shared"], stream, args)
 
 
@@ -344,6 +206,7 @@ class CubinExecutor:
             kernel.load()
         reason = "no shipped kernel covers this call" if kernel is None else kernel.assumptions_hold(call)
         if reason is None:
+            assert kernel is not None  # a missing kernel has a reason
             kernel.launch(call)
             self.stats["cubin"] += 1
             return
@@ -429,73 +292,6 @@ class KernelSet:
         return sorted(set(super().__dir__()) | set(self.OPS))
 
 
-def bundle_problems(path: str | Path, manifest: dict[str, Any]) -> list[str]:
-    """Every way the bundle's files differ from engine.json (empty: verified), for `inspect`:
-    each kernel file, each weights file (listed, present, hash, nothing unlisted) and an
-    `--arch cpu` bundle's compiled step. The loaders stop at the first of these."""
-    from lmfoundry.compile.bundle import sha256_file
-    from lmfoundry.manifest import contained_file
-
-    engine = Path(path)
-    problems = []
-    files = [(rel, digest) for e in manifest["kernels"] for ext, rel in e["files"].items()
-             for digest in [e["sha256"].get(ext)]]
-    step = manifest.get("cpu", {}).get("step")
-    if isinstance(step, dict):
-        files.append((step["path"], step["sha256"]))
-    listed = manifest["weights"]["files"]
-    files += [(f"weights/{name}", entry.get("sha256")) for name, entry in sorted(listed.items())]
-    for rel, digest in files:
-        try:
-            f = contained_file(engine, rel)
-        except UserError as exc:
-            problems.append(str(exc))
-            continue
-        if digest is None or sha256_file(f) != digest:
-            problems.append(f"{rel}: sha256 mismatch" if digest else f"{rel}: no sha256 recorded")
-    weights = engine / "weights"
-    if weights.is_dir():
-        problems += [f"weights/{p.name}: not listed in engine.json" for p in sorted(weights.iterdir())
-                     if p.name not in listed]
-    else:
-        problems.append("weights/: missing")
-    return problems
-
-
-def verify_weights(path: str | Path, manifest: dict[str, Any]) -> None:
-    """Raise EngineIntegrityError unless the bundle's weights folder holds exactly the files
-    engine.json lists, each hashing to its recorded sha256 (config.json included). A file that
-    is not listed is refused too: the loader would otherwise read a planted shard."""
-    from lmfoundry.compile.bundle import sha256_file
-
-    engine = Path(path)
-    folder = engine / "weights"
-    listed = manifest.get("weights", {}).get("files", {})
-    if not folder.is_dir():
-        raise EngineIntegrityError(f"{engine}: no weights/ folder in the engine bundle")
-    linked = sorted(n for n, e in listed.items() if "link" in e)
-    if linked:
-        raise UserError(f"{engine}: built with --weights link (weights/{linked[0]} points into "
-                        f"{Path(listed[linked[0]]['link']).parent}); the runtime serves self-contained bundles: "
-                        "rebuild with `lmfoundry compile ... --weights repack` (the default) or `--weights copy`")
-    present = {p.name for p in folder.iterdir()}
-    extra = sorted(present - set(listed))
-    if extra:
-        raise EngineIntegrityError(f"{folder / extra[0]}: not listed in engine.json; refusing to load the bundle")
-    for name, entry in sorted(listed.items()):
-        f = folder / name
-        if not f.is_file():
-            raise EngineIntegrityError(f"{f}: missing from the engine bundle")
-        if "sha256" not in entry:
-            raise EngineIntegrityError(f"{f}: engine.json records no sha256 for it (a bundle from an older "
-                                       "lmfoundry); rebuild it with `lmfoundry compile`")
-        digest = sha256_file(f)
-        if digest != entry["sha256"]:
-            raise EngineIntegrityError(
-                f"weights/{name}: sha256 {digest[:16]}… does not match engine.json ({entry['sha256'][:16]}…); "
-                "the bundle was modified or corrupted — refusing to load it")
-
-
 def load_engine(path: str | Path, device: str | torch.device = "cuda", *, device_info: DeviceInfo | None = None,
                 interpret: bool | None = None) -> KernelSet:
     """Verify and load the bundle at `path` for `device` (see the module docstring for the paths).
@@ -522,8 +318,6 @@ def load_engine(path: str | Path, device: str | torch.device = "cuda", *, device
         raise UserError(f"{engine}: {device} requested but this machine has no CUDA GPU; load with device='cpu' "
                         "for the PyTorch reference kernels")
     info = device_info or probe_device(device)
-    from lmfoundry.compile import tiles
-
     jit = JitExecutor(pick_config=lambda call: tiles.pick(info.capability, call))
     cap, reason = match_arch(manifest, info)
     if cap is None:

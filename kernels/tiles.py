@@ -145,7 +145,7 @@ ATTENTION_TABLE: dict[str, dict[int, TileConfig]] = {
         90: TileConfig.make(num_warps=4, num_stages=2, BLOCK_N=64),
     },
     # FlashDecoding: the tiles (BLOCK_G query heads per KV head, BLOCK_N keys, 32 for head_dim 256)
-    # come from the shape (`paged_attention._split_default`); per arch only warps and stages. Two
+    # come from the shape (`paged_decode._split_default`); per arch only warps and stages. Two
     # stages of K and V tiles (cp.async, 40 KiB at head_dim 128) fit every arch's shared memory
     # several times over, so occupancy, not shared memory, limits the programs per SM.
     "paged_decode_split": {

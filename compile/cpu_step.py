@@ -1,0 +1,190 @@
+"""`lmfoundry compile CKPT --arch cpu`: the engine's CPU step compiled ahead of time.
+
+Bundle layout (the GPU bundle's, with a compiled step instead of cubins):
+    engine.json                   manifest: target cpu, ISA, the package's sha256, toolchain
+    weights/                      the checkpoint's files, copied (tokenizer, config, and the
+                                  weights the eager fallback serves on another ISA)
+    cpu/<isa>/step.pt2            AOTInductor package of `CausalLM.hidden_states` (see
+                                  `runtime.engine.compiled_step`), weights inside as constants
+
+Build: the checkpoint's manifest is verified first; the model is loaded as `serve` loads it on
+this CPU (bfloat16, W4A16/W8A16 packed), traced with torch.export over a dynamic token count, and
+compiled by AOTInductor with max-autotune GEMM templates (Inductor benchmarks its C++ AMX /
+AVX-512 micro-kernels against ATen for each distinct GEMM shape on this machine). Everything is
+written into a staging folder moved into place at the end (`compile.bundle`). The runtime loads
+it (`runtime.cpu_bundle`); this module uses the runtime's model and step, not the other way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lmfoundry.compile.bundle import (
+    ENGINE_FORMAT,
+    _check_output,
+    _install,
+    _remove_dirs,
+    _staging,
+    default_output,
+    place_files,
+)
+from lmfoundry.errors import UserError
+from lmfoundry.manifest import sha256_file, verify_artifact
+from lmfoundry.model.config import ModelConfig
+
+STEP_FILE = "step.pt2"
+DEFAULT_MAX_TOKENS = 8192  # the compiled step's largest flat batch (--max-num-batched-tokens above it: eager)
+DTYPE = "bfloat16"
+
+
+def compiler_version() -> str:
+    try:
+        out = subprocess.run(["c++", "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_refusal(cfg: ModelConfig) -> str | None:
+    """Why the compiled CPU step cannot express this model (None: it can)."""
+    if cfg.is_moe:
+        return (f"{cfg.model_type} (mixture of experts) routes tokens by value, which one traced graph cannot "
+                "hold; serve the checkpoint folder itself")
+    if cfg.needs_attention_spec:
+        return (f"{cfg.model_type} attends with soft-capping, its own scale or sliding windows, which the "
+                "compiled step's attention op does not carry; serve the checkpoint folder itself")
+    return None
+
+
+class _Step(nn.Module):
+    """hidden_states over a flat batch, every attention an `lmfoundry::attend` op."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model  # CausalLM
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        from lmfoundry.runtime.engine.compiled_step import ExportedAttention
+
+        return self.model.hidden_states(ids, positions, ExportedAttention())
+
+
+def compile_step(model: nn.Module, package: Path, max_tokens: int) -> None:
+    """Export `model`'s step with a dynamic token count and AOT-compile it into `package`."""
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as fx_config
+
+    step = _Step(model).eval()
+    example = torch.arange(8, dtype=torch.long)
+    tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
+    # a step of one token must not be specialized away: the same graph serves 1..max_tokens
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+        exported = torch.export.export(step, (example, example.clone()),
+                                       dynamic_shapes={"ids": {0: tokens}, "positions": {0: tokens}})
+        package.parent.mkdir(parents=True, exist_ok=True)
+        options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
+        with inductor_config.patch({"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}):
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
+                                                     inductor_configs=options)
+
+
+def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *, block_size: int = 16,
+                     max_tokens: int = DEFAULT_MAX_TOKENS, log_line: Callable[[str], None] = lambda m: None
+                     ) -> tuple[Path, dict[str, Any], float]:
+    """Write the `--arch cpu` bundle of `checkpoint`; (bundle folder, engine.json, seconds)."""
+    from lmfoundry.checkpoint.folder import CheckpointReader
+    from lmfoundry.checkpoint.sources import resolve_model
+    from lmfoundry.runtime.cpu_isa import cpu_features, isa, native_bf16
+    from lmfoundry.runtime.loader import load_causal_lm
+
+    t0 = time.perf_counter()
+    if max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if block_size < 1:
+        raise UserError(f"--block-size must be at least 1, got {block_size}")
+    folder = resolve_model(checkpoint)
+    final = Path(output) if output is not None else default_output(Path(checkpoint))
+    _check_output(final, folder)
+    cfg = ModelConfig.from_file(folder)
+    refusal = cpu_refusal(cfg)
+    if refusal is not None:
+        raise UserError(f"{checkpoint}: --arch cpu: {refusal}")
+    if not native_bf16():
+        raise UserError("--arch cpu compiles the bfloat16 step, and this CPU has no bf16 arithmetic "
+                        "(AVX512-BF16 or AMX); serve the checkpoint folder itself (float32)")
+    verify_artifact(folder, "compile")
+    target = isa()
+    log_line(f"loading {folder} in {DTYPE} (packed weights) for {target}")
+    model = load_causal_lm(CheckpointReader(folder), torch.bfloat16)
+    stage, created = _staging(final)
+    try:
+        rel = Path("cpu") / target / STEP_FILE
+        log_line(f"exporting the step (1..{max_tokens} tokens) and compiling it with AOTInductor "
+                 "(max-autotune GEMM templates timed on this CPU; minutes)")
+        tc = time.perf_counter()
+        compile_step(model, stage / rel, max_tokens)
+        compile_seconds = time.perf_counter() - tc
+        (stage / "weights").mkdir()
+        files = place_files(sorted(p for p in folder.iterdir() if p.is_file()), stage / "weights", "copy")
+        features = cpu_features()
+        manifest = {
+            "format": ENGINE_FORMAT,
+            "target": "cpu",
+            "source": {"path": str(folder.resolve()), "config_sha256": sha256_file(folder / "config.json")},
+            "model": {"model_type": cfg.model_type, "dtype": DTYPE, "hidden_size": cfg.hidden_size,
+                      "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
+                      "context_limit": cfg.max_position_embeddings},
+            "kv_cache": {"dtype": "auto", "block_size": block_size},
+            "archs": {},
+            "cpu": {"isa": target, "features": sorted(k for k, v in features.items() if v),
+                    "step": {"path": rel.as_posix(), "sha256": sha256_file(stage / rel),
+                             "bytes": (stage / rel).stat().st_size},
+                    "max_tokens": max_tokens, "torch": torch.__version__, "compile_seconds": round(compile_seconds, 1)},
+            "toolchain": {"torch": torch.__version__, "compiler": compiler_version(), "machine": platform.machine()},
+            "fusions": [],
+            "weights": {"mode": "copy", "files": files},
+            "kernels": [],
+        }
+        (stage / "engine.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        _install(stage, final)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_dirs(created)  # the parents made for -o, only while empty
+        raise
+    return final, manifest, time.perf_counter() - t0
+
+
+def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_tokens: int = DEFAULT_MAX_TOKENS,
+                      log_line: Callable[[str], None] = lambda m: None) -> tuple[Path, bool]:
+    """The `--arch cpu` bundle of `checkpoint` from the cache, built there on first use; (bundle,
+    built now). `serve --compile-step` runs a checkpoint through it: the compiled step is what
+    makes the CPU runtime fast, and building it takes minutes, so it is built once per checkpoint
+    files, block size, step size, torch, compiler and ISA (all in the key) and reused. The files
+    enter the key by name, size and modification time, as quantize's resume journal keys its
+    source: `serve` has just verified their sha256 against the manifest, and hashing gigabytes of
+    weights a second time on every start would cost more than the lookup saves."""
+    from lmfoundry.checkpoint.sources import resolve_model
+    from lmfoundry.resources import cache_dir
+    from lmfoundry.runtime.cpu_isa import isa
+
+    folder = resolve_model(checkpoint)
+    files = {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
+    key = {"files": files, "block_size": block_size, "max_tokens": max_tokens, "isa": isa(),
+           "torch": torch.__version__, "compiler": compiler_version(), "format": ENGINE_FORMAT}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    engine = cache_dir() / "cpu-steps" / digest
+    if (engine / "engine.json").is_file():
+        return engine, False
+    log_line(f"compiling the CPU step of {checkpoint} once (minutes); it is kept in {engine}")
+    build_cpu_engine(folder, engine, block_size=block_size, max_tokens=max_tokens, log_line=log_line)
+    return engine, True
