@@ -108,9 +108,11 @@ def test_prefill(dtype, cache_dtype, hq, hkv, d, lens, q_lens, gen, device):
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,hq,hkv,d,lens", [(torch.bfloat16, "model", 4, 2, 64, [70, 1, 33]),
-                                                             (torch.float16, torch.int8, 6, 3, 64, [16, 100]),
+                                                             (torch.float16, torch.int8, 6, 3, 64, [16, 100, 0]),
                                                              (torch.bfloat16, E4M3, 2, 2, 128, [5])])
 def test_decode_unsplit(dtype, cache_dtype, hq, hkv, d, lens, gen, device):
+    """The FlashDecoding body with one query row and fp32 FMA products (`paged_decode_kernel`): P
+    exact in fp32, so the bound is the unsplit one; an empty context gives 0, as the split kernel's."""
     cdt = dtype if cache_dtype == "model" else cache_dtype
     cache, table, _, _, _ = build(lens, hkv, d, dtype, cdt, gen)
     ctx = torch.tensor(lens, dtype=torch.int32)
