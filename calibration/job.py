@@ -297,7 +297,7 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     calib = load_calibration(c.source, tokenizer, c.num_samples, c.seq_len, c.seed)
     extra = []
     if plan.kv_cache is not None:
-        from lmfoundry.quantizers.kv_cache import kv_calibration_pass
+        from lmfoundry.quantizers.kv_scales import kv_calibration_pass
 
         extra.append(kv_calibration_pass(plan.kv_cache, out_dtype))
     needs_data = inputs.quantizer.needs_calibration or bool(extra)

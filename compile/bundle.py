@@ -6,7 +6,7 @@ Bundle layout:
     kernels/<sm>/<key>.cubin|.ptx|.json one compiled specialization and its launch metadata
 
 With `tp` N > 1 (`compile --tp N`), one such bundle per tensor-parallel rank, for the shapes of
-that rank's share (`lmfoundry.compile.tensor_parallel`), under a manifest naming them:
+that rank's share (`lmfoundry.compile.rank_shares`), under a manifest naming them:
     engine.json                         manifest: source, degree, each rank's engine.json sha256
     rank<r>/                            rank r's bundle, as above
 
@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
-from lmfoundry.compile.plan import Plan, make_plan
+from lmfoundry.compile.kernel_plan import Plan, make_plan
+from lmfoundry.compile.rank_shares import write_share
 from lmfoundry.compile.source import Checkpoint, load_checkpoint
-from lmfoundry.compile.tensor_parallel import write_share
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, COMPILE_ARCH_NAMES, SM_NAME
 from lmfoundry.manifest import verify_artifact

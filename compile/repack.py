@@ -15,7 +15,7 @@ from lmfoundry.checkpoint.bundle_layout import (
     tile_layer,
     tiled_linear_tensors,
 )
-from lmfoundry.compile.plan import Plan
+from lmfoundry.compile.kernel_plan import Plan
 from lmfoundry.compile.source import Checkpoint
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from lmfoundry.errors import UserError
 
 if TYPE_CHECKING:  # imported where used: they pull in torch
-    from lmfoundry.compile.plan import Plan, Spec
+    from lmfoundry.compile.kernel_plan import Plan, Spec
     from lmfoundry.kernels.dispatch import ConfigPicker
     from lmfoundry.kernels.spec import TileConfig
 
@@ -33,7 +33,7 @@ def tune_plan(plan: Plan, log: Callable[[str], None]) -> None:
 
     if not torch.cuda.is_available():
         raise UserError("--tune needs a CUDA GPU on this machine; none found (the per-arch tables are used without it)")
-    from lmfoundry.compile.plan import Spec
+    from lmfoundry.compile.kernel_plan import Spec
     from lmfoundry.kernels import harness, tiles
     from lmfoundry.kernels.dispatch import JitExecutor
 

@@ -293,7 +293,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
 
     t0, cpu0 = time.time(), time.process_time()
     if tp > 1:
-        from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+        from lmfoundry.runtime.engine.ranks import ShardSpec, load_sharded
 
         model, tokenizer = load_sharded(ShardSpec.on(str(folder), run_dtype, tp, max(1, torch.get_num_threads() // tp),
                                                      device))

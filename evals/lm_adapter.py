@@ -33,7 +33,7 @@ from lmfoundry.model.reference import AttentionSpec, CausalLM, DecoderLayer
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine.kernel_model import KernelModel
     from lmfoundry.runtime.engine.llm_engine import LLMEngine
-    from lmfoundry.runtime.engine.tensor_parallel import ShardedModel
+    from lmfoundry.runtime.engine.ranks import ShardedModel
 
 BOS_CHOICES = ("tokenizer", "true", "false")
 
@@ -163,7 +163,7 @@ class RuntimeLM(TemplateLM):
         if tokenizer is None:
             raise UserError("the lmfoundry lm-eval model needs a tokenizer")
         from lmfoundry.runtime.engine.kernel_model import KernelModel
-        from lmfoundry.runtime.engine.tensor_parallel import ShardedModel
+        from lmfoundry.runtime.engine.ranks import ShardedModel
 
         # An engine bundle's kernels and a tensor-parallel model's ranks are driven through the
         # serving engine (paged cache, prefix caching of shared contexts); the reference model
@@ -383,7 +383,7 @@ class RuntimeLM(TemplateLM):
     def engine(self) -> Any:
         """The serving engine over this same model (built on first use)."""
         if self._engine is None:
-            from lmfoundry.runtime.engine.config import EngineConfig
+            from lmfoundry.runtime.engine.engine_config import EngineConfig
             from lmfoundry.runtime.engine.llm_engine import LLMEngine
 
             config = self._engine_config or EngineConfig(

@@ -105,7 +105,7 @@ def quantization_error(h_abs: torch.Tensor, scale: torch.Tensor, code_dtype: tor
 
 def attention_bound(
     q: torch.Tensor,
-    cache,  # lmfoundry.kernels.kv_cache.PagedKVCache
+    cache,  # lmfoundry.kernels.paged_kv.PagedKVCache
     block_table: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     ctx_lens: torch.Tensor,
@@ -133,7 +133,7 @@ def attention_bound(
       - `splits` > 1: the merge weighs each split's state by one more exp2 (the same two terms,
         once) and sums `splits` more terms (γ_{N+S}).
     """
-    from lmfoundry.kernels.kv_cache import dequantize_kv
+    from lmfoundry.kernels.paged_kv import dequantize_kv
 
     q, block_table, cu_seqlens_q, ctx_lens, ref = (t.cpu() for t in (q, block_table, cu_seqlens_q, ctx_lens, ref))
     hq, d = q.shape[1], q.shape[2]

@@ -18,9 +18,9 @@ import torch
 from lmfoundry.kernels import (
     activation,
     error_bounds,
-    kv_cache,
     norm_quant,
     paged_attention,
+    paged_kv,
     rotary,
     scaled_mm,
     tiled_layout,
@@ -269,22 +269,22 @@ def _cache(t_lens: list[int], hkv: int, d: int, page: int, act: torch.dtype, cac
         if not quantized:
             return None
         amax = x.float().abs().amax(dim=(0, 2))
-        return amax / kv_cache.kv_code_max(cache_dt) * (1 + 0.1 * torch.rand(hkv, generator=gen))
+        return amax / paged_kv.kv_code_max(cache_dt) * (1 + 0.1 * torch.rand(hkv, generator=gen))
 
-    cache = kv_cache.PagedKVCache.allocate(nblocks, page, hkv, d, cache_dt, "cpu", scale(k), scale(v))
-    kv_cache.store_reference(k, v, cache, slots.to(torch.int32))
+    cache = paged_kv.PagedKVCache.allocate(nblocks, page, hkv, d, cache_dt, "cpu", scale(k), scale(v))
+    paged_kv.store_reference(k, v, cache, slots.to(torch.int32))
     return cache, table, slots.to(torch.int32), k, v
 
 
-def _to(cache: kv_cache.PagedKVCache, device) -> kv_cache.PagedKVCache:
-    return kv_cache.PagedKVCache(*(t.to(device) for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)))
+def _to(cache: paged_kv.PagedKVCache, device) -> paged_kv.PagedKVCache:
+    return paged_kv.PagedKVCache(*(t.to(device) for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)))
 
 
 def _store(kernel, types, sem, shape, device, gen) -> Example:
     t, hkv, d, page = shape["T"], sem["NUM_KV_HEADS"], sem["HEAD_DIM"], sem["PAGE"]
     act, cdt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["kv"]]
     cache, _, slots, k, v = _cache([t], hkv, d, page, act, cdt, gen, "cpu")
-    empty = kv_cache.PagedKVCache(error_bounds.poisoned(tuple(cache.key_cache.shape), cdt, device),
+    empty = paged_kv.PagedKVCache(error_bounds.poisoned(tuple(cache.key_cache.shape), cdt, device),
                                   error_bounds.poisoned(tuple(cache.key_cache.shape), cdt, device),
                                   cache.k_scale.to(device), cache.v_scale.to(device))
     calls: list[KernelCall] = []
@@ -293,14 +293,14 @@ def _store(kernel, types, sem, shape, device, gen) -> Example:
         def run(self, call: KernelCall) -> None:
             calls.append(call)
 
-    kv_cache.store_kv(k.to(device), v.to(device), empty, slots.to(device), executor=Capture())
+    paged_kv.store_kv(k.to(device), v.to(device), empty, slots.to(device), executor=Capture())
     written = slots.long()
 
     def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
         for name, src, scale in (("key_cache_ptr", k, cache.k_scale), ("value_cache_ptr", v, cache.v_scale)):
             got = ran.args[name].cpu().view(-1, hkv, d)[written]
             error_bounds.assert_written(got, kernel)
-            deq = kv_cache.dequantize_kv(got, scale)
+            deq = paged_kv.dequantize_kv(got, scale)
             bound = (error_bounds.quantization_error(src.double().abs(), scale.double()[:, None], cdt)
                      if cdt in (torch.int8, torch.float8_e4m3fn) else torch.zeros_like(deq, dtype=torch.float64))
             error_bounds.assert_within(deq, src, bound, kernel)

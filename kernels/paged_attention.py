@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from lmfoundry.kernels.dispatch import Executor, resolve
-from lmfoundry.kernels.kv_cache import PagedKVCache, kv_quant_code
 from lmfoundry.kernels.paged_attention_common import LOG2E, reference
 from lmfoundry.kernels.paged_decode import (
     DECODE,
@@ -39,6 +38,7 @@ from lmfoundry.kernels.paged_decode import (
     paged_decode_split_kernel,
     split_pages,
 )
+from lmfoundry.kernels.paged_kv import PagedKVCache, kv_quant_code
 from lmfoundry.kernels.paged_prefill import PREFILL, paged_prefill_kernel
 from lmfoundry.kernels.spec import KernelCall, Support, triton_type
 

@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lmfoundry.kernels.kv_cache import PagedKVCache
 from lmfoundry.kernels.paged_attention_common import (
     CACHE_PARAMS,
     LOG2E,
@@ -47,6 +46,7 @@ from lmfoundry.kernels.paged_attention_common import (
     sequence_kv,
     table_of,
 )
+from lmfoundry.kernels.paged_kv import PagedKVCache
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, TileConfig, next_pow2
 
 # FlashDecoding state conventions, shared by the kernels and their references:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lmfoundry.kernels import activation, fp8, kv_cache, norm_quant, paged_attention, rotary, w4a16, w4a16_tiled, w8a8
+from lmfoundry.kernels import activation, fp8, norm_quant, paged_attention, paged_kv, rotary, w4a16, w4a16_tiled, w8a8
 from lmfoundry.kernels.spec import KernelDef, Support
 
 
@@ -36,7 +36,7 @@ FAMILIES: dict[str, Family] = {
         Family("rmsnorm_quant", norm_quant, norm_quant.SUPPORT, (norm_quant.KERNEL,)),
         Family("silu_mul", activation, activation.SUPPORT, (activation.KERNEL,)),
         Family("rotary", rotary, rotary.SUPPORT, (rotary.KERNEL,)),
-        Family("kv_cache", kv_cache, kv_cache.SUPPORT, (kv_cache.KERNEL,)),
+        Family("kv_cache", paged_kv, paged_kv.SUPPORT, (paged_kv.KERNEL,)),
         Family("paged_attention", paged_attention, paged_attention.SUPPORT,
                (paged_attention.PREFILL, paged_attention.DECODE_SPLIT, paged_attention.DECODE_REDUCE,
                 paged_attention.DECODE)),

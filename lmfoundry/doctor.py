@@ -243,7 +243,7 @@ def check_kv_plan(report: DoctorReport, kv: QuantArgs | None, config: ModelConfi
     if kv is None:
         report.add("kv cache", INFO, "not quantized (16-bit KV)")
         return
-    from lmfoundry.quantizers.kv_cache import check_kv_args
+    from lmfoundry.quantizers.kv_scales import check_kv_args
 
     try:
         per_head = check_kv_args(kv)

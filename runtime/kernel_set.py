@@ -235,9 +235,9 @@ def _ops() -> dict[str, Callable[..., Any]]:
     from lmfoundry.kernels import (
         activation,
         fp8,
-        kv_cache,
         norm_quant,
         paged_attention,
+        paged_kv,
         rotary,
         w4a16,
         w4a16_tiled,
@@ -254,7 +254,7 @@ def _ops() -> dict[str, Callable[..., Any]]:
         "rmsnorm_quant": norm_quant.rmsnorm_quant,
         "silu_mul": activation.silu_mul,
         "apply_rotary": rotary.apply_rotary,
-        "store_kv": kv_cache.store_kv,
+        "store_kv": paged_kv.store_kv,
         "paged_prefill": paged_attention.paged_prefill,
         "paged_decode": paged_attention.paged_decode,
     }

@@ -162,7 +162,7 @@ def whole_model_config(path: str | Path) -> ModelConfig:
 def load_rank_bundle(path: str | Path, shard: RankShard, comm: Collectives, dtype: torch.dtype | None = None,
                      device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """(model, tokenizer) of rank `shard.rank` from a bundle compiled with `--tp`: that rank's
-    share (`lmfoundry.compile.tensor_parallel`) loaded as the model its config describes (on a
+    share (`lmfoundry.compile.rank_shares`) loaded as the model its config describes (on a
     CPU the packed reference model, on a GPU its `KernelModel`), then joined to the other ranks,
     without slicing anything again."""
     folder = rank_bundle(path, shard.rank)
@@ -333,7 +333,7 @@ def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader, shard: Ran
     plan = reader.plan
     if plan is None or plan.kv_cache is None:
         return
-    from lmfoundry.quantizers.kv_cache import kv_round_trip_from_checkpoint
+    from lmfoundry.quantizers.kv_scales import kv_round_trip_from_checkpoint
 
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}.self_attn"

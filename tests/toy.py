@@ -97,7 +97,7 @@ def toy_engine(seed: int = 0, step_delay: float = 0.0, **config: Any) -> Any:
     Module-level, so an `EngineSpec` can name it for an engine process."""
     import time
 
-    from lmfoundry.runtime.engine.config import EngineConfig
+    from lmfoundry.runtime.engine.engine_config import EngineConfig
     from lmfoundry.runtime.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(toy_model(seed), byte_tokenizer(), EngineConfig(**config))

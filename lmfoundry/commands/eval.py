@@ -86,7 +86,7 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
         if tp > 1:
             import torch
 
-            from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+            from lmfoundry.runtime.engine.ranks import ShardSpec, load_sharded
 
             lm, tokenizer = load_sharded(ShardSpec.on(spec, run_dtype, tp, max(1, torch.get_num_threads() // tp), device))
         else:

@@ -153,7 +153,7 @@ class AttentionContext(Protocol):
 
 
 # A KV quantizer maps (k, v) to what the cache would hand back after a quantize-on-write,
-# dequantize-on-read round trip. Set on an `Attention` by `lmfoundry.quantizers.kv_cache`.
+# dequantize-on-read round trip. Set on an `Attention` by `lmfoundry.quantizers.kv_scales`.
 KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 

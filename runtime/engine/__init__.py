@@ -12,7 +12,7 @@ process of its own, `AsyncLLMEngine(engine)` in a thread of this one (client.py)
 
 from lmfoundry.runtime.engine.async_engine import AsyncLLMEngine
 from lmfoundry.runtime.engine.client import EngineClient, EngineDead, EngineInfo, EngineRequest, QueueFull
-from lmfoundry.runtime.engine.config import EngineConfig
+from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.llm_engine import LLMEngine
 from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams

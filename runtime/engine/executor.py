@@ -19,7 +19,7 @@ from torch import nn
 
 from lmfoundry.model.cpu_linears import can_prepack, prepack_dense_linears
 from lmfoundry.runtime.engine.attention import Chunk, DecodeGroup, PagedAttention
-from lmfoundry.runtime.engine.config import EngineConfig
+from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
 
@@ -316,7 +316,7 @@ def make_executor(model: Any, config: EngineConfig) -> ModelExecutor:
     PyTorch reference path."""
     if isinstance(model, KernelModel):
         return KernelModelExecutor(model, config)
-    from lmfoundry.runtime.engine.tensor_parallel import ShardedModel, TensorParallelExecutor
+    from lmfoundry.runtime.engine.ranks import ShardedModel, TensorParallelExecutor
 
     if isinstance(model, ShardedModel):
         return TensorParallelExecutor(model, config)

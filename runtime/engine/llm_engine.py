@@ -29,8 +29,8 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.block_manager import BlockManager
 from lmfoundry.runtime.engine.client import EngineDead, EngineInfo, EngineRequest
-from lmfoundry.runtime.engine.config import EngineConfig
 from lmfoundry.runtime.engine.detokenizer import Detokenizer
+from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
 from lmfoundry.runtime.engine.model_runner import ModelRunner
 from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
@@ -112,7 +112,7 @@ class LLMEngine:
         config = config or EngineConfig()
         draft = load_model(draft_model, dtype=dtype, device=device)[0] if draft_model is not None else None
         if config.tensor_parallel_size > 1:
-            from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+            from lmfoundry.runtime.engine.ranks import ShardSpec, load_sharded
 
             model, tokenizer = load_sharded(ShardSpec.on(str(path_or_name), dtype, config.tensor_parallel_size,
                                                          config.rank_threads, device, config.tp_backend))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.engine.config import EngineConfig
+from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.executor import StepInputs, make_executor
 from lmfoundry.runtime.engine.scheduler import ScheduledBatch
 from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob

@@ -22,7 +22,7 @@ import time
 from collections import deque
 
 from lmfoundry.runtime.engine.block_manager import BlockManager
-from lmfoundry.runtime.engine.config import EngineConfig
+from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.sequence import Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute)

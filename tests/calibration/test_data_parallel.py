@@ -116,7 +116,7 @@ def test_kv_scales_take_the_max_over_ranks(monkeypatch) -> None:
     from helpers import tiny_decoder_layer
 
     from lmfoundry.quantizers.base import LayerCalibration
-    from lmfoundry.quantizers.kv_cache import calibrate_kv_scales
+    from lmfoundry.quantizers.kv_scales import calibrate_kv_scales
     from lmfoundry.quantizers.scheme import QuantArgs
 
     layer, cos, sin, config = tiny_decoder_layer()

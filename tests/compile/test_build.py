@@ -13,7 +13,7 @@ import torch
 from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
 from lmfoundry.compile.bundle import build_engine
-from lmfoundry.compile.plan import make_plan
+from lmfoundry.compile.kernel_plan import make_plan
 from lmfoundry.compile.source import load_checkpoint
 from lmfoundry.kernels import tiled_layout
 

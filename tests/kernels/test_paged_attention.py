@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from lmfoundry.kernels import kv_cache, paged_attention
+from lmfoundry.kernels import paged_attention, paged_kv
 from lmfoundry.kernels.error_bounds import U32, assert_within, assert_written, attention_bound, poisoned
-from lmfoundry.kernels.kv_cache import PagedKVCache
+from lmfoundry.kernels.paged_kv import PagedKVCache
 
 E4M3 = torch.float8_e4m3fn
 PAGE = 16
@@ -32,12 +32,12 @@ def build(lens, hkv, d, dtype, cache_dtype, gen, num_blocks=None):
 
     def scale(x):  # calibrated per head with 0-10 % headroom: no code saturates (or equals the poison)
         amax = x.float().abs().amax(dim=(0, 2))
-        return amax / kv_cache.kv_code_max(cache_dtype) * (1 + 0.1 * torch.rand(hkv, generator=gen))
+        return amax / paged_kv.kv_code_max(cache_dtype) * (1 + 0.1 * torch.rand(hkv, generator=gen))
 
     quantized = cache_dtype in (torch.int8, E4M3)
     cache = PagedKVCache.allocate(num_blocks, PAGE, hkv, d, cache_dtype, "cpu",
                                   scale(k) if quantized else None, scale(v) if quantized else None)
-    kv_cache.store_reference(k, v, cache, slots.to(torch.int32))
+    paged_kv.store_reference(k, v, cache, slots.to(torch.int32))
     return cache, table, slots.to(torch.int32), k, v
 
 
@@ -57,7 +57,7 @@ def test_store_kv_quantizes_on_write(cache_dtype, gen, device):
     cache = PagedKVCache(poisoned(tuple(ref_cache.key_cache.shape), cdt), poisoned(tuple(ref_cache.key_cache.shape), cdt),
                          ref_cache.k_scale, ref_cache.v_scale)
     cache_d = to(cache, device)
-    kv_cache.store_kv(k.to(device), v.to(device), cache_d, slots.to(device))
+    paged_kv.store_kv(k.to(device), v.to(device), cache_d, slots.to(device))
     got_k = cache_d.key_cache.cpu().view(-1, hkv, d)
     got_v = cache_d.value_cache.cpu().view(-1, hkv, d)
     written = slots[slots >= 0].long()
@@ -70,7 +70,7 @@ def test_store_kv_quantizes_on_write(cache_dtype, gen, device):
         assert (left.isnan().all() if cdt.is_floating_point else (left == -128).all()), "only given slots are written"
     keep = slots >= 0
     for got, src, scale in ((got_k, k, cache.k_scale), (got_v, v, cache.v_scale)):
-        deq = kv_cache.dequantize_kv(got[written], scale).double()
+        deq = paged_kv.dequantize_kv(got[written], scale).double()
         x = src[keep].double()
         s = scale.double()[:, None]
         if cdt == torch.int8:
@@ -149,7 +149,7 @@ def test_store_kv_saturates_like_the_runtime(cache_dtype, lo, hi, device):
     cache = PagedKVCache.allocate(1, PAGE, 1, 64, cache_dtype, device, torch.tensor([0.5]), torch.tensor([0.5]))
     k = torch.zeros(1, 1, 64, dtype=torch.float16)
     k[0, 0, :3] = torch.tensor([-500.0, 500.0, 1.25])  # 1.25 / 0.5 = 2.5: an exact tie
-    kv_cache.store_kv(k.to(device), k.to(device), cache, torch.tensor([5], dtype=torch.int32, device=device))
+    paged_kv.store_kv(k.to(device), k.to(device), cache, torch.tensor([5], dtype=torch.int32, device=device))
     codes = cache.key_cache.cpu()[0, 5, 0, :3].float()
     assert codes.tolist()[:2] == [lo, hi]
     assert codes[2].item() == (2.0 if cache_dtype == torch.int8 else 2.5)  # half to even / exact in e4m3

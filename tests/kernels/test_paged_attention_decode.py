@@ -26,10 +26,10 @@ import pytest
 import torch
 from helpers import gpu_kernels_benchmark
 
-from lmfoundry.kernels import harness, kv_cache, paged_attention
+from lmfoundry.kernels import harness, paged_attention, paged_kv
 from lmfoundry.kernels.dispatch import JitExecutor, ReferenceExecutor
 from lmfoundry.kernels.error_bounds import assert_within, assert_written, attention_bound, poisoned
-from lmfoundry.kernels.kv_cache import PagedKVCache
+from lmfoundry.kernels.paged_kv import PagedKVCache
 from lmfoundry.kernels.spec import KernelCall
 
 E4M3 = torch.float8_e4m3fn
@@ -55,11 +55,11 @@ def make_cache(lens, hkv, d, page, dtype, cache_dtype, gen):
 
     def scale(x):
         amax = x.float().abs().amax(dim=(0, 2))
-        return amax / kv_cache.kv_code_max(cache_dtype) * (1 + 0.1 * torch.rand(hkv, generator=gen))
+        return amax / paged_kv.kv_code_max(cache_dtype) * (1 + 0.1 * torch.rand(hkv, generator=gen))
 
     cache = PagedKVCache.allocate(num_blocks, page, hkv, d, cache_dtype, "cpu",
                                   scale(k) if quantized else None, scale(v) if quantized else None)
-    kv_cache.store_reference(k, v, cache, slots.to(torch.int32))
+    paged_kv.store_reference(k, v, cache, slots.to(torch.int32))
     return cache, table
 
 

@@ -430,7 +430,7 @@ def test_tensor_parallel_gemma_decodes_like_one_process(gemma: Path, tied: bool,
 
     assert run(2) == run(1)
     # greedy tokens cannot see a soft-cap applied twice (tanh is monotonic): the logits can
-    from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+    from lmfoundry.runtime.engine.ranks import ShardSpec, load_sharded
 
     whole, _ = load_model(str(gemma), dtype=torch.float32)
     sharded, _ = load_sharded(ShardSpec(str(gemma), torch.float32, 2))

@@ -16,7 +16,7 @@ from lmfoundry.doctor import tp_partitions
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.tensor_parallel import ShardSpec, load_sharded
+from lmfoundry.runtime.engine.ranks import ShardSpec, load_sharded
 from lmfoundry.runtime.loader import load_model
 
 pytestmark = pytest.mark.timeout(300)

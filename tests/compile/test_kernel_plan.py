@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmfoundry.compile.plan import make_plan
+from lmfoundry.compile.kernel_plan import make_plan
 from lmfoundry.compile.source import load_checkpoint
 from lmfoundry.errors import UserError
 from lmfoundry.kernels import tiles
@@ -152,7 +152,7 @@ def test_unsupported_head_dim(make_checkpoint):
 
 
 def test_tune_candidates_and_merge():
-    from lmfoundry.compile.plan import Spec
+    from lmfoundry.compile.kernel_plan import Spec
     from lmfoundry.compile.tune import _candidates, _merge
     from lmfoundry.kernels.spec import TileConfig
 
