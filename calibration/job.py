@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmfoundry.errors import UserError
-from lmfoundry.quantization_plan import build_plan, build_quantizer, fit_plan
+from lmfoundry.quantizers.from_recipe import build_plan, build_quantizer, fit_plan
 from lmfoundry.recipe import Recipe
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ Checks, each a row of the report (status ok / info / warn / FAIL; any FAIL block
 `preflight(config, plan, quantizer, recipe, source_dtype)` runs the same checks at the start of
 `quantize` on the objects the quantize job built (nothing is resolved or built twice) and raises
 `UserError` on a blocking one. `lmfoundry doctor` builds those objects the same way
-(`lmfoundry.quantization_plan`), reporting a step that fails as a row.
+(`lmfoundry.quantizers.from_recipe`), reporting a step that fails as a row.
 
 The doctor judges a whole job (quantizer, calibration, compressed-tensors schema, GPU arch from
 `lmfoundry.gpus`, memory from `lmfoundry.capacity.arithmetic`), so it sits above the stages: it imports
@@ -351,11 +351,11 @@ def diagnose_plan(config: ModelConfig, recipe: Recipe, arch: str | None = None,
                   gpu_mem: int | None = None, ctx: int | None = None, subject: str = "",
                   tp: int | None = None, source_dtype: Any = "float32") -> DoctorReport:
     """Every check for quantizing a float model with `recipe`, building the plan and the quantizer
-    as `quantize` does (lmfoundry.quantization_plan) but reporting a step that fails as a row
+    as `quantize` does (lmfoundry.quantizers.from_recipe) but reporting a step that fails as a row
     instead of stopping; `source_dtype` is the stored dtype of the weights (it sizes the embedding
     table in memory)."""
     from lmfoundry.calibration.pipeline import check_plan
-    from lmfoundry.quantization_plan import build_plan, build_quantizer, fit_plan
+    from lmfoundry.quantizers.from_recipe import build_plan, build_quantizer, fit_plan
 
     report = _plan_report(config, recipe, subject)
     try:

@@ -25,7 +25,7 @@ LAYERS = [
     (8, ("lmfoundry.compile",)),  # --arch cpu traces the runtime's step; the runtime reads no compile code
     (9, ("lmfoundry.evals",)),
     # the quantize job (calibration/job.py) composes every stage and runs the doctor: a verb's layer
-    (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.doctor", "lmfoundry.quantization_plan",
+    (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.doctor",
           "lmfoundry.calibration.job",
           "lmfoundry.capacity", "lmfoundry")),
 ]

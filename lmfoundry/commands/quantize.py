@@ -16,7 +16,7 @@ import click
 
 from lmfoundry.calibration.job import OFFLOAD_CHOICES, QuantizeJob, run_job
 from lmfoundry.errors import UserError
-from lmfoundry.quantization_plan import KV_CHOICES
+from lmfoundry.quantizers.from_recipe import KV_CHOICES
 from lmfoundry.recipe import Recipe
 
 
