@@ -232,7 +232,8 @@ def build_engine(
             shutil.rmtree(stage, ignore_errors=True)
             _remove_dirs(created)
             raise
-        return BuildResult(final, built.manifest, time.perf_counter() - t0, built.ranks)
+        ranks = [BuildResult(final / f"rank{i}", r.manifest, r.seconds) for i, r in enumerate(built.ranks)]
+        return BuildResult(final, built.manifest, time.perf_counter() - t0, ranks)
     plan = _plan(ck, caps, block_size, tune, log)
     stage, created = _staging(final)
     try:
