@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_kernels import _bootstrap_import  # noqa: E402  (maps the lmfoundry package folders)
+from gpu_timing import _bootstrap_import  # noqa: E402  (maps the lmfoundry package folders)
 
 _bootstrap_import()
 

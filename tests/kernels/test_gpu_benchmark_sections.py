@@ -1,5 +1,8 @@
 """benchmarks/gpu_kernels.py's INT8/FP8 GEMM and causal-prefill sections, on CPU.
 
+The sections live in gpu_matmul_sections.py and gpu_attention_sections.py beside it; they are
+reached through gpu_kernels.py, which imports them the way the script runs them.
+
 The timing needs a GPU; what the table's ratios rest on does not: that our GEMM and the torch peer
 it is timed against compute the same function (both pass the reference's `checks.dot_bound` on the
 same operands), that a wrong peer is caught, and that the shapes and FLOP counts are the ones the
@@ -18,49 +21,56 @@ from lmfoundry.kernels.error_bounds import U32
 
 
 @pytest.fixture(scope="module")
-def bench():
-    return gpu_kernels_benchmark()
+def matmul():
+    """benchmarks/gpu_matmul_sections.py (W4A16 on LLM shapes, INT8/FP8 GEMM)."""
+    return gpu_kernels_benchmark().gpu_matmul_sections
+
+
+@pytest.fixture(scope="module")
+def attention():
+    """benchmarks/gpu_attention_sections.py (paged decode, causal prefill)."""
+    return gpu_kernels_benchmark().gpu_attention_sections
 
 
 @pytest.mark.parametrize("kernel", ["w8a8_gemm", "fp8_gemm"])
 @pytest.mark.parametrize("m", [1, 5])
-def test_gemm8_ours_and_peer_pass_the_same_check(bench, kernel, m, device):
-    ex = bench.gemm8_example(kernel, m, 48, 96, device)
+def test_gemm8_ours_and_peer_pass_the_same_check(matmul, kernel, m, device):
+    ex = matmul.gemm8_example(kernel, m, 48, 96, device)
     assert ex.call.semantics["A_PER_TOKEN"] and ex.call.semantics["B_PER_CHANNEL"]
-    bench.gemm8_check(ex, JitExecutor(), U32)
-    fn, to_out = bench.gemm8_peer(ex.call)
+    matmul.gemm8_check(ex, JitExecutor(), U32)
+    fn, to_out = matmul.gemm8_peer(ex.call)
     out = to_out(fn())
     assert out.shape == (m, 48) and out.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kernel", ["w8a8_gemm", "fp8_gemm"])
-def test_gemm8_check_rejects_a_peer_that_computes_something_else(bench, kernel, device, monkeypatch):
-    real = bench.gemm8_peer
+def test_gemm8_check_rejects_a_peer_that_computes_something_else(matmul, kernel, device, monkeypatch):
+    real = matmul.gemm8_peer
 
     def unscaled(call):  # forgets the weight scales: the kind of mismatch that would fake a ratio
         fn, to_out = real(call)
         sb = call.args["b_scale_ptr"].float().reshape(1, -1)
         return fn, (lambda r: (to_out(r).float() / sb).to(torch.bfloat16))
 
-    monkeypatch.setattr(bench, "gemm8_peer", unscaled)
+    monkeypatch.setattr(matmul, "gemm8_peer", unscaled)  # where gemm8_check looks it up
     with pytest.raises(AssertionError):
-        bench.gemm8_check(bench.gemm8_example(kernel, 5, 48, 96, device), JitExecutor(), U32)
+        matmul.gemm8_check(matmul.gemm8_example(kernel, 5, 48, 96, device), JitExecutor(), U32)
 
 
-def test_gemm8_plan_is_the_issues_shapes(bench):
-    assert bench.gemm8_kernels(90) == ["w8a8_gemm", "fp8_gemm"]
-    assert bench.gemm8_kernels(80) == ["w8a8_gemm"]  # no FP8 tensor cores before sm_89
-    assert set(bench.GEMM8_SQUARE) == {4096, 8192}
-    assert (8192, 28672) in bench.W4A16_LLM_SHAPES and (4096, 14336) in bench.W4A16_LLM_SHAPES
-    assert bench.GEMM8_LLM_ROWS == (1, 16, 64)
+def test_gemm8_plan_is_the_issues_shapes(matmul):
+    assert matmul.gemm8_kernels(90) == ["w8a8_gemm", "fp8_gemm"]
+    assert matmul.gemm8_kernels(80) == ["w8a8_gemm"]  # no FP8 tensor cores before sm_89
+    assert set(matmul.GEMM8_SQUARE) == {4096, 8192}
+    assert (8192, 28672) in matmul.W4A16_LLM_SHAPES and (4096, 14336) in matmul.W4A16_LLM_SHAPES
+    assert matmul.GEMM8_LLM_ROWS == (1, 16, 64)
 
 
-def test_prefill_cases_count_causal_pairs(bench):
-    cases = bench.prefill_cases(90)
+def test_prefill_cases_count_causal_pairs(attention):
+    cases = attention.prefill_cases(90)
     assert {c["kv"] for c in cases} == {"bf16", "i8", "fp8e4nv"}
-    assert {c["kv"] for c in bench.prefill_cases(80)} == {"bf16", "i8"}
+    assert {c["kv"] for c in attention.prefill_cases(80)} == {"bf16", "i8"}
     assert all(c["q_len"] == c["ctx"] and c["uniform"] for c in cases)
-    heads = bench.PREFILL_HEADS
+    heads = attention.PREFILL_HEADS
     # a short instance of each case builds on CPU with the same flop count the section asserts
     for case in cases[:2]:
         n = 48

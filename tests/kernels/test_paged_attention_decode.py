@@ -249,19 +249,20 @@ def test_split_heuristic_edges():
 
 
 def test_gpu_benchmark_decode_section_shapes():
-    """benchmarks/gpu_kernels.py (GPU only) imports on CPU, and its paged-decode section's shapes,
-    byte counts and split choices are what the comparison claims."""
+    """benchmarks/gpu_kernels.py (GPU only) imports on CPU, and its paged-decode section's shapes
+    (gpu_attention_sections.py), byte counts and split choices are what the comparison claims."""
     bench = gpu_kernels_benchmark()
-    cases = bench.decode_cases(90, quick=False)
+    attention = bench.gpu_attention_sections
+    cases = attention.decode_cases(90, quick=False)
     assert {(c["B"], c["ctx"]) for c in cases} == {(1, 4096), (16, 4096), (64, 4096)}
     assert {c["kv"] for c in cases} == {"bf16", "i8", "fp8e4nv"}
-    assert {c["kv"] for c in bench.decode_cases(80, quick=False)} == {"bf16", "i8"}  # no fp8 before sm_89
+    assert {c["kv"] for c in attention.decode_cases(80, quick=False)} == {"bf16", "i8"}  # no fp8 before sm_89
     big = next(c for c in cases if c["B"] == 64 and c["kv"] == "bf16")
     kv = 2 * 64 * 4096 * 8 * 128 * 2  # K and V, bf16: 1 GiB
-    moved = bench.decode_bytes(big)
+    moved = attention.decode_bytes(big)
     assert moved["sdpa"] == kv + 2 * 64 * 32 * 128 * 2
     assert moved["paged"] == moved["sdpa"] + 64 * 256 * 4 + 64 * 4  # + block table and lengths
-    int8 = bench.decode_bytes({**big, "kv": "i8"})
+    int8 = attention.decode_bytes({**big, "kv": "i8"})
     assert int8["paged"] - 64 * 256 * 4 - 64 * 4 - 2 * 64 * 32 * 128 * 2 == kv // 2
     splits = {c["B"]: paged_attention.decode_splits(c["B"], c["Hkv"], c["ctx"], H200_SMS, c["PAGE"]) for c in cases}
     assert splits[64] == 1 and splits[16] > 1 and splits[1] > splits[16]
