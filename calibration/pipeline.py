@@ -225,7 +225,7 @@ def _two_pass_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: 
     if calib is not None:
         q_out = calib.run(layer, keep_outputs=True)
         assert float_out is not None  # computed above whenever calib is
-        err = [weight_error(f, q) for f, q in zip(float_out, q_out)]
+        err = [weight_error(f, q) for f, q in zip(float_out, q_out, strict=True)]
         group = ranks()  # the mean over every rank's batches
         metrics["output_rel_error"] = group.sum_number(sum(err)) / group.sum_number(len(err))
         calib.inputs = q_out if propagate == "quantized" else float_out

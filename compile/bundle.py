@@ -320,13 +320,13 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
         finally:
             if bar is not None:
                 bar.close()
-    failed = [(j, r) for j, r in zip(jobs, replies) if not r.get("ok")]
+    failed = [(j, r) for j, r in zip(jobs, replies, strict=True) if not r.get("ok")]
     if failed:
         j, r = failed[0]
         kept = _keep_log(out / "compile.log")
         raise UserError(f"{len(failed)} kernels failed to compile; first: {j['kernel']} for {j['sm']}: "
                         f"{(r.get('error') or '?').splitlines()[0]} (details: {kept})", exit_code=3)
-    for spec, reply in zip(plan.specs, replies):
+    for spec, reply in zip(plan.specs, replies, strict=True):
         sass.check(spec.kernel, spec.sm, spec.expected_sass(), reply["mma"])
         use = reply["resources"]
         if use["stack_bytes"] or use["local_bytes"]:  # correct but slow: name the tile (--tune may pick another)
@@ -336,7 +336,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
     (out / "compile.log").unlink(missing_ok=True)
 
     kernels = []
-    for spec, _job, reply in zip(plan.specs, jobs, replies):
+    for spec, _job, reply in zip(plan.specs, jobs, replies, strict=True):
         rel = Path("kernels") / spec.sm / spec.key()
         files = {ext: str(rel.with_suffix(f".{ext}")) for ext in ("cubin", "ptx", "json")}
         kernels.append({

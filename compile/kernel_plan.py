@@ -132,7 +132,8 @@ def _concat_fusion(ck: Checkpoint, fused: str, members: tuple[str, ...]) -> Fusi
     short = [m.split(".")[-1] for m in members]
     if len(set(schemes)) != 1:
         return Fusion(fused, "concat_gemm", list(members), False,
-                      f"schemes differ ({', '.join(f'{n}: {s.describe()}' for n, s in zip(short, schemes))})")
+                      f"schemes differ "
+                      f"({', '.join(f'{n}: {s.describe()}' for n, s in zip(short, schemes, strict=True))})")
     s = schemes[0]
     if s.kind == "w4a16" and not s.symmetric:
         assert s.bits is not None  # every w4a16 scheme has its bit width

@@ -74,7 +74,7 @@ def _candidates(base: TileConfig, kernel: str) -> Iterator[TileConfig]:
 
     names = [n for n, _ in base.constexprs]
     for values in product(*(CANDIDATES[n] for n in names), CANDIDATES["num_warps"], CANDIDATES["num_stages"]):
-        d = dict(zip(names, values[: len(names)]))
+        d = dict(zip(names, values[: len(names)], strict=True))
         if kernel == "w4a16_gemm" and d.get("BLOCK_M", 64) < 16:
             continue
         if kernel == "w4a16_tiled" and d["BLOCK_N"] > 128:  # a tile must lie inside a 128-row panel

@@ -85,12 +85,13 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     if entry != md.name:
         raise RuntimeError(f"PTX entry {entry} != kernel name {md.name}")
     extra = len(pparams) - len(kd.params)
-    if extra < 0 or any(pp["pointer"] != p.is_pointer for pp, p in zip(pparams, kd.params)):
+    # strict=False below: the PTX may end with `extra` pointer params Triton appends (checked here)
+    if extra < 0 or any(pp["pointer"] != p.is_pointer for pp, p in zip(pparams, kd.params, strict=False)):
         raise RuntimeError(f"PTX params {pparams} do not match the declared params of {kd.name}")
     if not all(pp["pointer"] for pp in pparams[len(kd.params):]):
         raise RuntimeError(f"unexpected trailing non-pointer params in {kd.name}: {pparams[len(kd.params):]}")
     params = []
-    for p, pp in zip(kd.params, pparams):
+    for p, pp in zip(kd.params, pparams, strict=False):  # the declared ones, not Triton's trailing extras
         t = p.resolve(types)
         params.append({"name": p.name, "type": t, "ctype": "ptr" if p.is_pointer else _ARG_CTYPE[t],
                        "ptx": pp["ptx"], "assume_multiple_of_16": p.is_pointer or p.name in aligned})

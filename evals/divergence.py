@@ -85,7 +85,7 @@ class ReferenceRecorder:
         self._parts.append(tuple(t.cpu().numpy() for t in (ids.to(torch.int32), top, rest, target)))
 
     def reference(self) -> Reference:
-        ids, lps, rest, target = (np.concatenate(p) for p in zip(*self._parts))
+        ids, lps, rest, target = (np.concatenate(p) for p in zip(*self._parts, strict=True))
         return Reference(ids, lps, rest, target)
 
 
@@ -146,7 +146,7 @@ class DivergenceScorer:
     def statistics(self) -> TokenStatistics:
         if self._next != self.reference.ids.shape[0]:
             raise ValueError(f"scored {self._next} windows of the reference's {self.reference.ids.shape[0]}")
-        kld, same, dp, rest = (np.concatenate(p) for p in zip(*self._parts))
+        kld, same, dp, rest = (np.concatenate(p) for p in zip(*self._parts, strict=True))
         return TokenStatistics(kld, same, dp, rest)
 
 

@@ -448,7 +448,7 @@ def _answers(prompts: list[Prompt], cand: list[dict[str, Any]], base: list[dict[
     return [{"id": c["id"], "kind": c["kind"], "tokens": len(b["tokens"]),
              "same_until": common_prefix(c["tokens"], b["tokens"]), "identical": c["tokens"] == b["tokens"],
              "candidate_valid": cv, "baseline_valid": bv, "candidate": c["text"], "baseline": b["text"]}
-            for c, b, cv, bv in zip(cand, base, validity(prompts, cand), validity(prompts, base))]
+            for c, b, cv, bv in zip(cand, base, validity(prompts, cand), validity(prompts, base), strict=True)]
 
 
 def _check_output_folder(out: Path) -> None:

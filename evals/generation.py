@@ -148,7 +148,7 @@ def generate(lm: Any, prompts: list[Prompt], max_tokens: int) -> list[dict[str, 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_special_tokens=True)
     outs = lm.engine().generate(ids, params)
     results = []
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         text = out.outputs[0].text
         results.append({"id": prompt.id, "kind": prompt.kind, "tokens": list(out.outputs[0].token_ids),
                         "text": text})
@@ -158,7 +158,7 @@ def generate(lm: Any, prompts: list[Prompt], max_tokens: int) -> list[dict[str, 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Tokens two sequences share before they first differ."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # the answers may differ in length
         if x != y:
             break
         n += 1
@@ -185,18 +185,18 @@ def compare(cand: list[dict[str, Any]], base: list[dict[str, Any]], prompts: lis
     """Paired statistics of the candidate's answers against the baseline's, prompt by prompt."""
     if [r["id"] for r in cand] != [r["id"] for r in base]:
         raise UserError("candidate and baseline answered different generation prompts")
-    exact = np.array([[float(c["tokens"] == b["tokens"])] for c, b in zip(cand, base)])
+    exact = np.array([[float(c["tokens"] == b["tokens"])] for c, b in zip(cand, base, strict=True)])
     prefix = np.array([[common_prefix(c["tokens"], b["tokens"]) / max(1, len(b["tokens"]))]
-                       for c, b in zip(cand, base)])
+                       for c, b in zip(cand, base, strict=True)])
     rows = [
         stats.window_statistic("exact_match", exact, stats.mean_of, limits.min_exact_match, True, 1.0,
                                confidence, resamples, seed),
         stats.window_statistic("prefix_match", prefix, stats.mean_of, limits.min_prefix_match, True, 1.0,
                                confidence, resamples, seed + 1),
     ]
-    first = [common_prefix(c["tokens"], b["tokens"]) for c, b in zip(cand, base)]
+    first = [common_prefix(c["tokens"], b["tokens"]) for c, b in zip(cand, base, strict=True)]
     rows[1].extra["median_tokens_to_divergence"] = float(np.median(first))
-    pairs = [(c, b) for c, b in zip(validity(prompts, cand), validity(prompts, base)) if b is not None]
+    pairs = [(c, b) for c, b in zip(validity(prompts, cand), validity(prompts, base), strict=True) if b is not None]
     if pairs:
         valid = stats.paired_accuracy([float(bool(c)) for c, _ in pairs], [float(bool(b)) for _, b in pairs],
                                       limits.min_valid_recovery or 1.0, confidence, resamples, seed + 2)

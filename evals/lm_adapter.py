@@ -255,7 +255,7 @@ class RuntimeLM(TemplateLM):
                               disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         jobs = [ScoreRequest(list(ctx), list(cont)) for _, ctx, cont in requests]
         results = self.score(jobs, progress=not disable_tqdm)
-        for (key, _, _), res in zip(requests, results):
+        for (key, _, _), res in zip(requests, results, strict=True):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, res)
         return results
@@ -285,7 +285,7 @@ class RuntimeLM(TemplateLM):
         groups: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
         need_first: dict[tuple[int, ...], set[int]] = {}  # prefix -> tokens its last position must score
         need_last: dict[tuple[tuple[int, ...], tuple[int, ...]], set[int]] = {}
-        for (prefix, ext), job in zip(parts, jobs):
+        for (prefix, ext), job in zip(parts, jobs, strict=True):
             groups.setdefault(prefix, set()).add(ext)
             need_first.setdefault(prefix, set()).add(job.continuation[0])
             if ext:
@@ -324,7 +324,7 @@ class RuntimeLM(TemplateLM):
             bar.update(sum(1 for p, _ in parts if p in set(batch)))
         bar.close()
         out = []
-        for (prefix, ext), job in zip(parts, jobs):
+        for (prefix, ext), job in zip(parts, jobs, strict=True):
             head = first[prefix]
             ll, greedy = head.logprob[job.continuation[0]], head.argmax == job.continuation[0]
             if ext:
@@ -373,9 +373,9 @@ class RuntimeLM(TemplateLM):
                 windows.append((idx, ScoreRequest(ctx, cont)))
         scores = self.score([w for _, w in windows], progress=not disable_tqdm)
         totals = [0.0] * len(requests)
-        for (idx, _), (ll, _) in zip(windows, scores):
+        for (idx, _), (ll, _) in zip(windows, scores, strict=True):
             totals[idx] += ll
-        for req, total in zip(requests, totals):
+        for req, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals
 
@@ -388,9 +388,7 @@ class RuntimeLM(TemplateLM):
 
             config = self._engine_config or EngineConfig(
                 block_size=cast("KernelModel", self.model).block_size if self.kernel_model else EngineConfig.block_size)
-            # LLMEngine's `model: nn.Module` annotation predates the engine bundles and tensor-parallel
-            # models it also drives (llm_engine.py is still excused from mypy)
-            self._engine = LLMEngine(self.model, self.tokenizer, config)  # type: ignore[arg-type]
+            self._engine = LLMEngine(self.model, self.tokenizer, config)
         return self._engine
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
@@ -416,7 +414,7 @@ class RuntimeLM(TemplateLM):
             stops.append(until)
         outs = self.engine().generate(prompts, params) if prompts else []
         texts = []
-        for req, out, until in zip(requests, outs, stops):
+        for req, out, until in zip(requests, outs, stops, strict=True):
             text = out.outputs[0].text
             for s in until:
                 if s and s in text:

@@ -313,7 +313,7 @@ def causal_attention_flops(q_lens: list[int], ctx_lens: list[int], heads: int, h
     j of a context n (j < q_len) sees n - q_len + j + 1 keys, and each (query, key) pair costs
     2·D for QK^T and 2·D for PV. Counting q_len · n pairs (the full rectangle) would double a
     prefill's work and halve nothing it measures."""
-    pairs = sum(ql * (n - ql) + ql * (ql + 1) // 2 for ql, n in zip(q_lens, ctx_lens))
+    pairs = sum(ql * (n - ql) + ql * (ql + 1) // 2 for ql, n in zip(q_lens, ctx_lens, strict=True))
     return 4 * head_dim * heads * pairs
 
 

@@ -180,7 +180,7 @@ def search_scales(weights: list[torch.Tensor], args: list[QuantArgs], h: torch.T
     if expand is not None:  # average the columns sharing one scale
         w_mean = torch.zeros_like(x_mean).index_add_(0, expand, w_mean) / torch.bincount(expand, minlength=x_mean.numel())
     w_mean = w_mean.clamp_min(1e-8)
-    base = sum(output_error(w - _fake_quant(w, a, scale_dtype), hw) for w, a, hw in zip(weights, args, hs))
+    base = sum(output_error(w - _fake_quant(w, a, scale_dtype), hw) for w, a, hw in zip(weights, args, hs, strict=True))
     best = (float(base), torch.ones_like(x_mean), 0.0, "none")
     families = {"both": (False, True), "true": (True,), "false": (False,)}[str(duo).lower()]
     for use_w in families:
@@ -192,7 +192,7 @@ def search_scales(weights: list[torch.Tensor], args: list[QuantArgs], h: torch.T
                 continue
             cols = s[expand] if expand is not None else s
             err: float | torch.Tensor = 0.0
-            for w, a, hw in zip(weights, args, hs):
+            for w, a, hw in zip(weights, args, hs, strict=True):
                 ws = w * cols
                 err = err + output_error(w - _fake_quant(ws, a, scale_dtype) / cols, hw)
             if float(err) < best[0]:

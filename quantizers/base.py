@@ -166,7 +166,7 @@ class LayerCalibration:
             expert = cast(MLP, module)  # a ModuleList of MLPs (its items are typed as Module)
             picked = [moe.expert_tokens(chosen, e) for chosen, _ in routes]
             flats = [load(x).reshape(-1, x.shape[-1]) for x in normed]
-            tokens = [flat if every else flat[rows] for flat, (rows, _, every) in zip(flats, picked)]
+            tokens = [flat if every else flat[rows] for flat, (rows, _, every) in zip(flats, picked, strict=True)]
             del flats
             prefix = layer_prefixes[e]
             # `step` runs these closures before the next expert: binding the loop's values is exact

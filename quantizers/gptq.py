@@ -338,7 +338,7 @@ class GPTQQuantizer(Quantizer):
         weights = [get_linear(layer, n).weight.data.float() for n in names]
         if hinv is None:
             result.warnings.append(f"{label}: fell back to RTN")
-            for n, w in zip(names, weights):
+            for n, w in zip(names, weights, strict=True):
                 qw = rtn_quantize_weight(w, args, self.scale_dtype)
                 qw.metrics["rtn_fallback"] = 1.0
                 result.weights[n] = qw
@@ -346,7 +346,7 @@ class GPTQQuantizer(Quantizer):
         stacked = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
         out = gptq_sweep(stacked, hinv, args, self.scale_dtype, self.block_size)
         r0 = 0
-        for n, w in zip(names, weights):
+        for n, w in zip(names, weights, strict=True):
             r1 = r0 + w.shape[0]
             part = GPTQOutput(out.q[r0:r1].clone(), out.scale[r0:r1].clone(),
                               out.zero_point[r0:r1].clone() if out.zero_point is not None else None,

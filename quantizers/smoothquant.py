@@ -241,7 +241,7 @@ class SmoothQuantQuantizer(Quantizer):
         x = rec.sample()
         if x.numel() == 0:
             return self.alpha
-        targets = [(n, lin, x @ lin.weight.detach().float().t()) for n, lin in zip(m.balance, balance)]
+        targets = [(n, lin, x @ lin.weight.detach().float().t()) for n, lin in zip(m.balance, balance, strict=True)]
         best, best_err = self.alpha, float("inf")
         for alpha in self.alpha_grid:
             s_in = m.expand(smoothing_factors(act, wmax, alpha))

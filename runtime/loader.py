@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from lmfoundry.checkpoint.sources import resolve_model
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.linears import build_linear, dense_linear
-from lmfoundry.model.reference import CausalLM, RotaryEmbedding
+from lmfoundry.model.reference import CausalLM, DecoderLayer, RotaryEmbedding
 from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_modules, share_of
 
 log = logging.getLogger("lmfoundry.runtime")
@@ -281,14 +281,14 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None,
         if scheme is None or (stored is not None and stored.is_floating_point() and stored.element_size() > 1):
             if "weight" not in tensors:
                 raise UserError(f"{reader.folder}: missing {name}.weight")
-            want = tuple(model.get_submodule(name).weight.shape)
+            want = tuple(cast(nn.Linear, model.get_submodule(name)).weight.shape)
             if tuple(tensors["weight"].shape) != want:
                 raise UserError(f"{reader.folder}: {name}.weight is stored with shape {list(tensors['weight'].shape)}, "
                                 f"but config.json implies {list(want)}")
             weight = tensors["weight"]
             if shard is not None:
                 weight, bias = shard.dense(name, weight, bias)
-            module = dense_linear(weight.to(dtype), bias.to(dtype) if bias is not None else None)
+            module: nn.Module = dense_linear(weight.to(dtype), bias.to(dtype) if bias is not None else None)
         else:
             qw = decode_linear(tensors, scheme)
             if shard is not None:
@@ -300,8 +300,8 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None,
     # everything that is not a linear: embeddings, norms, KV scales
     rest = {}
     for name, _p in list(model.named_parameters()) + list(model.named_buffers()):
-        module = name.rsplit(".", 1)[0]
-        if module in linear_names or name.endswith("inv_freq"):
+        owner = name.rsplit(".", 1)[0]
+        if owner in linear_names or name.endswith("inv_freq"):
             continue
         rest[name] = name
     tensors = reader.get(rest)
@@ -347,4 +347,5 @@ def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader, shard: Ran
         k_scale, v_scale = scales[f"{prefix}.k_scale"], scales[f"{prefix}.v_scale"]
         if shard is not None:  # per-head scales: this rank's KV heads
             k_scale, v_scale = shard.kv_scale(k_scale), shard.kv_scale(v_scale)
-        layer.self_attn.kv_round_trip = kv_round_trip_from_checkpoint(plan.kv_cache, k_scale, v_scale)
+        attn = cast(DecoderLayer, layer).self_attn
+        attn.kv_round_trip = kv_round_trip_from_checkpoint(plan.kv_cache, k_scale, v_scale)

@@ -207,7 +207,7 @@ def assert_engine_serves_like_reference(model, prompts: list[list[int]], max_tok
 
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == reference_greedy(model, p, max_tokens)
 
 
@@ -369,7 +369,7 @@ def collectives_rank(backend: str, folder: str, rank: int, world: int, sizes: li
                 digest = hashlib.sha256(out.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
                 got.append(("reduce", n, str(dtype), err, digest))
                 parts = comm.gather(inputs[rank].clone())
-                ok = parts is None if rank else all(torch.equal(p, x) for p, x in zip(parts, inputs))
+                ok = parts is None if rank else all(torch.equal(p, x) for p, x in zip(parts, inputs, strict=True))
                 got.append(("gather", n, str(dtype), ok))
     except RankLost as exc:
         got.append(("lost", str(exc)))

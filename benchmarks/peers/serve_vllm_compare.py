@@ -101,10 +101,11 @@ def write_markdown(report: dict, path: Path, notes: list[str]) -> None:
         v = e["vllm"]
         mv = e.get("match_vllm")
         exact = "-" if mv is None else ("yes" if all(m == n for m in mv) else "no")
-        q_ours = "-" if name == float_name else str([common_prefix(a, b) for a, b in zip(e["ours"], fl["ours"])])
+        q_ours = "-" if name == float_name else str([common_prefix(a, b)
+                                                     for a, b in zip(e["ours"], fl["ours"], strict=True)])
         q_vllm = "-"
         if name != float_name and v["accepted"] and vfloat:
-            q_vllm = str([common_prefix(a, b) for a, b in zip(v["token_ids"], vfloat)])
+            q_vllm = str([common_prefix(a, b) for a, b in zip(v["token_ids"], vfloat, strict=True)])
         if e.get("match_vllm_same_dtype") is not None:
             ms = e["match_vllm_same_dtype"]
             mv = f"{mv} (ours {e['ours_dtype']}); {ms} (ours also {v['dtype']})"
@@ -181,15 +182,15 @@ def main() -> None:
         entry["vllm"] = {k: v.get(k) for k in ("accepted", "dtype", "error", "attempts", "quantization",
                                                "load_s", "gen_s", "token_ids")}
         if v["accepted"]:
-            entry["match_vllm"] = [common_prefix(a, b) for a, b in zip(entry["ours"], v["token_ids"])]
+            entry["match_vllm"] = [common_prefix(a, b) for a, b in zip(entry["ours"], v["token_ids"], strict=True)]
             if v["dtype"] != entry["ours_dtype"]:  # vLLM refused ours' dtype: also run ours in vLLM's
                 entry["ours_in_vllm_dtype"], _ = ours(folder, prompt_ids, args.max_tokens, v["dtype"])
                 entry["match_vllm_same_dtype"] = [common_prefix(a, b) for a, b in
-                                                  zip(entry["ours_in_vllm_dtype"], v["token_ids"])]
+                                                  zip(entry["ours_in_vllm_dtype"], v["token_ids"], strict=True)]
         if "hf" in entry:
-            entry["match_hf"] = [common_prefix(a, b) for a, b in zip(entry["ours"], entry["hf"])]
+            entry["match_hf"] = [common_prefix(a, b) for a, b in zip(entry["ours"], entry["hf"], strict=True)]
             if v["accepted"]:
-                entry["match_vllm_hf"] = [common_prefix(a, b) for a, b in zip(entry["hf"], v["token_ids"])]
+                entry["match_vllm_hf"] = [common_prefix(a, b) for a, b in zip(entry["hf"], v["token_ids"], strict=True)]
     args.out.write_text(json.dumps(report, indent=2))
     write_markdown(report, args.out.with_suffix(".md"), args.note)
     print(json.dumps({n: {k: e.get(k) for k in ("match_vllm", "match_hf", "match_vllm_hf")} | {

@@ -49,7 +49,7 @@ def fuse_members(
             continue
         parts = [get(n) for n in names]
         if suffix == "weight_scale" and all(p.numel() == 1 for p in parts):
-            parts = [p.reshape(1, 1).expand(r, 1) for p, r in zip(parts, rows)]
+            parts = [p.reshape(1, 1).expand(r, 1) for p, r in zip(parts, rows, strict=True)]
         out[suffix] = torch.cat(parts, dim=0).contiguous()
         consumed.update(names)
     for suffix in _SHARED:
@@ -127,7 +127,7 @@ def unrepack_bundle(tensors: dict[str, torch.Tensor], fused: dict[str, list[str]
         leaves = {n[len(prefix) + 1:]: out.pop(n) for n in list(out) if n.startswith(prefix + ".")}
         rows = [rows_of(m) for m in members]
         start = 0
-        for member, n in zip(members, rows):
+        for member, n in zip(members, rows, strict=True):
             for leaf, t in leaves.items():
                 out[f"{member}.{leaf}"] = split_fused_tensor(t, leaf, start, start + n, sum(rows))
             start += n

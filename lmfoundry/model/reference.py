@@ -19,7 +19,7 @@ its half: that keeps the (cos, sin) pair every caller already passes layer by la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,8 @@ class RotaryEmbedding(nn.Module):
     A model with several rotary tables (Gemma 3: `config.rope_kinds`) gets them side by side,
     [..., T, head_dim * kinds]; `Attention` reads the head_dim columns of its layer's kind."""
 
+    inv_freq: torch.Tensor  # the registered buffer [kinds, head_dim / 2]
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         tables = [config.rope_inv_freq(kind) for kind in config.rope_kinds]
@@ -98,7 +100,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = [], []
-        for inv_freq, scale in zip(self.inv_freq, self.attention_scaling):
+        for inv_freq, scale in zip(self.inv_freq, self.attention_scaling, strict=True):
             freqs = positions.float()[..., None] * inv_freq.float()
             emb = torch.cat((freqs, freqs), dim=-1)
             cos.append((emb.cos() * scale).to(dtype))
@@ -404,7 +406,7 @@ class DecoderLayer(nn.Module):
     @property
     def mlp_norm(self) -> RMSNorm:
         """The norm whose output gate_proj/up_proj read (where MLP smoothing factors fold)."""
-        return self.get_submodule(self.mlp_norm_name)
+        return cast(RMSNorm, self.get_submodule(self.mlp_norm_name))
 
     def attn_residual(self, y: torch.Tensor) -> torch.Tensor:
         """What o_proj's output adds to the residual stream (normalized first in Gemma)."""
@@ -475,12 +477,12 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def __setattr__(self, name: str, value: object) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:  # any value (torch's stubs say Tensor | Module)
         super().__setattr__(name, value)
         cap = self.config.final_logit_softcapping if name == "lm_head" else None
         if cap is not None and isinstance(value, nn.Module) and not getattr(value, "_logit_softcap", None):
             value.register_forward_hook(LogitSoftcap(cap))
-            value._logit_softcap = cap  # once per module, however often it is assigned
+            cast(Any, value)._logit_softcap = cap  # once per module, however often it is assigned
 
     @property
     def dtype(self) -> torch.dtype:

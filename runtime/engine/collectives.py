@@ -142,7 +142,7 @@ class ShmCollectives:
         outs = [torch.empty_like(x).view(-1) for _ in range(self.world_size)] if self.rank == 0 else []
 
         def collect(parts: list[torch.Tensor], piece: slice) -> None:
-            for out, p in zip(outs, parts):
+            for out, p in zip(outs, parts, strict=False):  # ranks other than 0 keep nothing (outs empty)
                 out[piece].copy_(p)
 
         self._exchange(x, collect)

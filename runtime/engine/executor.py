@@ -12,16 +12,18 @@ executor; an executor owns its KV cache tensors and turns the step into what its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
-from torch import nn
 
 from lmfoundry.model.cpu_linears import can_prepack, prepack_dense_linears
 from lmfoundry.runtime.engine.attention import Chunk, DecodeGroup, PagedAttention
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
+
+if TYPE_CHECKING:
+    from lmfoundry.model.reference import CausalLM, DecoderLayer
 
 CASCADE_MIN_TOKENS = 64  # shared-prefix length from which decode attention is split (cascade)
 
@@ -69,7 +71,7 @@ class ReferenceModelExecutor:
 
     name = "reference"
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig) -> None:
         self.model = model.eval()
         if can_prepack(model.dtype) and model.model.embed_tokens.weight.device.type == "cpu":
             # serving-time module swap: oneDNN reorders each weight once; q/k/v and gate/up run as
@@ -80,7 +82,7 @@ class ReferenceModelExecutor:
         self.dtype = model.dtype
         self.formats = resolve_kv_formats(model, config.kv_cache_dtype)
         # this process's KV heads: all of them, or a tensor-parallel rank's share
-        self.kv_heads = model.model.layers[0].self_attn.num_kv_heads
+        self.kv_heads = cast("DecoderLayer", model.model.layers[0]).self_attn.num_kv_heads
         self.cache: KVCacheLayers | None = None
         self.context_limit = self.config.max_position_embeddings  # sliding windows honoured via AttentionSpec
         # an `--arch cpu` bundle's AOT-compiled step (runtime.engine.compiled_step), over at most
@@ -130,7 +132,7 @@ class ReferenceModelExecutor:
         bs = step.block_size
         lossless = all(f.lossless for f in self.formats)
         chunks = []
-        for (c, n, table), row in zip(step.prefill_items, step.offsets[step.num_decode :]):
+        for (c, n, table), row in zip(step.prefill_items, step.offsets[step.num_decode :], strict=True):
             if c == 0 and lossless:
                 chunks.append(Chunk(row, row + n, 0, None, None))
                 continue
@@ -149,6 +151,7 @@ class ReferenceModelExecutor:
             in_order = len(groups) == 1 and not chunks
             rows = None if in_order else torch.tensor(members, dtype=torch.long)
             decodes.append(DecodeGroup(rows, tables, real[:, None, None, :], self._shared_blocks(tables)))
+        assert self.cache is not None, "allocate() the KV cache first"
         context = PagedAttention(self.cache, self.round_trips, torch.tensor(step.slots, dtype=torch.long), decodes,
                                  chunks)
         ids = torch.tensor(step.ids, dtype=torch.long)

@@ -122,7 +122,7 @@ def bitmask_to_allowed(bitmask: torch.Tensor, vocab: int, device: torch.device |
 def advance(matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
     """Advance each matcher with its token; False where the grammar rejected it (that matcher is
     then in its error state). One token costs microseconds, so this runs in the calling thread."""
-    return [m.matcher.consume_token(t) for m, t in zip(matchers, tokens)]
+    return [m.matcher.consume_token(t) for m, t in zip(matchers, tokens, strict=True)]
 
 
 class GrammarCompiler:

@@ -172,7 +172,8 @@ class KernelModel:
                 assert x is not None
                 xq = ks.rmsnorm_quant(x, None, quant_dtype=g.quant_dtype, static_scale=g.scaled.input_scale)[:2]
             return op(xq[0], xq[1], g.scaled, self.dtype)
-        y = x @ g.dense.t()  # type: ignore[union-attr]
+        assert x is not None and g.dense is not None  # a dense GEMM: its input is never pre-quantized
+        y = x @ g.dense.t()
         return y + g.bias if g.bias is not None else y
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, consumers: list[Gemm],
@@ -182,6 +183,7 @@ class KernelModel:
         eps = self.config.rms_norm_eps
         if fuse_quant:
             g = consumers[0]
+            assert g.scaled is not None  # a norm quantizes only for W8A8 / FP8 consumers
             q, scale, res = self.kernels.rmsnorm_quant(x, weight, eps, quant_dtype=g.quant_dtype, residual=residual,
                                                        static_scale=g.scaled.input_scale)
             return None, (q, scale), (res if residual is not None else x)
@@ -295,10 +297,13 @@ class KernelModel:
 def _scheme_gemm(name: str, tensors: dict[str, torch.Tensor], scheme: Any, in_features: int,
                  dtype: torch.dtype, device: torch.device) -> Gemm:
     """The stored tensors of one (possibly fused) linear as a kernel-ready `Gemm`."""
-    def dev(t: torch.Tensor | None, to: torch.dtype | None = None) -> torch.Tensor | None:
-        return None if t is None else t.to(device=device, dtype=to or t.dtype).contiguous()
+    def dev(t: torch.Tensor, to: torch.dtype | None = None) -> torch.Tensor:
+        return t.to(device=device, dtype=to or t.dtype).contiguous()
 
-    bias = dev(tensors.get("bias"), dtype)
+    def dev_opt(t: torch.Tensor | None, to: torch.dtype | None = None) -> torch.Tensor | None:
+        return None if t is None else dev(t, to)
+
+    bias = dev_opt(tensors.get("bias"), dtype)
     stored = tensors.get("weight")
     if scheme is None or (stored is not None and stored.is_floating_point() and stored.element_size() > 1):
         if stored is None:
@@ -314,8 +319,8 @@ def _scheme_gemm(name: str, tensors: dict[str, torch.Tensor], scheme: Any, in_fe
     if fmt == "pack-quantized":
         group = w.group_size if w.strategy == "group" else 0
         packed = PackedLinear(dev(tensors["weight_packed"]), dev(tensors["weight_scale"]), w.num_bits, group,
-                              in_features, dev(tensors.get("weight_zero_point")),
-                              dev(tensors.get("weight_g_idx"), torch.int32), bias)
+                              in_features, dev_opt(tensors.get("weight_zero_point")),
+                              dev_opt(tensors.get("weight_g_idx"), torch.int32), bias)
         return Gemm(name, packed=packed)
     if fmt in QUANT_DTYPE:
         a = scheme.input_activations
@@ -375,7 +380,8 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
         for local, _tensors, scheme, k in entries:
             w = scheme.weights if scheme is not None and scheme.format == "pack-quantized" else None
             formats[local] = (w.num_bits, w.group_size if w.strategy == "group" else 0, k) if w is not None else None
-        if any(f is not None and "weight_packed" in t for (_, t, _, _), f in zip(entries, formats.values())):
+        if any(f is not None and "weight_packed" in t
+               for (_, t, _, _), f in zip(entries, formats.values(), strict=True)):
             tiled = tile_layer({local: t for local, t, _, _ in entries}, formats, fold_act_order)
         else:
             tiled = {local: t for local, t, _, _ in entries}
@@ -385,7 +391,8 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
     def vec(name: str) -> torch.Tensor:
         return reader.get([name])[name].to(device=device, dtype=dtype).contiguous()
 
-    layers, kv_scales = [], []
+    layers: list[LayerWeights] = []
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] = []
     kv_dtype = manifest["kv_cache"]["dtype"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
@@ -401,8 +408,9 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
             if not all(reader.has(n) for n in names):
                 raise UserError(f"{engine}: the bundle's KV cache is {kv_dtype} but {names[0]} is missing")
             got = reader.get(names)
-            kv_scales.append(tuple(got[n].float().reshape(-1).expand(cfg.num_kv_heads).contiguous().to(device)
-                                   for n in names))
+            k_scale, v_scale = (got[n].float().reshape(-1).expand(cfg.num_kv_heads).contiguous().to(device)
+                                for n in names)
+            kv_scales.append((k_scale, v_scale))
         if progress is not None:
             progress(i)
     embed = vec("model.embed_tokens.weight")

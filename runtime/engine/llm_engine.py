@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, Protocol, cast
 from typing import Sequence as Seq
 
 import torch
-from torch import nn
 
 from lmfoundry.errors import UserError
+from lmfoundry.model.config import ModelConfig
 from lmfoundry.runtime.engine.block_manager import BlockManager
 from lmfoundry.runtime.engine.client import EngineDead, EngineInfo, EngineRequest
 from lmfoundry.runtime.engine.detokenizer import Detokenizer
@@ -44,6 +44,15 @@ from lmfoundry.runtime.engine.validation import RequestValidator
 Prompt = str | list[int]
 
 
+class EngineModel(Protocol):
+    """What the engine itself reads of the model it runs (its executor reads the rest): a
+    reference `CausalLM`, an engine bundle's `KernelModel` or a tensor-parallel `ShardedModel`
+    (`make_executor` picks the executor by type)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+
 def _as_set(value: Any) -> set[int]:
     if value is None:
         return set()
@@ -51,8 +60,8 @@ def _as_set(value: Any) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, model: nn.Module, tokenizer: Any = None, config: EngineConfig | None = None,
-                 draft_model: nn.Module | None = None) -> None:
+    def __init__(self, model: EngineModel, tokenizer: Any = None, config: EngineConfig | None = None,
+                 draft_model: EngineModel | None = None) -> None:
         self.config = config = config or EngineConfig()
         try:
             config.check_speculative()
@@ -215,6 +224,7 @@ class LLMEngine:
             seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once accepted
             self.block_manager.cache_full_blocks(seq)
             for pos, lp in result.prompt_logprobs.get(seq.seq_id, ()):
+                assert seq.prompt_logprobs is not None  # the runner scores prompts only of requests that ask
                 seq.prompt_logprobs[pos] = lp
         if result.logits is None:
             return []
@@ -231,7 +241,7 @@ class LLMEngine:
 
         verify(self.sampler, result.logits, result.sample_seqs, result.num_rows, accept, on_error, self.speculator)
         events: list[StepEvent] = []
-        for seq, rows in zip(result.sample_seqs, result.num_rows):
+        for seq, rows in zip(result.sample_seqs, result.num_rows, strict=True):
             if seq.request_id in errors:
                 continue
             if rows > 1 and not seq.is_finished:
@@ -325,16 +335,18 @@ class LLMEngine:
                  ) -> list[RequestOutput]:
         """Generate for a batch of prompts (strings or token-id lists); one output per prompt, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [cast(Prompt, prompts)]  # one prompt: a string or a list of token ids
+        prompts = cast("Seq[Prompt]", prompts)
         params = params or SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        plist: list[SamplingParams] = (list(params) if isinstance(params, (list, tuple))
+                                       else [cast(SamplingParams, params)] * len(prompts))
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         encoded = [self.encode(p) for p in prompts]
-        for ids, p in zip(encoded, plist):
+        for ids, p in zip(encoded, plist, strict=True):
             self.check_request(ids, p)
         results: dict[str, RequestOutput] = {}
-        for ids, p in zip(encoded, plist):
+        for ids, p in zip(encoded, plist, strict=True):
             rid = f"req-{next(self._ids)}"
             self.add(EngineRequest(rid, ids, p, time.monotonic()))
             results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(p.n)])
@@ -374,11 +386,14 @@ class LLMEngine:
         outs: list[RequestOutput | None] = [None] * len(requests)
         for wave in waves:
             if wave:
-                for i, out in zip(wave, self.generate([prompts[i] for i in wave], [params[i] for i in wave])):
+                done = self.generate([prompts[i] for i in wave], [params[i] for i in wave])
+                for i, out in zip(wave, done, strict=True):
                     outs[i] = out
-        scores = []
-        for (ctx, _cont), out in zip(requests, outs):
-            lps = out.prompt_logprobs[len(ctx) :]
+        scores: list[tuple[float, bool]] = []
+        for (ctx, _cont), scored in zip(requests, outs, strict=True):
+            assert scored is not None and scored.prompt_logprobs is not None  # every request ran and asked
+            # the positions from len(ctx) >= 1 on are all scored: only position 0 is None
+            lps = cast("list[TokenLogprob]", scored.prompt_logprobs[len(ctx) :])
             scores.append((sum(lp.logprob for lp in lps), all(lp.top[0][0] == lp.token_id for lp in lps)))
         return scores
 

@@ -86,7 +86,7 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         result = StepResult([], None)
-        for (seq, n), row in zip(ordered, step.offsets):
+        for (seq, n), row in zip(ordered, step.offsets, strict=True):
             drafts = len(seq.draft_token_ids)
             if seq.num_computed_tokens + n == len(seq) + drafts:
                 sample_seqs.append(seq)
@@ -114,5 +114,5 @@ class ModelRunner:
             best = logp.topk(k, dim=-1)  # k = 0: empty rows
             top_i, top_v = best.indices.tolist(), best.values.tolist()
             for j in range(hi - lo):
-                top = list(zip(top_i[j], top_v[j]))
+                top = list(zip(top_i[j], top_v[j], strict=True))
                 out.append((lo + 1 + j, TokenLogprob(int(targets[j]), chosen[j], top)))

@@ -189,7 +189,7 @@ class TensorParallelGroup:
 
     def _wait_ready(self) -> list[int]:
         sizes = []
-        for rank, (proc, pipe) in enumerate(zip(self.workers, self.pipes), start=1):
+        for rank, (proc, pipe) in enumerate(zip(self.workers, self.pipes, strict=True), start=1):
             if not pipe.poll(START_TIMEOUT):
                 raise UserError(f"tensor-parallel rank {rank} did not load its share in {START_TIMEOUT:.0f} s")
             try:

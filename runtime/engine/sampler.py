@@ -171,7 +171,7 @@ def apply_grammar_masks(x: torch.Tensor, rows: list[int], matchers: list[Grammar
     stop_token_ids), is recorded in `errors`: sampling it would produce a token the grammar
     rejects."""
     live: list[tuple[int, GrammarMatcher]] = []
-    for i, matcher in zip(rows, matchers):
+    for i, matcher in zip(rows, matchers, strict=True):
         if (why := matcher.error) is not None:
             errors[i] = ValueError(f"the output grammar failed: {why}")
         else:
@@ -182,7 +182,7 @@ def apply_grammar_masks(x: torch.Tensor, rows: list[int], matchers: list[Grammar
     index = torch.tensor([i for i, _ in live], device=x.device)
     masked = x.index_select(0, index).masked_fill_(~allowed, float("-inf"))
     x.index_copy_(0, index, masked)
-    for (i, _), stuck in zip(live, torch.isneginf(masked).all(dim=-1).tolist()):
+    for (i, _), stuck in zip(live, torch.isneginf(masked).all(dim=-1).tolist(), strict=True):
         if stuck:
             errors[i] = ValueError("no token is allowed by both the output grammar and the bans of "
                                    "min_tokens / stop_token_ids")
@@ -274,7 +274,7 @@ class Sampler:
                 tokens.append(token)
         if not rows:
             return
-        for i, matcher, token, accepted in zip(rows, matchers, tokens, advance(matchers, tokens)):
+        for i, matcher, token, accepted in zip(rows, matchers, tokens, advance(matchers, tokens), strict=True):
             if not accepted:
                 out.errors[i] = ValueError(f"the output grammar rejected token {token}: {matcher.error}")
                 out.tokens[i] = None
@@ -293,7 +293,7 @@ class Sampler:
         top_i, top_v = best.indices.tolist(), best.values.tolist()
         for j, i in enumerate(wanted):
             n = seqs[i].params.logprobs or 0
-            out.logprobs[i] = TokenLogprob(tokens[j], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+            out.logprobs[i] = TokenLogprob(tokens[j], chosen[j], list(zip(top_i[j][:n], top_v[j][:n], strict=True)))
 
 
 # ---- the plain statement of the same semantics (tests check the batched code against it) ----
@@ -345,7 +345,7 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     if 0 < params.top_k < vocab:
         kth = x[order[params.top_k - 1]]
-        keep = [k and v >= kth for k, v in zip(keep, x)]
+        keep = [k and v >= kth for k, v in zip(keep, x, strict=True)]
     if params.top_p < 1:
         p = normalized()
         before = 0.0
@@ -356,5 +356,5 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.min_p > 0:
         p = normalized()
         threshold = params.min_p * max(p)
-        keep = [k and pt >= threshold for k, pt in zip(keep, p)]
+        keep = [k and pt >= threshold for k, pt in zip(keep, p, strict=True)]
     return torch.tensor(normalized(), dtype=torch.float64)

@@ -67,7 +67,8 @@ class NgramProposer:
         self.n_max, self.n_min = n_max, n_min
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        return [ngram_lookup(seq.token_id_tensor(), k, self.n_max, self.n_min) for seq, k in zip(seqs, limits)]
+        return [ngram_lookup(seq.token_id_tensor(), k, self.n_max, self.n_min)
+                for seq, k in zip(seqs, limits, strict=True)]
 
     def release(self, live: set[int]) -> None:
         """Nothing is kept per sequence."""
@@ -150,11 +151,11 @@ class DraftModelProposer:
         assert result.logits is not None and result.sample_seqs
         best = result.logits.argmax(dim=-1).tolist()
         owner = {id(shadow): seq_id for seq_id, shadow in shadows}
-        return {owner[id(shadow)]: token for shadow, token in zip(result.sample_seqs, best)}
+        return {owner[id(shadow)]: token for shadow, token in zip(result.sample_seqs, best, strict=True)}
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in seqs}
-        active = [(seq.seq_id, self._sync(seq), k) for seq, k in zip(seqs, limits)]
+        active = [(seq.seq_id, self._sync(seq), k) for seq, k in zip(seqs, limits, strict=True)]
         for round_ in range(max(limits, default=0)):
             step = [(seq_id, shadow) for seq_id, shadow, k in active if k > round_ and seq_id in self.states]
             for seq_id, token in self._step(step).items():
@@ -200,7 +201,7 @@ class Speculator:
             log.warning("speculative proposer failed (%s); this step decodes without drafts", exc)
             self.proposer.release(set())  # its per-sequence state may be half updated
             return
-        for seq, drafts in zip(seqs, proposals):
+        for seq, drafts in zip(seqs, proposals, strict=True):
             seq.draft_token_ids = drafts
 
     def release(self, running: list[Sequence]) -> None:
@@ -241,7 +242,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
             rows_logits = logits.index_select(0, rows)
         sampled = sampler(rows_logits, part)
         going = []
-        for r, (i, seq) in enumerate(zip(alive, part)):
+        for r, (i, seq) in enumerate(zip(alive, part, strict=True)):
             if seq.request_id in failed:
                 continue
             exc = sampled.errors.get(r)
@@ -262,7 +263,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
                 on_error(seq, exc)
         alive = going
     if speculator is not None:
-        for n, ok in zip(num_rows, accepted):
+        for n, ok in zip(num_rows, accepted, strict=True):
             if n > 1:
                 speculator.num_spec_steps += 1
                 speculator.num_draft_tokens += n - 1

@@ -173,7 +173,7 @@ class OpenAIServer:
             raise APIError(400, str(exc)) from None
         eos = self.engine.info.eos_token_ids
         return merge_events([self.metrics.observe(detokenize(st.__aiter__(), ids, params, self.tokenizer, eos), start, params)
-                       for st, ids in zip(streams, prompts)], streams)
+                       for st, ids in zip(streams, prompts, strict=True)], streams)
 
     # ---- /v1/completions --------------------------------------------------------------------
     def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, list[list[int]], SamplingParams]:

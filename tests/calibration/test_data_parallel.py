@@ -131,7 +131,7 @@ def test_kv_scales_take_the_max_over_ranks(monkeypatch) -> None:
 
     monkeypatch.setattr(distributed, "_current", OtherRankLouder())
     both = calibrate_kv_scales(layer, calib, args, torch.float32)
-    for a, b in zip(alone, both):
+    for a, b in zip(alone, both, strict=True):
         torch.testing.assert_close(b, 3 * a)
 
 

@@ -37,7 +37,7 @@ def test_w4a16_plan(make_checkpoint):
             rows = sorted(tuple(c["rows"]) for s in plan.specs if s.capability == cap and s.kernel.startswith("w4a16")
                           for c in s.covers if c["shape"] == {"N": n, "K": k, "bits": 4, "group": 32})
             assert rows[0][0] == 1 and rows[-1][1] == tiles.UNBOUNDED
-            assert all(a[1] + 1 == b[0] for a, b in zip(rows, rows[1:]))
+            assert all(a[1] + 1 == b[0] for a, b in zip(rows, rows[1:], strict=False))
     # Hopper W4A16 tiles are wgmma-sized: 64+ weight rows (the MMA's M side), any number of tokens.
     tiled = [s for s in plan.specs if s.capability == 90 and s.kernel == "w4a16_tiled"]
     assert all(s.config["BLOCK_N"] >= 64 and s.expected_sass() == ("HGMMA",) for s in tiled)
@@ -173,5 +173,5 @@ def test_tile_tables_cover_every_gemm_kernel_and_arch():
         for cap in archs:
             b = tiles.buckets(cap, kernel, {"N": 4096, "K": 4096, "bits": 4})
             assert (b[0][0], b[-1][1]) == tiles.ROW_RANGE.get(kernel, (1, tiles.UNBOUNDED))
-            assert all(x[1] + 1 == y[0] for x, y in zip(b, b[1:]))
+            assert all(x[1] + 1 == y[0] for x, y in zip(b, b[1:], strict=False))
     assert tiles.table_arch(86) == 80 and tiles.table_arch(89) == 89 and tiles.table_arch(100) == 90

@@ -54,7 +54,7 @@ def test_score_matches_direct_forward_across_batches(tiny):
     lm = RuntimeLM(model, tok, batch_tokens=64)
     got = lm.score(jobs)
     assert len(got) == len(jobs)
-    for job, (ll, greedy) in zip(jobs, got):
+    for job, (ll, greedy) in zip(jobs, got, strict=True):
         ref, ref_greedy = _direct_loglikelihood(model, job.context, job.continuation)
         # float32 logits over <= 45 positions: rounding ~1e-6 relative per term
         assert math.isfinite(ll)
@@ -70,7 +70,7 @@ def test_score_truncates_long_inputs_from_the_left_like_lm_eval(tiny):
     lm = RuntimeLM(model, tok, max_length=16)
     jobs = [ScoreRequest(ids[:37], ids[37:]), ScoreRequest(ids[:37], ids[37:39])]
     got = lm.score(jobs)
-    for job, (ll, _) in zip(jobs, got):
+    for job, (ll, _) in zip(jobs, got, strict=True):
         seq = (job.context + job.continuation)[-17:]  # max_length + 1 tokens, last one only predicted
         ref, _ = _direct_loglikelihood(model, seq[: len(seq) - len(job.continuation)], job.continuation)
         assert abs(ll - ref) <= 1e-5 * abs(ref)
@@ -92,7 +92,7 @@ def test_prefix_cache_applies_the_kv_round_trip(tiny):
         jobs = [ScoreRequest(ctx, tok.encode(" water and light")), ScoreRequest(ctx, tok.encode(" a dog"))]
         got = RuntimeLM(model, tok).score(jobs)
         assert calls
-        for job, (ll, _) in zip(jobs, got):
+        for job, (ll, _) in zip(jobs, got, strict=True):
             ref, _ = _direct_loglikelihood(model, job.context, job.continuation)
             assert abs(ll - ref) <= 1e-4 * abs(ref)
     finally:
@@ -148,7 +148,7 @@ def test_loglikelihood_api_matches_lm_eval_hf_backend(tiny, tiny_model_dir):
     ours = RuntimeLM(model, tok, add_bos="tokenizer").loglikelihood(reqs, disable_tqdm=True)
     hf = HFLM(pretrained=str(tiny_model_dir), device="cpu", dtype="float32", batch_size=2)
     theirs = hf.loglikelihood(reqs, disable_tqdm=True)
-    for (a, ga), (b, gb) in zip(ours, theirs):
+    for (a, ga), (b, gb) in zip(ours, theirs, strict=True):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (a, b)
         assert ga == gb
 

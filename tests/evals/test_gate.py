@@ -281,7 +281,7 @@ def test_adapter_matches_lm_eval_hf_backend_on_the_quick_tier(tmp_path):
     for t in tasks:
         a, b = ours[t.name], theirs[t.name]
         assert a["doc_ids"] == b["doc_ids"]
-        for ra, rb in zip(a["responses"], b["responses"]):
+        for ra, rb in zip(a["responses"], b["responses"], strict=True):
             for x, y in zip(ra, rb, strict=True):
                 worst = max(worst, abs(x - y) / max(abs(y), 1e-6))
         assert a["metrics"]["acc"] == b["metrics"]["acc"]

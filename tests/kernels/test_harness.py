@@ -68,7 +68,7 @@ def test_causal_flops_count_the_pairs_the_mask_keeps():
     """Brute force: query j of a context n whose last q_len positions are queries sees keys 0..pos."""
     q_lens, ctx_lens, heads, d = [5, 1, 7, 3], [9, 12, 7, 3], 4, 16
     pairs = 0
-    for ql, n in zip(q_lens, ctx_lens):
+    for ql, n in zip(q_lens, ctx_lens, strict=True):
         pos = torch.arange(n - ql, n)[:, None]
         pairs += int((torch.arange(n)[None, :] <= pos).sum())
     assert harness.causal_attention_flops(q_lens, ctx_lens, heads, d) == 4 * d * heads * pairs

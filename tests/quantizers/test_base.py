@@ -31,7 +31,7 @@ def test_sequential_pass_equals_forward_when_nothing_changes(arch):
     assert finished == GROUPS
     assert seen == [g for g in GROUPS for _ in range(3)]  # every batch observed before the group finishes
     assert len(out) == 3 and calib.inputs == []  # the inputs are consumed
-    for o, e in zip(out, expected):
+    for o, e in zip(out, expected, strict=True):
         torch.testing.assert_close(o, e, rtol=1e-6, atol=1e-6)
 
 
@@ -53,9 +53,9 @@ def test_each_group_sees_inputs_of_the_already_changed_groups():
     out = calib.run_sequential(layer, lambda g, x: observed.setdefault(g[0], []).append(x.clone()), finish)
     assert sorted(changed) == sorted(n for g in GROUPS for n in g)
     reference = LayerCalibration(inputs, calib.cos, calib.sin).run(layer, keep_outputs=True)
-    for o, e in zip(out, reference):
+    for o, e in zip(out, reference, strict=True):
         torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
     mlp, ln = layer.mlp, layer.post_attention_layernorm
     attn_out = [x + layer.self_attn(layer.input_layernorm(x), calib.cos, calib.sin) for x in inputs]
-    for got, h in zip(observed["mlp.down_proj"], attn_out):
+    for got, h in zip(observed["mlp.down_proj"], attn_out, strict=True):
         torch.testing.assert_close(got, mlp.hidden(ln(h)), rtol=1e-5, atol=1e-5)

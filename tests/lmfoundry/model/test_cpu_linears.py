@@ -223,7 +223,7 @@ def test_fused_prepacked_linear_matches_each_f_linear(sizes: tuple[int, ...], ro
     outs = fused.parts(x)
     assert len(outs) == len(sizes)
     base = fused(x).untyped_storage().nbytes()
-    for out, lin in zip(outs, linears):
+    for out, lin in zip(outs, linears, strict=True):
         ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
         assert out.shape == ref.shape and bool(out.isfinite().all())  # every element written
         bound = torch.abs(x.double()) @ torch.abs(lin.weight.double()).t()
@@ -275,12 +275,12 @@ def test_fused_layers_compute_what_the_unfused_prepacked_layers_do(model_type: s
         assert float((got.float() - want.float()).abs().max()) <= 4 * U * float(want.float().abs().max())
 
     with torch.no_grad():
-        for a, b in zip(attns, (layer.self_attn for layer in unfused.model.layers)):
-            for got, want in zip(a.project_qkv(x, cos, sin), b.project_qkv(x, cos, sin)):
+        for a, b in zip(attns, (layer.self_attn for layer in unfused.model.layers), strict=True):
+            for got, want in zip(a.project_qkv(x, cos, sin), b.project_qkv(x, cos, sin), strict=True):
                 close(got, want)
-            for got, want in zip(a.project_qk(x, cos, sin), b.project_qk(x, cos, sin)):  # the parts alone
+            for got, want in zip(a.project_qk(x, cos, sin), b.project_qk(x, cos, sin), strict=True):  # the parts alone
                 close(got, want)
-        for a, b in zip(mlps, (m for m in unfused.modules() if isinstance(m, MLP))):
+        for a, b in zip(mlps, (m for m in unfused.modules() if isinstance(m, MLP)), strict=True):
             close(a.hidden(x), b.hidden(x))
             close(a(x), b(x))
         ids = torch.randint(0, 256, (2, 9), generator=g)

@@ -304,7 +304,7 @@ def test_engine_serves_gemma_like_transformers_generate(gemma: Path, tmp_path: P
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=0)
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
     outs = engine.generate(prompts, params)
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         got = o.outputs[0].token_ids
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, min_new_tokens=new,
@@ -313,14 +313,14 @@ def test_engine_serves_gemma_like_transformers_generate(gemma: Path, tmp_path: P
         assert got == want
         hf_logprobs = [float(full[len(p) + j - 1, t]) for j, t in enumerate(want)]
         engine_logprobs = [lp.logprob for lp in o.outputs[0].logprobs]
-        assert max(abs(a - b) for a, b in zip(engine_logprobs, hf_logprobs)) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(engine_logprobs, hf_logprobs, strict=True)) <= 1e-4
 
     rec = Recipe().with_overrides(method="rtn", scheme="w4a16", group_size=32)
     run_job(QuantizeJob(str(gemma), tmp_path / "q", rec, progress=False))
     qmodel, _ = load_model(str(tmp_path / "q"))
     engine = LLMEngine(qmodel, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
     outs = engine.generate(prompts, params)
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == reference_greedy(qmodel, p, new)
 
 
@@ -399,7 +399,7 @@ def test_eval_scoring_with_the_prefix_cache_equals_a_direct_forward(gemma: Path)
         for n in (1, 3):
             jobs.append(ScoreRequest(ctx, torch.randint(3, 256, (n,), generator=g).tolist()))
     got = RuntimeLM(model, tok, batch_tokens=64).score(jobs)
-    for job, (ll, _) in zip(jobs, got):
+    for job, (ll, _) in zip(jobs, got, strict=True):
         with torch.no_grad():
             logits = model(torch.tensor([job.context + job.continuation]))[0, len(job.context) - 1:-1].double()
         ref = float(F.log_softmax(logits, -1).gather(1, torch.tensor(job.continuation)[:, None]).sum())

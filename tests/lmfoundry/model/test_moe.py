@@ -240,7 +240,7 @@ def test_sequential_pass_is_the_quantized_layer(moe: Path, mode: str | None) -> 
 
     out = LayerCalibration([x.clone() for x in xs], cos, sin).run_sequential(layer, observe, finish)
     with torch.no_grad():
-        for x, y in zip(xs, out):
+        for x, y in zip(xs, out, strict=True):
             assert torch.allclose(y, layer(x, cos, sin), rtol=0, atol=1e-5)
     gates = [seen.get(f"mlp.experts.{e}.gate_proj", 0) for e in range(cfg.num_experts)]
     downs = [seen.get(f"mlp.experts.{e}.down_proj", 0) for e in range(cfg.num_experts)]

@@ -104,7 +104,7 @@ def test_engine_generates_past_the_window_like_transformers(windowed: Path) -> N
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
     assert engine.max_model_len == 256  # the reference path honours the window: the full context is served
     outs = engine.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=0))
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         with torch.no_grad():
             ids = torch.tensor([p])  # an explicit mask: a prompt token equal to pad_token_id is not padding
             want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
@@ -112,7 +112,8 @@ def test_engine_generates_past_the_window_like_transformers(windowed: Path) -> N
             full = torch.log_softmax(hf(torch.tensor([p + want])).logits[0].float(), dim=-1)
         assert o.outputs[0].token_ids == want
         got = [lp.logprob for lp in o.outputs[0].logprobs]
-        assert max(abs(g - float(full[len(p) + j - 1, t])) for j, (g, t) in enumerate(zip(got, want))) <= 1e-4
+        assert max(abs(g - float(full[len(p) + j - 1, t]))
+                   for j, (g, t) in enumerate(zip(got, want, strict=True))) <= 1e-4
 
 
 def test_gguf_export_refuses_a_window(windowed: Path, tmp_path: Path) -> None:

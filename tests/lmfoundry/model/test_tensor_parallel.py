@@ -109,7 +109,7 @@ def test_vocabulary_ranges_cover_the_vocabulary_once() -> None:
     cfg = config()
     ranges = [RankShard(cfg, r, 6).vocab_range() for r in range(6)]
     assert ranges[0][0] == 0 and ranges[-1][1] == 250
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
     assert {r[2] for r in ranges} == {42} and ranges[-1][1] - ranges[-1][0] == 40  # ceil(250/6), last shorter
 
 

@@ -43,7 +43,7 @@ def test_all_reduce_and_gather(backend: str, world: int) -> None:
     results = _run(backend, world, sizes)
     assert sorted(results) == list(range(world))
     per_rank = [results[r] for r in range(world)]
-    for entries in zip(*per_rank):
+    for entries in zip(*per_rank, strict=True):
         kind = entries[0][0]
         if kind == "gather":
             assert all(e[3] for e in entries), entries
@@ -65,7 +65,7 @@ def test_nccl_all_reduce_and_gather_between_two_gpus() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     results = _run("nccl", 2, SIZES[:3])
-    for entries in zip(results[0], results[1]):
+    for entries in zip(results[0], results[1], strict=True):
         if entries[0][0] == "gather":
             assert all(e[3] for e in entries), entries
         else:  # NCCL's ring order: at most one rounding per addition; every rank the same bits

@@ -38,7 +38,7 @@ def test_greedy_matches_reference_with_chunking_and_batching(model) -> None:
     ps = prompts(6, seed=1)
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=200, block_size=4, max_num_batched_tokens=16))
     outs = engine.generate(ps, GREEDY)
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 24, eos=EOS)
     assert engine.block_manager.num_used_blocks == 0
 
@@ -56,7 +56,7 @@ def test_requests_joining_mid_run_match_reference(model) -> None:
     while engine.has_unfinished():
         for ev in engine.step():
             results.setdefault(ev.request_id, []).extend(ev.token_ids)
-    for rid, p in zip(rids, ps):
+    for rid, p in zip(rids, ps, strict=True):
         assert results[rid] == reference_greedy(model, p, 24, eos=EOS)
 
 
@@ -71,7 +71,7 @@ def test_prefix_reuse_gives_identical_outputs(model) -> None:
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
     assert all(o.num_cached_tokens >= 36 for o in warm)
     assert warm_engine.block_manager.prefix_hit_rate > 0.3
-    for p, out in zip(ps, warm):
+    for p, out in zip(ps, warm, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 24, eos=EOS)
 
 
@@ -146,7 +146,7 @@ def test_loglikelihood_matches_reference_and_uses_the_prefix_cache(model) -> Non
     reqs = [(ctx, c) for c in conts] + [(ctx, greedy_cont)]
     eng = LLMEngine(model, None, EngineConfig(num_kv_blocks=200, block_size=4))
     scores = eng.loglikelihood(reqs)
-    for (c, cont), (total, is_greedy) in zip(reqs, scores):
+    for (c, cont), (total, is_greedy) in zip(reqs, scores, strict=True):
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([c + cont]))[0].float(), -1)
         expect = sum(float(ref[len(c) - 1 + j, t]) for j, t in enumerate(cont))
@@ -223,7 +223,7 @@ def test_cascade_attention_over_a_shared_prefix_matches(model, monkeypatch) -> N
                             lambda self, *a, calls=calls: calls.append(1) or original(self, *a))
         results[cascade] = engine.generate(ps, params)
         assert bool(calls) == cascade
-    for off, on, p in zip(results[False], results[True], ps):
+    for off, on, p in zip(results[False], results[True], ps, strict=True):
         assert on.outputs[0].token_ids == off.outputs[0].token_ids == reference_greedy(model, p, 20)
         got = torch.tensor([lp.logprob for lp in on.outputs[0].logprobs])
         want = torch.tensor([lp.logprob for lp in off.outputs[0].logprobs])
@@ -247,7 +247,7 @@ def test_decodes_sharing_a_prefix_cascade_beside_ones_that_do_not(model, monkeyp
                         lambda self, *a: groups.append(len(self.decodes)) or original(self, *a))
     outs = engine.generate(ps, [params] * len(ps))
     assert max(groups) == 2  # the sharing sequences and the others, side by side in one step
-    for out, p in zip(outs, ps):
+    for out, p in zip(outs, ps, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 16)
 
 

@@ -121,7 +121,7 @@ def test_fill_bitmasks_batches_matchers_of_different_grammars() -> None:
     grammars = compiler()
     matchers = [grammars.matcher(s) for s in SCHEMAS]
     allowed = bitmask_to_allowed(fill_bitmasks(matchers), PADDED_VOCAB)
-    for row, matcher in zip(allowed, matchers):
+    for row, matcher in zip(allowed, matchers, strict=True):
         assert row.tolist() == [matcher.allows(t) for t in range(PADDED_VOCAB)]
 
 
@@ -261,7 +261,7 @@ def test_preempted_sequences_keep_their_grammar_state() -> None:
     tight_engine = toy_engine(num_kv_blocks=60, block_size=4, max_model_len=200)
     tight = tight_engine.generate(prompts, params)
     assert tight_engine.scheduler.num_preemptions > 0
-    for a, b in zip(roomy, tight):
+    for a, b in zip(roomy, tight, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         jsonschema.validate(json.loads(b.outputs[0].text), PERSON)
 

@@ -102,7 +102,7 @@ def test_kernel_executor_agrees_with_the_reference_executor(bundles: Bundles, sc
         bound = logit_bound(ref_model, ids)
         ref_lp, ker_lp = teacher_forced(reference, ids), teacher_forced(kernels, ids)
         assert len(ref_lp) == len(ker_lp) == len(ids) - 1
-        for pos, (r, k) in enumerate(zip(ref_lp, ker_lp)):
+        for pos, (r, k) in enumerate(zip(ref_lp, ker_lp, strict=True)):
             b = float(bound[pos])
             assert abs(r.logprob - k.logprob) <= b, (scheme, pos, r.logprob, k.logprob, b)
             margin = r.top[0][1] - r.top[1][1]
@@ -133,7 +133,7 @@ def test_qwen_families_through_the_kernels(bundles: Bundles, arch: str, override
     for prompt in PROMPTS:
         ids = prompt + reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].token_ids
         bound = logit_bound(ref_model, ids)
-        for pos, (r, k) in enumerate(zip(teacher_forced(reference, ids), teacher_forced(kernels, ids))):
+        for pos, (r, k) in enumerate(zip(teacher_forced(reference, ids), teacher_forced(kernels, ids), strict=True)):
             assert abs(r.logprob - k.logprob) <= float(bound[pos]), (arch, pos, r.logprob, k.logprob)
 
 
@@ -150,10 +150,10 @@ def check_triton_matches_references(bundles: Bundles, scheme: str, device: str, 
     got = _engine(triton_model, tok).generate(PROMPTS, params)
     checkpoint_model, _ = load_model(bundles.checkpoint(scheme), dtype=torch.bfloat16)
     same = 0
-    for prompt, e, g in zip(PROMPTS, expected, got):
+    for prompt, e, g in zip(PROMPTS, expected, got, strict=True):
         e_out, g_out = e.outputs[0], g.outputs[0]
         bound = logit_bound(checkpoint_model, prompt + e_out.token_ids)
-        for i, (a, b) in enumerate(zip(e_out.token_ids, g_out.token_ids)):
+        for i, (a, b) in enumerate(zip(e_out.token_ids, g_out.token_ids, strict=True)):
             lp_e, lp_g, tol = e_out.logprobs[i], g_out.logprobs[i], float(bound[len(prompt) - 1 + i])
             if a != b:
                 top = dict(lp_e.top)
@@ -288,7 +288,7 @@ def test_sliding_window_bundle_serves_up_to_its_window(bundles: Bundles) -> None
     ids = prompt + reference.generate([prompt], SamplingParams(max_tokens=16 - len(prompt) - 1,
                                                                temperature=0))[0].outputs[0].token_ids
     bound = logit_bound(ref_model, ids)
-    for pos, (r, k) in enumerate(zip(teacher_forced(reference, ids), teacher_forced(kernels, ids))):
+    for pos, (r, k) in enumerate(zip(teacher_forced(reference, ids), teacher_forced(kernels, ids), strict=True)):
         assert abs(r.logprob - k.logprob) <= float(bound[pos]), (pos, r.logprob, k.logprob)
 
 

@@ -99,7 +99,7 @@ def test_engine_with_quantized_kv_equals_reference(kind: str, per_head: bool) ->
     assert engine.runner.cache.k[0].dtype == (torch.int8 if kind == "int8" else FP8)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
     outs = engine.generate(ps, params)
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 20)
     ids = outs[1].outputs[0].token_ids
     got = torch.tensor([lp.logprob for lp in outs[1].outputs[0].logprobs])

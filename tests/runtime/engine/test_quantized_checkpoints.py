@@ -50,5 +50,5 @@ def test_engine_equals_reference_on_quantized_checkpoint(case: str, toy_folder, 
         assert engine.runner.cache.k[0].dtype == model.dtype
     prompts = [tok("Hello, quantized world").input_ids, tok("abc" * 7).input_ids, [5, 6, 7]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    for ids, o in zip(prompts, outs):
+    for ids, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == reference_greedy(model, ids, 12)

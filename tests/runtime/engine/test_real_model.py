@@ -38,7 +38,7 @@ def test_greedy_matches_transformers_generate(smollm) -> None:
     engine = LLMEngine(model, tok, EngineConfig(kv_cache_memory_gb=0.1, max_num_batched_tokens=16))
     outs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
     hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=torch.float32).eval()
-    for ids, out in zip(prompts, outs):
+    for ids, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
         assert out.outputs[0].token_ids == ref, tok.decode(ids)
@@ -52,7 +52,7 @@ def test_w4a16_engine_equals_reference_execution() -> None:
     prompts = [tok(p).input_ids for p in PROMPTS[:3]]
     engine = LLMEngine(model, tok, EngineConfig(kv_cache_memory_gb=0.05, max_num_batched_tokens=32))
     outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    for ids, out in zip(prompts, outs):
+    for ids, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, ids, 32)
 
 
@@ -62,7 +62,7 @@ def test_loglikelihood_matches_reference_on_real_model(smollm) -> None:
     conts = [tok(" blue").input_ids, tok(" green").input_ids, tok(" a deep shade of red").input_ids]
     engine = LLMEngine(model, tok, EngineConfig(kv_cache_memory_gb=0.05))
     scores = engine.loglikelihood([(ctx, c) for c in conts])
-    for cont, (total, _) in zip(conts, scores):
+    for cont, (total, _) in zip(conts, scores, strict=True):
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([ctx + cont]))[0], -1)
         want = sum(float(logp[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))

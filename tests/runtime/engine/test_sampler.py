@@ -132,13 +132,13 @@ def test_greedy_choices_follow_penalties_and_bias() -> None:
                 SamplingParams(top_k=1, logit_bias={3: 100.0}), SamplingParams(temperature=0)]
     seqs = [make_seq(rng, p, out_len=20) for p in settings]
     logits = torch.randn(len(seqs), VOCAB)
-    for seq, row in zip(seqs, logits):  # the raw favourite, by 0.5, is a generated token: penalties matter
+    for seq, row in zip(seqs, logits, strict=True):  # the raw favourite, by 0.5, is a generated token: penalties matter
         row[seq.output_token_ids[-1]] = row.max() + 0.5
     out = Sampler(set())(logits, seqs)
     want = [int(reference_row(logits[i], seq).argmax()) for i, seq in enumerate(seqs)]
     assert out.tokens == want and not out.errors
     raw = logits.argmax(-1).tolist()
-    assert [a != b for a, b in zip(out.tokens, raw)] == [True, True, True, True, False]
+    assert [a != b for a, b in zip(out.tokens, raw, strict=True)] == [True, True, True, True, False]
     assert out.tokens[3] == 3
 
 
@@ -204,7 +204,7 @@ def test_engine_greedy_with_penalties_matches_full_recompute() -> None:
     outs = engine.generate(prompts, settings)
     plain = LLMEngine(model, None, EngineConfig(num_kv_blocks=100, block_size=4)).generate(
         prompts, SamplingParams(max_tokens=16, temperature=0))
-    for prompt, params, out, unpenalized in zip(prompts, settings, outs, plain):
+    for prompt, params, out, unpenalized in zip(prompts, settings, outs, plain, strict=True):
         ids, want = list(prompt), []
         with torch.no_grad():
             for _ in range(params.max_tokens):

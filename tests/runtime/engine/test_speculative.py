@@ -75,7 +75,7 @@ def test_ngram_greedy_equals_plain_decoding_and_frees_blocks(model) -> None:
     spec = engine(model, speculative="ngram", num_speculative_tokens=4)
     outs = spec.generate(ps, GREEDY)
     assert tokens(outs) == tokens(plain)
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 40, eos=EOS)
     s = spec.speculator
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # drafts were both accepted and rejected
@@ -106,7 +106,7 @@ def test_draft_model_greedy_equals_plain_decoding(model, other_model, same: bool
     draft = model if same else other_model
     spec = engine(model, draft, speculative="draft", num_speculative_tokens=3)
     outs = spec.generate(ps, GREEDY)
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 40, eos=EOS)
     s = spec.speculator
     if same:  # the draft is the target: every draft is what the target picks
@@ -147,8 +147,8 @@ def test_penalties_stops_logprobs_and_small_budgets_match(model) -> None:
                                                   num_speculative_tokens=5, **cfg))
         outs = spec.generate(ps, params)
         assert tokens(outs) == tokens(plain)
-        for a, b in zip(outs, plain):
-            for x, y in zip(a.outputs, b.outputs):
+        for a, b in zip(outs, plain, strict=True):
+            for x, y in zip(a.outputs, b.outputs, strict=True):
                 assert (x.text, x.finish_reason) == (y.text, y.finish_reason)
                 if y.logprobs is not None:
                     assert [lp.token_id for lp in x.logprobs] == [lp.token_id for lp in y.logprobs]
@@ -168,7 +168,7 @@ def test_preemption_and_prefix_caching_with_drafts(model) -> None:
     outs = e.generate(ps, params)
     assert e.scheduler.num_preemptions > 0
     assert e.block_manager.prefix_hit_tokens > 0
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 30)
     assert_pool_full(e)
 
@@ -233,7 +233,7 @@ def test_a_failing_proposer_only_costs_the_drafts(model, other_model, monkeypatc
 
     monkeypatch.setattr(e.speculator.proposer, "propose", flaky)
     outs = e.generate(ps, GREEDY)
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 40, eos=EOS)
     assert calls > 2 and e.speculator.num_draft_tokens > 0
     assert_pool_full(e)
@@ -254,7 +254,7 @@ def test_draft_model_with_a_budget_smaller_than_the_batch(model, other_model, sa
     def checked_propose(seqs, limits):  # the engine contains proposer errors: record, do not raise
         nonlocal checked
         proposals = real(seqs, limits)
-        for seq, k, drafts in zip(seqs, limits, proposals):
+        for seq, k, drafts in zip(seqs, limits, proposals, strict=True):
             if drafts != reference_greedy(draft, seq.token_ids, k):
                 wrong.append((seq.seq_id, len(seq), drafts))
             checked += 1
@@ -272,7 +272,7 @@ def test_draft_model_with_a_budget_smaller_than_the_batch(model, other_model, sa
         events = e.step()
     assert checked > 20 and not wrong
     assert "proposer failed" not in caplog.text
-    for p, rid in zip(ps, rids):
+    for p, rid in zip(ps, rids, strict=True):
         assert got[rid] == reference_greedy(model, p, 40, eos=EOS)
     assert e.speculator.num_draft_tokens > 0
     assert_pool_full(e)

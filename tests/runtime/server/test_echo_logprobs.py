@@ -53,13 +53,13 @@ def check_echo(choice: dict, ids: list[int], model, top: int, generated: int) ->
     ref = reference_logprobs(model, ids)
     want = [float(ref[p - 1, ids[p]]) for p in range(1, n)]
     got = lp["token_logprobs"][1:n]
-    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4, (got, want)
     for p in range(1, n):
         # the `top` most likely tokens by text (the first, most likely, of tokens sharing a text,
         # e.g. byte tokens that decode to U+FFFD) plus the chosen token
         best = ref[p - 1].topk(top)
         want_top: dict[str, float] = {}
-        for token, value in zip(best.indices.tolist(), best.values.tolist()):
+        for token, value in zip(best.indices.tolist(), best.values.tolist(), strict=True):
             want_top.setdefault(tok.decode([token]), value)
         want_top.setdefault(lp["tokens"][p], want[p - 1])
         entry = lp["top_logprobs"][p]
@@ -89,7 +89,7 @@ def test_echo_with_text_prompts_batches_and_streaming(server, reference) -> None
     prompts = ["The quick brown fox", "héllo wörld, naïve"]
     body = completion(server.url, prompt=prompts, max_tokens=0, echo=True, logprobs=2)
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    for prompt, choice in zip(prompts, body["choices"]):
+    for prompt, choice in zip(prompts, body["choices"], strict=True):
         assert choice["text"] == prompt
         check_echo(choice, tok(prompt).input_ids, reference, top=2, generated=0)
     # streamed: the same entries, in chunks
@@ -198,9 +198,9 @@ def test_lm_eval_local_completions_matches_in_process_evaluation(tmp_path: Path,
         engine.shutdown()
 
     assert len(our_lls) == len(served_lls) == len(QUESTIONS)
-    for ours_doc, served_doc in zip(our_lls, served_lls):
+    for ours_doc, served_doc in zip(our_lls, served_lls, strict=True):
         assert all(math.isfinite(x) and x < 0 for x in ours_doc)
-        assert max(abs(a - b) for a, b in zip(ours_doc, served_doc)) < 1e-3, (ours_doc, served_doc)
+        assert max(abs(a - b) for a, b in zip(ours_doc, served_doc, strict=True)) < 1e-3, (ours_doc, served_doc)
     for metric in ("acc,none", "acc_norm,none"):
         assert served[metric] == ours[metric], (metric, served, ours)
     assert 0 < ours["acc,none"] < 1  # a mix of right and wrong answers: the comparison has teeth
