@@ -77,5 +77,7 @@ def repack(ck: Checkpoint, plan: Plan, dest: Path) -> dict[str, list[str]]:
     for name in ck.tensors:
         if name not in consumed:
             out[name] = get(name).contiguous()
-    save_file(out, str(dest), metadata={"format": "pt", "lmfoundry_repacked": "1", "lmfoundry_tiled": "1"})
+    # one metadata key: safetensors writes metadata from a hash map whose order changes from process
+    # to process, so a second key would make rebuilds differ byte for byte (engine.json records the mode)
+    save_file(out, str(dest), metadata={"format": "pt"})
     return fused_record

@@ -64,6 +64,25 @@ def test_cubins_are_byte_reproducible(tmp_path):
     assert str(tmp_path).encode() not in outs[0]["json"] + outs[0]["ptx"]
 
 
+def test_bundles_are_byte_reproducible_across_processes(make_checkpoint, tmp_path):
+    """Two `compile` runs of the same checkpoint, each in a process of its own, write the same bytes
+    in every kernel and weights file (the repacked weights' safetensors header included: its
+    metadata once came out in a per-process hash order)."""
+    import subprocess
+    import sys
+
+    ckpt = make_checkpoint(scheme="w8a8")
+    bundles = []
+    for i in range(2):
+        out = tmp_path / f"engine{i}"
+        subprocess.run([sys.executable, "-m", "lmfoundry.cli", "compile", str(ckpt), "--arch", "hopper", "-o", str(out),
+                        "--quiet"], check=True, capture_output=True)
+        bundles.append({p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+                        if p.is_file() and p.name != "engine.json"})
+    assert bundles[0].keys() == bundles[1].keys() and "weights/model.safetensors" in bundles[0]
+    assert [k for k in bundles[0] if bundles[0][k] != bundles[1][k]] == []
+
+
 def test_resource_usage_reports_spills(tmp_path):
     """An INT8 GEMM tile of 128 x 256 int32 accumulators on one warp cannot live in registers:
     cuobjdump's count must show the spill (so `assert_spill_free` on the bundles can fail); the
