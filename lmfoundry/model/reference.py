@@ -297,7 +297,7 @@ def spec_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atte
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        from lmfoundry.model.config import GELU_ACTIVATIONS
+        from lmfoundry.model.architectures import GELU_ACTIVATIONS
 
         h, i, b = config.hidden_size, intermediate_size or config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=b)

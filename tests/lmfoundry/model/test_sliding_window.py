@@ -17,7 +17,8 @@ import torch
 from helpers import hf_eager, save_transformers_model
 
 from lmfoundry.errors import UserError
-from lmfoundry.model.config import FULL, SLIDING, ModelConfig
+from lmfoundry.model.architectures import FULL, SLIDING
+from lmfoundry.model.config import ModelConfig
 from lmfoundry.runtime.loader import load_model
 
 WINDOW = 8
