@@ -27,6 +27,8 @@ def test_run_here_serves_requests_from_another_threads_loop() -> None:
     engine.step = step  # type: ignore[method-assign]
 
     async def client() -> None:
+        while not async_engine.is_alive:  # a request before run_here starts is refused (EngineDead)
+            await asyncio.sleep(0.01)
         async for ev in async_engine.generate("hello", SamplingParams(max_tokens=8, temperature=0)):
             got.extend(ev.token_ids)
 
