@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lmfoundry.kernels import paged_kv
 from lmfoundry.kernels.dispatch import Executor, resolve
 from lmfoundry.kernels.paged_attention_common import LOG2E, reference
 from lmfoundry.kernels.paged_decode import (
@@ -50,16 +51,8 @@ __all__ = [
     "split_pages",
 ]
 
-SUPPORT = Support(
-    {
-        "dtype": ("float16", "bfloat16"),
-        "kv_dtype": ("auto", "int8", "fp8"),
-        "block_size": (8, 16, 32, 64, 128),
-        "head_dim": (64, 80, 96, 128, 256),
-        "arch": (80, 86, 89, 90),
-    },
-    note="GQA with Hq a multiple of Hkv; fp8 KV needs sm_89+",
-)
+# attention reads what the KV store writes: the same dtypes, block sizes, head dims and archs
+SUPPORT = Support(dict(paged_kv.SUPPORT.values), note="GQA with Hq a multiple of Hkv; fp8 KV needs sm_89+")
 
 
 def _check(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor) -> None:

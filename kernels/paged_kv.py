@@ -30,6 +30,7 @@ def kv_code_max(cache_dtype: torch.dtype) -> float:
     """Largest code magnitude of a quantized cache dtype (1.0 for a float cache)."""
     return {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}.get(cache_dtype, 1.0)
 
+
 SUPPORT = Support(
     {
         "dtype": ("float16", "bfloat16"),
