@@ -218,32 +218,28 @@ def build_engine(
     if src.is_dir():
         verify_artifact(src, "compile")  # before any tensor is read: the bundle records what it reads as good
     ck = load_checkpoint(src, dtype)
+    plan = None
     if tp > 1:
         RankShard(ck.config, 0, tp).heads  # noqa: B018 - refuses a degree the heads or MLP width do not split into
         if weights == "link":
             raise UserError(f"--weights link with --tp {tp}: each rank's share is written anew, there is nothing "
                             "to link to; use repack or copy")
-        stage, created = _staging(final)
-        try:
-            built = _write_tp_bundle(stage, ck, caps, src, tp, dtype, block_size, weights, workers, tune, progress,
-                                     log, t0)
-            _install(stage, final)
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            _remove_dirs(created)
-            raise
-        ranks = [BuildResult(final / f"rank{i}", r.manifest, r.seconds) for i, r in enumerate(built.ranks)]
-        return BuildResult(final, built.manifest, time.perf_counter() - t0, ranks)
-    plan = _plan(ck, caps, block_size, tune, log)
+    else:
+        plan = _plan(ck, caps, block_size, tune, log)
     stage, created = _staging(final)
     try:
-        built = _write_bundle(stage, ck, plan, caps, src, weights, workers, tune, progress, log, t0)
+        if plan is None:
+            built = _write_tp_bundle(stage, ck, caps, src, tp, dtype, block_size, weights, workers, tune, progress,
+                                     log, t0)
+        else:
+            built = _write_bundle(stage, ck, plan, caps, src, weights, workers, tune, progress, log, t0)
         _install(stage, final)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         _remove_dirs(created)
         raise
-    return BuildResult(final, built.manifest, time.perf_counter() - t0)
+    ranks = [BuildResult(final / f"rank{i}", r.manifest, r.seconds) for i, r in enumerate(built.ranks)]
+    return BuildResult(final, built.manifest, time.perf_counter() - t0, ranks)
 
 
 def _plan(ck: Checkpoint, caps: list[int], block_size: int, tune: bool, log: Callable[[str], None]) -> Plan:

@@ -68,10 +68,7 @@ def share_tensors(reader: CheckpointReader, shard: RankShard) -> dict[str, torch
         if bias is not None:
             out[f"{name}.bias"] = (kept if kept is not None else torch.zeros_like(bias)).contiguous()
     start, stop, _ = shard.vocab_range()
-    for name in reader.index:
-        if name in taken:
-            continue
-        t = reader.get([name])[name]
+    for name, t in reader.get([n for n in reader.index if n not in taken]).items():  # each shard opened once
         if name == "model.embed_tokens.weight":
             t = t[start:stop].clone()
         elif name.endswith(_KV_SCALES):

@@ -210,8 +210,11 @@ def fingerprint(folder: Path) -> dict[str, Any]:
     for name in FINGERPRINT_FILES:
         if (folder / name).exists():
             files[name] = sha256_file(folder / name)
-    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-    return {"sha256": digest, "files": files}
+    return _fingerprint_of(files)
+
+
+def _fingerprint_of(files: dict[str, str]) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(), "files": files}
 
 
 def bundle_fingerprint(engine: Path) -> dict[str, Any]:
@@ -223,7 +226,7 @@ def bundle_fingerprint(engine: Path) -> dict[str, Any]:
         return fingerprint(engine / "weights")
     files = {f"rank{r}/{name}": sha for r in range(degree)
              for name, sha in fingerprint(engine / f"rank{r}" / "weights")["files"].items()}
-    return {"sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(), "files": files}
+    return _fingerprint_of(files)
 
 
 def _versions() -> dict[str, str]:

@@ -118,9 +118,10 @@ def _degree_refusal(spec: str | Path, degree: int, tp: int) -> str:
 def bundle_degree(path: str | Path) -> int:
     """The tensor-parallel degree an engine bundle was compiled for (1: one device)."""
     from lmfoundry.manifest import parse_json_object, read_bounded
+    from lmfoundry.runtime.bundle_manifest import ENGINE_JSON_MAX_BYTES
 
     manifest_path = Path(path) / "engine.json"
-    manifest = parse_json_object(read_bounded(manifest_path, 64 << 20), manifest_path)
+    manifest = parse_json_object(read_bounded(manifest_path, ENGINE_JSON_MAX_BYTES), manifest_path)
     if "tensor_parallel" not in manifest:
         return 1
     record = manifest["tensor_parallel"]
@@ -134,10 +135,10 @@ def rank_bundle(path: str | Path, rank: int) -> Path:
     """Rank `rank`'s bundle inside a tensor-parallel bundle, once its engine.json is the one the
     bundle's manifest records (each rank's own manifest then checks its files)."""
     from lmfoundry.manifest import parse_json_object, read_bounded, sha256_file
-    from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
+    from lmfoundry.runtime.bundle_manifest import ENGINE_JSON_MAX_BYTES, EngineIntegrityError
 
     engine = Path(path)
-    manifest = parse_json_object(read_bounded(engine / "engine.json", 64 << 20), engine / "engine.json")
+    manifest = parse_json_object(read_bounded(engine / "engine.json", ENGINE_JSON_MAX_BYTES), engine / "engine.json")
     ranks = manifest["tensor_parallel"].get("ranks")
     entry = ranks[rank] if isinstance(ranks, list) and rank < len(ranks) else None
     if not isinstance(entry, dict) or entry.get("path") != f"rank{rank}":

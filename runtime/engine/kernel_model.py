@@ -32,6 +32,7 @@ from lmfoundry.kernels.scaled_mm import ScaledLinear
 from lmfoundry.kernels.tiled_layout import TiledLinear
 from lmfoundry.kernels.w4a16 import PackedLinear
 from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
+from lmfoundry.model.tensor_parallel import embed_vocab_share, gather_vocab_share
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 QUANT_DTYPE = {"int-quantized": torch.int8, "float-quantized": torch.float8_e4m3fn}
@@ -254,8 +255,6 @@ class KernelModel:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
             return self.embed.index_select(0, ids)
-        from lmfoundry.model.tensor_parallel import embed_vocab_share
-
         return embed_vocab_share(self.embed, self.share.vocab_range()[0], ids, self.comm)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -265,8 +264,6 @@ class KernelModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         y = self._gemm(self.lm_head, hidden.to(self.device))
         if self.comm is not None:
-            from lmfoundry.model.tensor_parallel import gather_vocab_share
-
             _, _, per = self.share.vocab_range()
             y = gather_vocab_share(y, self.share.config.vocab_size, per, self.comm)
         return y.float()
