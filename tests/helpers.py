@@ -7,6 +7,7 @@ conftest.py).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -421,3 +422,23 @@ def kernel_model_rank(engine: str, rank: int, tp: int, folder: str, ids: list[in
         queue.put(("ok", logits.numpy() if rank == 0 else None))  # not shared memory: the rank exits
     except Exception as exc:  # noqa: BLE001 - reported to the test
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+
+
+def assert_greedy_up_to_bf16_ties(model: Any, got: list[list[int]], want: list[Any], ulps: int = 2) -> None:
+    """`got` are the greedy tokens of `want` (`model`'s RequestOutputs), except that the sequences
+    may part where the two tokens tie at bf16 resolution: the LM head rounds logits to bf16, so
+    another execution of the same bf16 model (a compiled step, other kernels, another summation
+    order) moves a logit by an ulp or so, and two logits within `ulps` units in the last place of
+    their magnitude may then come out in either order. Anywhere else the tokens must agree."""
+    for tokens, out in zip(got, want, strict=True):
+        ref = out.outputs[0].token_ids
+        apart = next((i for i, (a, b) in enumerate(zip(tokens, ref, strict=True)) if a != b), None)
+        if apart is None:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([out.prompt_token_ids + ref[:apart]]))[0, -1]
+        mine, theirs = float(logits[tokens[apart]]), float(logits[ref[apart]])
+        ulp = 2.0 ** (math.floor(math.log2(max(abs(mine), abs(theirs), 2.0**-100))) - 7)  # bf16: 8-bit significand
+        assert abs(mine - theirs) <= ulps * ulp, (
+            f"tokens part at {apart} where the reference's logits are {abs(mine - theirs) / ulp:.1f} bf16 ulps apart "
+            f"({mine:.4f} vs {theirs:.4f}): {tokens} vs {ref}")

@@ -26,12 +26,14 @@ keeps the dequantized dense linear and says so).
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS, Bf16Gemv, load_bf16_gemv
 from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.quantizers.base import QuantizedWeight
 
@@ -236,16 +238,30 @@ class PrepackedLinear(nn.Module):
     of a decode step that reorder costs about as much as the product (the weight-streaming rate
     of a plain call is well below the machine's; benchmarks/results/step_profile.md). vLLM's CPU
     backend prepacks the same way. The product is oneDNN's same kernel, so outputs equal
-    `F.linear`'s bit for bit. The packed weight is opaque: this module is for serving, not for
-    tracing (`compile --arch cpu` traces the plain model); `.weight` unpacks a copy."""
+    `F.linear`'s bit for bit, except for inputs of at most `MAX_ROWS` rows (decode steps) where
+    the C product `lmfoundry.kernels.cpu.bf16_gemv` is built: oneDNN streams a weight well below
+    the memory's rate there, the C kernel reads its own blocked copy front to back (outputs then
+    differ from `F.linear`'s by the summation order: fp32 accumulation, one bf16 rounding). The
+    packed weight is opaque: this module is for serving, not for tracing (`compile --arch cpu`
+    traces the plain model); `.weight` unpacks a copy."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, few_rows: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = linear.bias.detach() if linear.bias is not None else None
+        self.bias = linear.bias.detach().contiguous() if linear.bias is not None else None
+        gemv = load_bf16_gemv() if few_rows else None
+        fits = gemv is not None and Bf16Gemv.fits(self.out_features, self.in_features)
+        self.gemv = gemv if fits else None
+        self.blocked = Bf16Gemv.block(linear.weight) if fits else None  # the few-row product's copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and self.blocked is not None and x.numel() <= MAX_ROWS * self.in_features:
+            rows = x.reshape(-1, self.in_features)
+            rows = rows if rows.stride(1) == 1 else rows.contiguous()
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            self.gemv(rows, self.blocked, self.bias, out)
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
@@ -266,7 +282,7 @@ class FusedPrepackedLinear(PrepackedLinear):
     Every output element is the same dot product as in the separate linear, so outputs equal theirs
     up to the GEMM's summation order. `parts` hands back each linear's output as a view."""
 
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+    def __init__(self, linears: Sequence[nn.Linear], few_rows: bool = True) -> None:
         first = linears[0]
         whole = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=first.bias is not None,
                           device="meta")
@@ -274,7 +290,7 @@ class FusedPrepackedLinear(PrepackedLinear):
         if first.bias is not None:
             whole.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None]),
                                       requires_grad=False)
-        super().__init__(whole)
+        super().__init__(whole, few_rows)
         self.sizes = [lin.out_features for lin in linears]
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -327,7 +343,35 @@ def _prepackable(module: object) -> TypeGuard[nn.Linear]:
         and module.weight.device.type == "cpu"
 
 
-def _fuse_groups(model: nn.Module) -> int:
+FEW_ROW_COPY_SHARE = 4  # the few-row product's weight copies may take 1/4 of the available memory
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _few_row_copies(model: nn.Module) -> bool:
+    """Whether the dense bf16 linears get the few-row product's blocked copy: where it is built,
+    and the copies (one more weight each) fit in a quarter of the available memory."""
+    if load_bf16_gemv() is None:
+        return False
+    extra = sum(m.weight.numel() * 2 for m in model.modules() if _prepackable(m))
+    available = _available_memory()
+    if available is not None and extra * FEW_ROW_COPY_SHARE > available:
+        logging.getLogger("lmfoundry.runtime").info(
+            "decode linears stay on oneDNN: the few-row product's weight copies (%.1f GiB) would take more than "
+            "1/%d of the available memory", extra / 2**30, FEW_ROW_COPY_SHARE)
+        return False
+    return True
+
+
+def _fuse_groups(model: nn.Module, few_rows: bool) -> int:
     """Swap each group of `FUSED_LINEARS` for one `FusedPrepackedLinear` where the group's parent
     reads the fused attribute (it declares it, None until here: `Attention.qkv_proj`,
     `MLP.gate_up_proj`) and its members are prepackable, over one input size, all with a bias or
@@ -341,7 +385,7 @@ def _fuse_groups(model: nn.Module) -> int:
             linears = [lin for lin in (getattr(parent, name, None) for name in names) if _prepackable(lin)]
             if len(linears) < len(names) or len({(lin.in_features, lin.bias is None) for lin in linears}) != 1:
                 continue
-            whole = FusedPrepackedLinear(linears)
+            whole = FusedPrepackedLinear(linears, few_rows)
             setattr(parent, attr, whole)
             for i, name in enumerate(names):
                 setattr(parent, name, PrepackedPart(whole, i))
@@ -354,10 +398,12 @@ def prepack_dense_linears(model: nn.Module, fuse: bool = False) -> int:
     module swap for serving); returns how many. Tied weights (an LM head sharing the embedding)
     get a packed copy; the embedding keeps its plain tensor for lookups. With `fuse`, q/k/v and
     gate/up become one `FusedPrepackedLinear` each where their linears can share one product
-    (`_fuse_groups`)."""
-    fused = _fuse_groups(model) if fuse else 0
+    (`_fuse_groups`). Where the few-row C product is built and its copies fit in memory
+    (`_few_row_copies`), each also keeps a blocked copy of its weight for decode-sized inputs."""
+    few_rows = _few_row_copies(model)
+    fused = _fuse_groups(model, few_rows) if fuse else 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if _prepackable(child)]
     for parent, name, child in swaps:
-        setattr(parent, name, PrepackedLinear(child))
+        setattr(parent, name, PrepackedLinear(child, few_rows))
     return fused + len(swaps)

@@ -11,6 +11,11 @@ into one [T, heads, head_dim] batch. We write the new K/V into their slots, then
   tokens (prefix-cache hits or previous chunks) read back from the cache.
 The gather indices and masks are built once per step and shared by every layer.
 
+Where the CPU's C kernel is built (`lmfoundry.kernels.cpu.paged_decode`), the step's decodes come
+as one `DecodeBatch` instead of groups: the kernel reads each sequence's blocks where they lie, so
+nothing is gathered and a shared prefix needs no cascade split (its blocks stay in the CPU's cache
+while the sequences that share them read them).
+
 A layer whose attention is not the plain causal one (Gemma: its own scale, soft-capped scores,
 sliding windows) passes its `AttentionSpec`; then every group goes through `spec_attention`, the
 reference's own implementation, with absolute query and key positions recovered from the step's
@@ -26,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from lmfoundry.kernels.cpu.paged_decode import PagedDecode
 from lmfoundry.model.reference import AttentionSpec, spec_attention
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers
 
@@ -52,6 +58,17 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every decode of a step, for the in-place kernel: rows 0..B-1 of the flat batch."""
+
+    kernel: PagedDecode
+    tables: torch.Tensor  # [B, nb] int32 block tables, padded with block 0
+    lengths: torch.Tensor  # [B] int32 context lengths, the new token included
+    rows: torch.Tensor  # [B] int32: 0..B-1
+    max_len: int
+
+
+@dataclass
 class Chunk:
     start: int  # rows [start, end) of the flat batch
     end: int
@@ -70,12 +87,14 @@ class PagedAttention:
         slot_mapping: torch.Tensor,
         decodes: list[DecodeGroup],
         chunks: list[Chunk],
+        batch: DecodeBatch | None = None,
     ) -> None:
         self.cache = cache
         self.round_trips = round_trips
         self.slot_mapping = slot_mapping
         self.decodes = decodes
         self.chunks = chunks
+        self.batch = batch  # set instead of `decodes` (not with an AttentionSpec)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                spec: AttentionSpec | None = None) -> torch.Tensor:
@@ -84,12 +103,26 @@ class PagedAttention:
             k, v = round_trip(k, v)
         self.cache.write(layer_idx, self.slot_mapping, k, v)
         if spec is not None:
+            assert self.batch is None, "the in-place decode kernel has no AttentionSpec"
             return self._attend_spec(layer_idx, q, k, v, spec)
+        if self.batch is not None:
+            return self._attend_batch(layer_idx, q, k, v, self.batch)
         if len(self.decodes) == 1 and self.decodes[0].rows is None:  # decodes only, in order
             return self._decode(layer_idx, q, self.decodes[0])
         out = torch.empty_like(q)
         for d in self.decodes:
             out[d.rows] = self._decode(layer_idx, q[d.rows], d)
+        for c in self.chunks:
+            out[c.start : c.end] = self._chunk(layer_idx, q[c.start : c.end], k, v, c)
+        return out
+
+    def _attend_batch(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      batch: DecodeBatch) -> torch.Tensor:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = q.new_empty(q.shape)
+        layer = self.cache.layers[layer_idx]
+        batch.kernel(q, layer.key_cache, layer.value_cache, batch.tables, batch.lengths, batch.rows, out,
+                     batch.max_len)
         for c in self.chunks:
             out[c.start : c.end] = self._chunk(layer_idx, q[c.start : c.end], k, v, c)
         return out

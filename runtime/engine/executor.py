@@ -11,13 +11,15 @@ executor; an executor owns its KV cache tensors and turns the step into what its
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from lmfoundry.kernels.cpu.paged_decode import PagedDecode, load_paged_decode
 from lmfoundry.model.cpu_linears import can_prepack, prepack_dense_linears
-from lmfoundry.runtime.engine.attention import Chunk, DecodeGroup, PagedAttention
+from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
@@ -90,6 +92,23 @@ class ReferenceModelExecutor:
         self.compiled_step = getattr(model, "compiled_step", None)
         self.compiled_max_tokens = int(getattr(model, "compiled_max_tokens", 0))
         self.compiled_steps = 0
+        self.decode_kernel = self._decode_kernel(model)
+
+    def _decode_kernel(self, model: CausalLM) -> PagedDecode | None:
+        """The in-place C decode kernel, where it applies: a CPU model without a layer-specific
+        attention (Gemma's scale, soft-cap, windows), a float cache in the compute dtype, and a
+        C compiler on the machine. Otherwise the step's decodes are gathered in groups."""
+        if self.config.needs_attention_spec or model.model.embed_tokens.weight.device.type != "cpu":
+            return None
+        if not all(f.lossless and PagedDecode.supports(f.storage_dtype, self.config.head_dim) for f in self.formats):
+            return None
+        kernel = load_paged_decode()
+        if kernel is None:
+            from lmfoundry.kernels.cpu.build import unavailable_reason
+
+            logging.getLogger("lmfoundry.engine").info("decode attention gathers the KV blocks (no C kernel: %s)",
+                                                      unavailable_reason("paged_decode"))
+        return kernel
 
     def kv_bytes_per_token(self) -> int:
         return sum(f.bytes_per_token(self.kv_heads, self.config.head_dim) for f in self.formats)
@@ -128,6 +147,18 @@ class ReferenceModelExecutor:
         rest = sorted(i for g in by_first.values() if len(g) == 1 for i in g)
         return groups + [rest] if rest else groups
 
+    def _decode_batch(self, step: StepInputs) -> DecodeBatch | None:
+        """The step's decodes as one batch for the C kernel (rows 0..num_decode-1)."""
+        n = step.num_decode
+        if not n:
+            return None
+        assert self.decode_kernel is not None
+        lengths = [c + 1 for c, _, _ in step.decode_items]
+        width = max(-(-length // step.block_size) for length in lengths)
+        tables = torch.tensor([_table(t, width) for _, _, t in step.decode_items], dtype=torch.int32)
+        return DecodeBatch(self.decode_kernel, tables, torch.tensor(lengths, dtype=torch.int32),
+                           torch.arange(n, dtype=torch.int32), max(lengths))
+
     def forward(self, step: StepInputs) -> torch.Tensor:
         bs = step.block_size
         lossless = all(f.lossless for f in self.formats)
@@ -139,8 +170,9 @@ class ReferenceModelExecutor:
             blocks = torch.tensor(table[: -(-(c + n) // bs)], dtype=torch.long)
             mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None] if c > 0 else None
             chunks.append(Chunk(row, row + n, c, blocks, mask))
-        decodes = []
-        groups = self._decode_groups(step)
+        decodes: list[DecodeGroup] = []
+        batch = self._decode_batch(step) if self.decode_kernel is not None else None
+        groups = self._decode_groups(step) if batch is None else []
         decode_items = step.decode_items
         for members in groups:
             items = [decode_items[i] for i in members]
@@ -153,7 +185,7 @@ class ReferenceModelExecutor:
             decodes.append(DecodeGroup(rows, tables, real[:, None, None, :], self._shared_blocks(tables)))
         assert self.cache is not None, "allocate() the KV cache first"
         context = PagedAttention(self.cache, self.round_trips, torch.tensor(step.slots, dtype=torch.long), decodes,
-                                 chunks)
+                                 chunks, batch)
         ids = torch.tensor(step.ids, dtype=torch.long)
         positions = torch.tensor(step.positions, dtype=torch.long)
         if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:
@@ -301,8 +333,6 @@ class DecodeGraphs:
             try:
                 self._capture(step, bucket)
             except Exception as exc:  # a kernel that cannot be captured: fall back to eager steps
-                import logging
-
                 self.failed = str(exc)
                 logging.getLogger("lmfoundry.engine").warning("CUDA graph capture failed (%s); decoding eagerly",
                                                               exc)

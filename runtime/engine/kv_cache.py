@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
+from lmfoundry.kernels.cpu.store_kv import load_store_kv
 from lmfoundry.model.kv_quant import FP8_DTYPE as FP8
 from lmfoundry.model.kv_quant import broadcast_scale, dequantize_kv, quantize_kv
 
@@ -142,6 +143,8 @@ class KVCacheLayers:
                                 None if f.v_scale is None else per_head(f.v_scale, num_kv_heads))
             for f in formats
         ]
+        # float storage in the compute dtype: rows are copied by the C kernel where it is built
+        self.store = load_store_kv() if any(f.lossless for f in formats) else None
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -160,6 +163,9 @@ class KVCacheLayers:
         """k, v: [T, kv_heads, head_dim] for the T slots in `slots`."""
         f = self.formats[layer]
         lc = self.layers[layer]
+        if self.store is not None and f.lossless and k.dtype == f.storage_dtype:
+            self.store(k, v, lc.key_cache, lc.value_cache, slots)  # one C call: rows copied as they are
+            return
         for cache, x, scale in ((lc.key_cache, k, f.k_scale), (lc.value_cache, v, f.v_scale)):
             flat = self._bits(cache).view(-1, *cache.shape[2:])
             flat.index_copy_(0, slots, self._bits(f.encode(x, scale)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS, load_bf16_gemv
 from lmfoundry.model.cpu_linears import (
     DEQUANT_ROWS,
     FusedPrepackedLinear,
@@ -155,9 +156,10 @@ needs_bf16_onednn = pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="
 @needs_bf16_onednn
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_equals_f_linear_exactly(rows: int, bias: bool) -> None:
+def test_prepacked_linear_equals_f_linear_exactly(rows: int, bias: bool, monkeypatch) -> None:
     """oneDNN's product over the prepacked weight is F.linear's own kernel: equal bit for bit, at
-    every row count, 2-D and 3-D inputs alike."""
+    every row count, 2-D and 3-D inputs alike (the few-row C product turned off)."""
+    monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", "0")
     g = torch.Generator().manual_seed(rows)
     lin = torch.nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
     with torch.no_grad():
@@ -170,6 +172,32 @@ def test_prepacked_linear_equals_f_linear_exactly(rows: int, bias: bool) -> None
     assert torch.equal(packed(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
     x3 = x.reshape(1, rows, 96)
     assert torch.equal(packed(x3), torch.nn.functional.linear(x3, lin.weight, lin.bias))
+
+
+@needs_bf16_onednn
+@pytest.mark.skipif(load_bf16_gemv() is None, reason="no AVX-512 BF16 C product here")
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_takes_the_c_product_for_decode_rows(rows: int, bias: bool) -> None:
+    """Up to MAX_ROWS rows the C product runs (within the fp32-accumulation bound of F.linear: K
+    products summed in another order, each side rounding once to bf16); above, oneDNN exactly."""
+    g = torch.Generator().manual_seed(rows)
+    k, n = 96, 192
+    lin = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) + 0.1)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    packed = PrepackedLinear(lin)
+    assert packed.gemv is not None
+    x = torch.randn(1, rows, k, generator=g).to(torch.bfloat16)
+    got, want = packed(x), torch.nn.functional.linear(x, lin.weight, lin.bias)
+    assert got.shape == want.shape == (1, rows, n)
+    if rows > MAX_ROWS:
+        assert torch.equal(got, want)
+        return
+    bound = torch.abs(x.double()) @ torch.abs(lin.weight.double()).t() + (0 if not bias else lin.bias.double().abs())
+    assert bool(((got.double() - want.double()).abs() <= 2 * (U + (k + 2) * 2.0**-24) * bound).all())
 
 
 @needs_bf16_onednn
@@ -330,3 +358,23 @@ def test_engine_decodes_the_same_tokens_with_fused_linears() -> None:
         tokens.append([o.outputs[0].token_ids for o in engine.generate(prompts, params)])
     assert tokens[0] == tokens[1]
     assert len(set(t for out in tokens[1] for t in out)) > 3  # not a degenerate repeat
+
+
+@needs_bf16_onednn
+@pytest.mark.skipif(load_bf16_gemv() is None, reason="no AVX-512 BF16 C product here")
+def test_few_row_copies_only_where_memory_allows(monkeypatch, caplog) -> None:
+    """The blocked copies double the dense weights' memory: a model whose copies would take more
+    than a quarter of the available memory stays on oneDNN alone, with one log line."""
+    import logging
+
+    from lmfoundry.model import cpu_linears
+
+    fits = fusable_model()
+    prepack_dense_linears(fits, fuse=True)
+    assert any(m.gemv is not None for m in fits.modules() if isinstance(m, PrepackedLinear))
+    monkeypatch.setattr(cpu_linears, "_available_memory", lambda: 1024)
+    tight = fusable_model()
+    with caplog.at_level(logging.INFO, logger="lmfoundry.runtime"):
+        prepack_dense_linears(tight, fuse=True)
+    assert all(m.gemv is None and m.blocked is None for m in tight.modules() if isinstance(m, PrepackedLinear))
+    assert any("stay on oneDNN" in r.getMessage() for r in caplog.records)

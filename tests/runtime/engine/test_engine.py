@@ -7,6 +7,7 @@ import torch
 from helpers import reference_greedy
 from toy import byte_tokenizer, toy_model
 
+from lmfoundry.kernels.cpu.paged_decode import load_paged_decode
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
 EOS = 258
@@ -209,6 +210,8 @@ def test_invalid_requests_raise_value_error(model) -> None:
 def test_cascade_attention_over_a_shared_prefix_matches(model, monkeypatch) -> None:
     from lmfoundry.runtime.engine.attention import PagedAttention
 
+    monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", "0")  # the gathered path (cascade is its own)
+
     shared = prompts(1, seed=14, lo=90, hi=91)[0]
     ps = prompts(5, seed=15, lo=1, hi=12, prefix=shared)
     params = SamplingParams(max_tokens=20, temperature=0, logprobs=0, ignore_eos=True)
@@ -236,6 +239,7 @@ def test_decodes_sharing_a_prefix_cascade_beside_ones_that_do_not(model, monkeyp
     decodes as alone."""
     from lmfoundry.runtime.engine.attention import PagedAttention
 
+    monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", "0")  # the gathered path's groups
     shared = prompts(1, seed=14, lo=90, hi=91)[0]
     ps = prompts(4, seed=16, lo=1, hi=12, prefix=shared) + prompts(3, seed=17, lo=20, hi=60)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -249,6 +253,36 @@ def test_decodes_sharing_a_prefix_cascade_beside_ones_that_do_not(model, monkeyp
     assert max(groups) == 2  # the sharing sequences and the others, side by side in one step
     for out, p in zip(outs, ps, strict=True):
         assert out.outputs[0].token_ids == reference_greedy(model, p, 16)
+
+
+@pytest.mark.skipif(load_paged_decode() is None, reason="no C compiler: the in-place decode kernel is not built")
+def test_in_place_decode_kernel_matches_the_gathered_path(model, monkeypatch) -> None:
+    """Decodes through the C kernel (blocks read in place, one call a layer) and through the
+    gathered groups give the same tokens and logprobs, with shared prefixes, distinct prompts and
+    chunked prefills in the same steps; the kernel is what runs when it is built."""
+    from lmfoundry.kernels.cpu.paged_decode import PagedDecode
+
+    shared = prompts(1, seed=14, lo=90, hi=91)[0]
+    ps = prompts(4, seed=18, lo=1, hi=12, prefix=shared) + prompts(3, seed=19, lo=20, hi=60)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=0, ignore_eos=True)
+    cfg = EngineConfig(num_kv_blocks=400, block_size=4, max_num_batched_tokens=48)
+    results = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", native)
+        calls: list[int] = []
+        original = PagedDecode.__call__
+        monkeypatch.setattr(PagedDecode, "__call__",
+                            lambda self, *a, calls=calls, original=original, **k: calls.append(1) or original(self, *a, **k))
+        engine = LLMEngine(model, None, cfg)
+        engine.generate([shared + [7]], SamplingParams(max_tokens=1, temperature=0))  # cache the prefix
+        results[native] = engine.generate(ps, params)
+        assert bool(calls) == (native == "1")
+        monkeypatch.setattr(PagedDecode, "__call__", original)
+    for on, off, p in zip(results["1"], results["0"], ps, strict=True):
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids == reference_greedy(model, p, 16)
+        got = torch.tensor([lp.logprob for lp in on.outputs[0].logprobs])
+        want = torch.tensor([lp.logprob for lp in off.outputs[0].logprobs])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_logit_bias_ids_outside_the_vocabulary_are_refused_up_front(model) -> None:

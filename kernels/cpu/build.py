@@ -1,0 +1,143 @@
+"""Build the CPU runtime's C kernels on the machine that serves, once, and load them with ctypes.
+
+Why C and not a PyTorch composition: decode attention over a paged cache has no PyTorch op that
+reads blocks in place; composing one (gather the blocks, then SDPA) copies every sequence's whole
+context once per layer and step, which is most of a decode step's time at high concurrency.
+
+Why built here and not shipped: the loops are written plainly and compiled with `-march=native`,
+so they vectorize for this CPU (AVX-512 where it has it) without per-ISA intrinsics. A build takes
+about a second; the shared object is cached under the lmfoundry cache, keyed by the source, the
+compiler's version, the flags and this CPU's feature flags, so a server pays it once per machine.
+The objects link OpenMP through `-fopenmp`, which resolves to the libgomp.so.1 torch has already
+loaded, so our loops and torch's ops share one thread pool.
+
+No compiler, a failed build or `LMFOUNDRY_NATIVE_KERNELS=0`: `load` returns None with the reason,
+and callers keep their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+HERE = Path(__file__).resolve().parent
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+DISABLE_ENV = "LMFOUNDRY_NATIVE_KERNELS"
+
+
+class NativeUnavailable(RuntimeError):
+    """Why a native kernel cannot be used on this machine (the caller falls back)."""
+
+
+def compiler() -> str | None:
+    """The C compiler to use: $CC, else cc or gcc on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _build(name: str, cc: str) -> Path:
+    from lmfoundry.resources import cache_dir
+
+    source = HERE / f"{name}.c"
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]  # what the sources include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, " ".join(FLAGS), _cpu_flags()])
+                         .encode()).hexdigest()
+    target = cache_dir() / "native" / f"{name}-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then an atomic rename: no half-written object
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, f"-I{HERE}", str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise NativeUnavailable(f"{cc} could not build {source.name}: {done.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_LOADED: dict[str, ctypes.CDLL | NativeUnavailable] = {}  # failures too: a failed build is not retried
+
+
+def _load(name: str) -> ctypes.CDLL:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        raise NativeUnavailable(f"{DISABLE_ENV}=0")
+    if name not in _LOADED:
+        try:
+            _LOADED[name] = _open(name)
+        except NativeUnavailable as exc:
+            _LOADED[name] = exc
+    found = _LOADED[name]
+    if isinstance(found, NativeUnavailable):
+        raise found
+    return found
+
+
+def _open(name: str) -> ctypes.CDLL:
+    cc = compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler (cc, gcc or $CC) on PATH")
+    import torch  # noqa: F401  (torch's libgomp.so.1 must be loaded before ours resolves it)
+
+    try:
+        return ctypes.CDLL(str(_build(name, cc)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"{name}: {exc}") from None
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The built library `name` (a `<name>.c` beside this file), or None where it cannot be built."""
+    try:
+        return _load(name)
+    except NativeUnavailable:
+        return None
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why `load(name)` returns None (None when it loads)."""
+    try:
+        _load(name)
+        return None
+    except NativeUnavailable as exc:
+        return str(exc)
+
+
+_BOUND: dict[tuple[str, Callable], object] = {}  # one binding per library (bindings hold workspaces)
+
+
+def bound(name: str, binding: Callable[[ctypes.CDLL], T]) -> T | None:
+    """`binding(library)` for the built library `name`, made once; None where it cannot be built
+    or native kernels are turned off."""
+    lib = load(name)
+    if lib is None:
+        return None
+    if (name, binding) not in _BOUND:
+        _BOUND[(name, binding)] = binding(lib)
+    return _BOUND[(name, binding)]  # type: ignore[return-value]

@@ -1,0 +1,105 @@
+"""The CPU decode kernel (`kernels/cpu/paged_decode.c`) against its PyTorch reference.
+
+Error bound (`attention_bound(..., p_split=True)`, as for the Triton FlashDecoding kernel): the
+kernel scores in fp32 (AVX-512 BF16 dot products of bf16 q and K, whose products are exact in
+fp32, or fp32 FMAs), takes exp through a degree-6 polynomial (relative error a few u32, inside the
+bound's exp terms), keeps P in fp32 (p_dtype float32), sums PV and the normaliser in fp32 and
+merges partitions through one more exp each; each side rounds the output once. Outputs start as
+NaN: every decode row must be overwritten and every other row left alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmfoundry.kernels.cpu.build import unavailable_reason
+from lmfoundry.kernels.cpu.paged_decode import (
+    MAX_PARTITION,
+    load_paged_decode,
+    paged_decode_reference,
+    plan_partitions,
+)
+from lmfoundry.kernels.error_bounds import assert_within, attention_bound, poisoned
+from lmfoundry.kernels.paged_kv import PagedKVCache
+
+kernel = load_paged_decode()
+pytestmark = pytest.mark.skipif(kernel is None, reason=f"no native kernel: {unavailable_reason('paged_decode')}")
+
+
+def case(gen: torch.Generator, dtype: torch.dtype, hq: int, hkv: int, d: int, lengths: list[int],
+         block_size: int = 16, extra_rows: int = 3):
+    """A random cache with shuffled blocks, one decode row per length among `extra_rows` others."""
+    width = max(-(-n // block_size) for n in lengths)
+    num_blocks = len(lengths) * width + 4
+    cache = PagedKVCache.allocate(num_blocks, block_size, hkv, d, dtype, "cpu")
+    cache.key_cache.copy_(torch.randn(cache.key_cache.shape, generator=gen))
+    cache.value_cache.copy_(torch.randn(cache.value_cache.shape, generator=gen))
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = order[: len(lengths) * width].view(len(lengths), width).to(torch.int32).contiguous()
+    total = len(lengths) + extra_rows
+    q = torch.randn(total, hq, d, generator=gen).to(dtype)
+    rows = torch.randperm(total, generator=gen)[: len(lengths)].to(torch.int32)
+    return cache, tables, torch.tensor(lengths, dtype=torch.int32), rows, q
+
+
+def check(cache, tables, lengths, rows, q, threads: int | None = None) -> None:
+    out = poisoned(tuple(q.shape), q.dtype)
+    kernel(q, cache.key_cache, cache.value_cache, tables, lengths, rows, out, int(lengths.max()), threads=threads)
+    ref = paged_decode_reference(q, cache.key_cache, cache.value_cache, tables, lengths, rows)
+    d = q.shape[2]
+    bound = attention_bound(q[rows.long()], cache, tables, torch.arange(len(lengths) + 1), lengths, ref, d**-0.5,
+                            torch.float32, p_split=True)
+    assert_within(out[rows.long()], ref, bound, "paged_decode")
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows.long()] = False
+    assert torch.isnan(out[others].float()).all(), "rows that are not decodes were written"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 128), (16, 2, 80), (4, 1, 48)])
+def test_matches_reference(gen, dtype, hq, hkv, d) -> None:
+    """Head groups of 1-8, head sizes on and off the vector paths (80, 48: not multiples of 32),
+    lengths of one token, one block, a block and one, and several partitions."""
+    lengths = [1, 16, 17, 100, 2 * MAX_PARTITION + 37, 33]
+    check(*case(gen, dtype, hq, hkv, d, lengths))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_sequence_is_split_across_threads(gen, threads) -> None:
+    """A single decode (batch 1) is cut into partitions so every thread has work, and merged."""
+    part_len, parts = plan_partitions(700, 1, threads, 16)
+    assert parts > 1 and part_len % 16 == 0 and (parts - 1) * part_len < 700 <= parts * part_len
+    check(*case(gen, torch.bfloat16, 9, 3, 64, [700]), threads=threads)
+
+
+def test_block_size_other_than_16(gen) -> None:
+    check(*case(gen, torch.float32, 6, 2, 64, [5, 40, 33], block_size=8))
+
+
+def test_partition_plan() -> None:
+    # enough items for every thread, short contexts: one partition, not split
+    assert plan_partitions(480, 32, 2, 16) == (480, 1)
+    # long contexts are split at MAX_PARTITION whatever the batch
+    part_len, parts = plan_partitions(3 * MAX_PARTITION, 32, 2, 16)
+    assert parts == 3 and part_len == MAX_PARTITION
+    # never below 64 tokens a partition
+    assert plan_partitions(40, 1, 16, 16) == (48, 1)
+
+
+def test_bad_arguments_are_refused(gen) -> None:
+    cache, tables, lengths, rows, q = case(gen, torch.bfloat16, 9, 3, 64, [20])
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="dtypes"):
+        kernel(q.float(), cache.key_cache, cache.value_cache, tables, lengths, rows, out.float(), 20)
+    with pytest.raises(ValueError, match="int32"):
+        kernel(q, cache.key_cache, cache.value_cache, tables.long(), lengths, rows, out, 20)
+    with pytest.raises(ValueError, match="refused"):  # 9 query heads over 2 KV heads: no whole group
+        kernel(q[:, :9], cache.key_cache[:, :, :2].contiguous(), cache.value_cache[:, :, :2].contiguous(),
+               tables, lengths, rows, out, 20)
+
+
+def test_turned_off_by_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", "0")
+    assert load_paged_decode() is None
+    assert unavailable_reason("paged_decode") == "LMFOUNDRY_NATIVE_KERNELS=0"
