@@ -59,16 +59,8 @@ class PagedDecode:
         rows [B] int32; max_len: the largest of lengths (the caller knows it without a sync)."""
         nblocks, block_size, hkv, d = key_cache.shape
         batch, hq = rows.shape[0], q.shape[1]
-        if not (q.dtype == out.dtype == key_cache.dtype == value_cache.dtype and self.supports(q.dtype, d)):
-            raise ValueError(f"paged_decode: dtypes q {q.dtype}, out {out.dtype}, cache {key_cache.dtype} "
-                             f"(one of {sorted(map(str, DTYPE_CODES))} for all)")
-        if not (key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape == key_cache.shape):
-            raise ValueError("paged_decode: K and V caches must be contiguous and of one shape")
-        if q.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) != d or q.shape[2] != d:
-            raise ValueError("paged_decode: q and out need contiguous heads of the cache's head_dim")
-        for name, t in (("tables", tables), ("lengths", lengths), ("rows", rows)):
-            if t.dtype != torch.int32 or not t.is_contiguous():
-                raise ValueError(f"paged_decode: {name} must be contiguous int32")
+        check_paged_arguments("paged_decode", self.supports(q.dtype, d), f"one of {sorted(map(str, DTYPE_CODES))}",
+                              q, out, key_cache, value_cache, tables=tables, lengths=lengths, rows=rows)
         if batch == 0:
             return
         threads = threads or torch.get_num_threads()
@@ -85,6 +77,23 @@ class PagedDecode:
                           d**-0.5 if scale is None else scale, DTYPE_CODES[q.dtype], work, threads)
         if status != 0:
             raise ValueError(f"paged_decode refused its arguments (hq {hq}, hkv {hkv}, d {d}, block {block_size})")
+
+
+def check_paged_arguments(kernel: str, supported: bool, dtypes: str, q: torch.Tensor, out: torch.Tensor,
+                          key_cache: torch.Tensor, value_cache: torch.Tensor, **int32s: torch.Tensor) -> None:
+    """Raise ValueError unless q, out and the caches are what the paged kernels read in place: one
+    supported dtype, contiguous caches of one shape, heads of the cache's head_dim with contiguous
+    elements (out's heads side by side), and the named index tensors contiguous int32."""
+    d = key_cache.shape[3]
+    if not (q.dtype == out.dtype == key_cache.dtype == value_cache.dtype and supported):
+        raise ValueError(f"{kernel}: dtypes q {q.dtype}, out {out.dtype}, cache {key_cache.dtype} ({dtypes} for all)")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape == key_cache.shape):
+        raise ValueError(f"{kernel}: K and V caches must be contiguous and of one shape")
+    if q.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) != d or q.shape[2] != d:
+        raise ValueError(f"{kernel}: q and out need contiguous heads of the cache's head_dim")
+    for name, t in int32s.items():
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{kernel}: {name} must be contiguous int32")
 
 
 def load_paged_decode() -> PagedDecode | None:

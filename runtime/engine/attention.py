@@ -14,7 +14,10 @@ The gather indices and masks are built once per step and shared by every layer.
 Where the CPU's C kernel is built (`lmfoundry.kernels.cpu.paged_decode`), the step's decodes come
 as one `DecodeBatch` instead of groups: the kernel reads each sequence's blocks where they lie, so
 nothing is gathered and a shared prefix needs no cascade split (its blocks stay in the CPU's cache
-while the sequences that share them read them).
+while the sequences that share them read them). Likewise, with a bf16 cache on a CPU with AVX-512
+BF16, the step's chunks come as one `PrefillBatch` (`lmfoundry.kernels.cpu.paged_prefill`): one
+call per layer attends every chunk causally over its blocks, a prefix-cache hit included, without
+the gather, the mask or the scores above the diagonal that SDPA would need.
 
 A layer whose attention is not the plain causal one (Gemma: its own scale, soft-capped scores,
 sliding windows) passes its `AttentionSpec`; then every group goes through `spec_attention`, the
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfoundry.kernels.cpu.paged_decode import PagedDecode
+from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill
 from lmfoundry.model.reference import AttentionSpec, spec_attention
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers
 
@@ -69,6 +73,17 @@ class DecodeBatch:
 
 
 @dataclass
+class PrefillBatch:
+    """Every prompt chunk of a step, for the in-place prefill kernel (all read from the cache)."""
+
+    kernel: PagedPrefill
+    tables: torch.Tensor  # [C, nb] int32 block tables, padded with block 0
+    starts: torch.Tensor  # [C] int32: each chunk's first row in the flat batch
+    lens: torch.Tensor  # [C] int32: its new tokens
+    contexts: torch.Tensor  # [C] int32: tokens already cached before it
+
+
+@dataclass
 class Chunk:
     start: int  # rows [start, end) of the flat batch
     end: int
@@ -88,6 +103,7 @@ class PagedAttention:
         decodes: list[DecodeGroup],
         chunks: list[Chunk],
         batch: DecodeBatch | None = None,
+        prefill: PrefillBatch | None = None,
     ) -> None:
         self.cache = cache
         self.round_trips = round_trips
@@ -95,6 +111,7 @@ class PagedAttention:
         self.decodes = decodes
         self.chunks = chunks
         self.batch = batch  # set instead of `decodes` (not with an AttentionSpec)
+        self.prefill = prefill  # set instead of `chunks` (not with an AttentionSpec)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                spec: AttentionSpec | None = None) -> torch.Tensor:
@@ -105,8 +122,8 @@ class PagedAttention:
         if spec is not None:
             assert self.batch is None, "the in-place decode kernel has no AttentionSpec"
             return self._attend_spec(layer_idx, q, k, v, spec)
-        if self.batch is not None:
-            return self._attend_batch(layer_idx, q, k, v, self.batch)
+        if self.batch is not None or self.prefill is not None:
+            return self._attend_native(layer_idx, q, k, v)
         if len(self.decodes) == 1 and self.decodes[0].rows is None:  # decodes only, in order
             return self._decode(layer_idx, q, self.decodes[0])
         out = torch.empty_like(q)
@@ -116,15 +133,22 @@ class PagedAttention:
             out[c.start : c.end] = self._chunk(layer_idx, q[c.start : c.end], k, v, c)
         return out
 
-    def _attend_batch(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      batch: DecodeBatch) -> torch.Tensor:
+    def _attend_native(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The step through the C kernels: decodes (`batch`) and chunks (`prefill`, else SDPA per
+        chunk) read the cache in place and write their rows of one output."""
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = q.new_empty(q.shape)
         layer = self.cache.layers[layer_idx]
-        batch.kernel(q, layer.key_cache, layer.value_cache, batch.tables, batch.lengths, batch.rows, out,
-                     batch.max_len)
-        for c in self.chunks:
-            out[c.start : c.end] = self._chunk(layer_idx, q[c.start : c.end], k, v, c)
+        batch, prefill = self.batch, self.prefill
+        if batch is not None:
+            batch.kernel(q, layer.key_cache, layer.value_cache, batch.tables, batch.lengths, batch.rows, out,
+                         batch.max_len)
+        if prefill is not None:
+            prefill.kernel(q, layer.key_cache, layer.value_cache, prefill.tables, prefill.starts, prefill.lens,
+                           prefill.contexts, out)
+        else:
+            for c in self.chunks:
+                out[c.start : c.end] = self._chunk(layer_idx, q[c.start : c.end], k, v, c)
         return out
 
     def _attend_spec(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from lmfoundry.kernels.cpu.paged_decode import PagedDecode, load_paged_decode
+from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
+from lmfoundry.model.cpu_elementwise import swap_native_elementwise
 from lmfoundry.model.cpu_linears import can_prepack, prepack_dense_linears
-from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention
+from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention, PrefillBatch
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
@@ -79,6 +81,7 @@ class ReferenceModelExecutor:
             # serving-time module swap: oneDNN reorders each weight once; q/k/v and gate/up run as
             # one product each
             prepack_dense_linears(model, fuse=True)
+            swap_native_elementwise(model)  # RMSNorm and SiLU(gate) * up: one C pass each
         self.engine_config = config
         self.config = model.config
         self.dtype = model.dtype
@@ -93,6 +96,7 @@ class ReferenceModelExecutor:
         self.compiled_max_tokens = int(getattr(model, "compiled_max_tokens", 0))
         self.compiled_steps = 0
         self.decode_kernel = self._decode_kernel(model)
+        self.prefill_kernel = self._prefill_kernel()
 
     def _decode_kernel(self, model: CausalLM) -> PagedDecode | None:
         """The in-place C decode kernel, where it applies: a CPU model without a layer-specific
@@ -109,6 +113,15 @@ class ReferenceModelExecutor:
             logging.getLogger("lmfoundry.engine").info("decode attention gathers the KV blocks (no C kernel: %s)",
                                                       unavailable_reason("paged_decode"))
         return kernel
+
+    def _prefill_kernel(self) -> PagedPrefill | None:
+        """The in-place C prefill kernel, where the decode kernel runs (same conditions) and the
+        cache is bf16 with a head_dim it takes; otherwise chunks go through SDPA."""
+        if self.decode_kernel is None:
+            return None
+        if not all(PagedPrefill.supports(f.storage_dtype, self.config.head_dim) for f in self.formats):
+            return None
+        return load_paged_prefill()
 
     def kv_bytes_per_token(self) -> int:
         return sum(f.bytes_per_token(self.kv_heads, self.config.head_dim) for f in self.formats)
@@ -159,7 +172,21 @@ class ReferenceModelExecutor:
         return DecodeBatch(self.decode_kernel, tables, torch.tensor(lengths, dtype=torch.int32),
                            torch.arange(n, dtype=torch.int32), max(lengths))
 
-    def forward(self, step: StepInputs) -> torch.Tensor:
+    def _prefill_batch(self, step: StepInputs) -> PrefillBatch | None:
+        """The step's chunks as one batch for the C prefill kernel."""
+        items = step.prefill_items
+        if not items:
+            return None
+        assert self.prefill_kernel is not None
+        width = max(-(-(c + n) // step.block_size) for c, n, _ in items)
+        return PrefillBatch(self.prefill_kernel,
+                            torch.tensor([_table(t, width) for _, _, t in items], dtype=torch.int32),
+                            torch.tensor(step.offsets[step.num_decode :], dtype=torch.int32),
+                            torch.tensor([n for _, n, _ in items], dtype=torch.int32),
+                            torch.tensor([c for c, _, _ in items], dtype=torch.int32))
+
+    def _chunks(self, step: StepInputs) -> list[Chunk]:
+        """The step's chunks for SDPA, each with the blocks and mask its cached context needs."""
         bs = step.block_size
         lossless = all(f.lossless for f in self.formats)
         chunks = []
@@ -170,6 +197,12 @@ class ReferenceModelExecutor:
             blocks = torch.tensor(table[: -(-(c + n) // bs)], dtype=torch.long)
             mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None] if c > 0 else None
             chunks.append(Chunk(row, row + n, c, blocks, mask))
+        return chunks
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        bs = step.block_size
+        prefill = self._prefill_batch(step) if self.prefill_kernel is not None else None
+        chunks = self._chunks(step) if prefill is None else []
         decodes: list[DecodeGroup] = []
         batch = self._decode_batch(step) if self.decode_kernel is not None else None
         groups = self._decode_groups(step) if batch is None else []
@@ -185,7 +218,7 @@ class ReferenceModelExecutor:
             decodes.append(DecodeGroup(rows, tables, real[:, None, None, :], self._shared_blocks(tables)))
         assert self.cache is not None, "allocate() the KV cache first"
         context = PagedAttention(self.cache, self.round_trips, torch.tensor(step.slots, dtype=torch.long), decodes,
-                                 chunks, batch)
+                                 chunks, batch, prefill)
         ids = torch.tensor(step.ids, dtype=torch.long)
         positions = torch.tensor(step.positions, dtype=torch.long)
         if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:

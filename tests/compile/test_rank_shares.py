@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import assert_one_error, kernel_model_rank, run_cli, tiny_model_folder
+from helpers import assert_greedy_up_to_bf16_ties, assert_one_error, kernel_model_rank, run_cli, tiny_model_folder
 
 from lmfoundry.cli import cli
 from lmfoundry.compile.bundle import build_engine
@@ -19,6 +20,7 @@ from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.tensor_parallel import SHARE_KEY, RankShard, share_of
 from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from lmfoundry.runtime.loader import load_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,13 +28,17 @@ PROMPTS = [[5, 9, 33, 70, 12], [7, 7, 8, 100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-def _tokens(model: Path, tp: int) -> list[list[int]]:
+def _outputs(model: Path, tp: int) -> list[Any]:
     engine = LLMEngine.from_pretrained(str(model), dtype=torch.bfloat16, config=EngineConfig(
         num_kv_blocks=64, block_size=16, max_num_batched_tokens=32, tensor_parallel_size=tp))
     try:
-        return [o.outputs[0].token_ids for o in engine.generate(PROMPTS, GREEDY)]
+        return engine.generate(PROMPTS, GREEDY)
     finally:
         engine.close()
+
+
+def _tokens(model: Path, tp: int) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in _outputs(model, tp)]
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +112,14 @@ def test_tp_bundle_decodes_like_its_checkpoint(w4a16, w4a16_tp2) -> None:
 
 def test_float_model_with_row_parallel_biases(tmp_path) -> None:
     """o_proj's bias lives on rank 0; rank 1's share holds zeros in its place (its config still
-    declares the bias): the sum is unchanged. Three ranks share a vocabulary unevenly."""
+    declares the bias): the sum is unchanged. Three ranks share a vocabulary unevenly. The ranks
+    sum o_proj and down_proj in partials, so a greedy choice between two logits within bf16
+    resolution of each other (this random model has them) may go either way."""
     folder = tiny_model_folder(tmp_path / "llama", "llama", seed=4, attention_bias=True, hidden_size=96, head_dim=64,
                                num_attention_heads=3, num_key_value_heads=1, intermediate_size=192, vocab_size=250)
     engine = build_engine(folder, ["ampere"], tmp_path / "engine", weights="copy", tp=3, progress=False).output
-    assert _tokens(engine, 3) == _tokens(folder, 1)
+    reference, _ = load_model(folder, torch.bfloat16)
+    assert_greedy_up_to_bf16_ties(reference, _tokens(engine, 3), _outputs(folder, 1))
 
 
 def test_degree_is_checked_before_anything_loads(w4a16, w4a16_tp2, tmp_path, capsys) -> None:

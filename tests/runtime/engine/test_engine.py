@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import reference_greedy
+from helpers import assert_greedy_up_to_bf16_ties, reference_greedy
 from toy import byte_tokenizer, toy_model
 
 from lmfoundry.kernels.cpu.paged_decode import load_paged_decode
+from lmfoundry.kernels.cpu.paged_prefill import load_paged_prefill
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
 EOS = 258
@@ -283,6 +284,37 @@ def test_in_place_decode_kernel_matches_the_gathered_path(model, monkeypatch) ->
         got = torch.tensor([lp.logprob for lp in on.outputs[0].logprobs])
         want = torch.tensor([lp.logprob for lp in off.outputs[0].logprobs])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(load_paged_prefill() is None, reason="no AVX-512 BF16 prefill kernel here")
+def test_native_bf16_step_matches_the_pytorch_path(monkeypatch) -> None:
+    """A bf16 model (head_dim 64) served with every C kernel (prefill and decode attention read in
+    place, one-pass RMSNorm and SiLU-mul) and with none (SDPA, PyTorch ops) gives the same greedy
+    tokens up to bf16 ties, with prefix-cache hits and chunked prefills in the same steps; the
+    prefill kernel is what runs the chunks when it is built."""
+    from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill
+
+    def bf16_model():  # fresh each time: an engine swaps the model's modules for its own
+        return toy_model(seed=3, dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
+                         num_attention_heads=4, num_key_value_heads=2)
+
+    shared = prompts(1, seed=24, lo=70, hi=71)[0]
+    ps = prompts(3, seed=25, lo=1, hi=12, prefix=shared) + prompts(3, seed=26, lo=20, hi=90)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    cfg = EngineConfig(num_kv_blocks=400, block_size=16, max_num_batched_tokens=64)
+    results = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", native)
+        calls: list[int] = []
+        original = PagedPrefill.__call__
+        monkeypatch.setattr(PagedPrefill, "__call__",
+                            lambda self, *a, calls=calls, original=original, **k: calls.append(1) or original(self, *a, **k))
+        engine = LLMEngine(bf16_model(), None, cfg)
+        engine.generate([shared + [7]], SamplingParams(max_tokens=1, temperature=0))  # cache the prefix
+        results[native] = engine.generate(ps, params)
+        assert bool(calls) == (native == "1")
+        monkeypatch.setattr(PagedPrefill, "__call__", original)
+    assert_greedy_up_to_bf16_ties(bf16_model(), [r.outputs[0].token_ids for r in results["1"]], results["0"])
 
 
 def test_logit_bias_ids_outside_the_vocabulary_are_refused_up_front(model) -> None:

@@ -1,0 +1,88 @@
+/* The elementwise parts of a Llama decoder layer in bfloat16, one pass each, for CPUs: RMSNorm and
+ * SiLU(gate) * up.
+ *
+ * In PyTorch each is a chain of ops (RMSNorm: to float32, square, mean, rsqrt, scale, back to
+ * bfloat16, times the gain; the MLP's activation: SiLU in place on gate_proj's output, times up,
+ * then a copy, because gate is a strided view of the fused gate/up product and down_proj wants
+ * contiguous rows). Every op of the chain is a pass over memory and a dispatch; at a decode step
+ * the dispatches dominate, at a prefill chunk the passes do.
+ *
+ * The roundings are the reference's (`lmfoundry.model.reference.RMSNorm` and `MLP.hidden` in
+ * bfloat16): the normalized row is rounded to bfloat16 before the gain multiplies it, SiLU's
+ * output is rounded before the product with up, each product rounded once (round to nearest
+ * even). Sums of squares run in float32 in another order than PyTorch's, and exp is a polynomial,
+ * so a value at a rounding boundary can land one bfloat16 step away from the reference's.
+ *
+ * Built on the serving machine with -march=native by lmfoundry.kernels.cpu.build: the loops are
+ * plain C that the compiler vectorizes for this CPU; rows are shared over torch's OpenMP pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* out[r] = gain * bf16(x[r] / sqrt(mean(x[r]^2) + eps)) for rows r in [0, rows); bf16 in and out. */
+void lmf_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *gain, uint16_t *out, int64_t out_stride,
+                       int64_t rows, int dim, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *orow = out + r * out_stride;
+        float part[16] = {0};
+        int i = 0;
+        for (; i + 16 <= dim; i += 16)
+#pragma omp simd
+            for (int j = 0; j < 16; j++) {
+                const float v = bf16_to_f32(xr[i + j]);
+                part[j] += v * v;
+            }
+        float total = 0.0f;
+        for (int j = 0; j < 16; j++) total += part[j];
+        for (; i < dim; i++) total += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+        const float inv = 1.0f / sqrtf(total / (float)dim + eps);
+#pragma omp simd
+        for (int c = 0; c < dim; c++)
+            orow[c] = f32_to_bf16(bf16_to_f32(gain[c]) * round_bf16(bf16_to_f32(xr[c]) * inv));
+    }
+}
+
+#if defined(__AVX512F__)
+#include "avx512_common.h"
+
+/* silu(v) rounded to bf16, times u, rounded: 16 lanes */
+static inline __m256i silu_mul16(__m512 v, __m512 u) {
+    const __m512 e = exp_nonpos16(_mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000)))); /* exp(-|v|) */
+    /* 1 / (1 + e), 1 + e in [1, 2]: the 14-bit reciprocal estimate and one Newton step (within
+     * about 2 float32 ulps; the product is rounded to bf16 next) instead of a division */
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e); /* v < 0: e / (1 + e) */
+    return f32x16_to_bf16(_mm512_mul_ps(round_bf16x16(_mm512_mul_ps(v, sig)), u));
+}
+#endif
+
+/* out[r] = bf16(silu(gate[r])) * up[r], each product rounded to bf16, for rows r in [0, rows). */
+void lmf_silu_mul_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t *up, int64_t up_stride,
+                       uint16_t *out, int64_t out_stride, int64_t rows, int n, int threads) {
+    const int64_t total = rows * n;
+#pragma omp parallel for schedule(static) num_threads(threads) if (total >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate + r * gate_stride, *u = up + r * up_stride;
+        uint16_t *o = out + r * out_stride;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(o + i), silu_mul16(bf16x16_to_f32(g + i), bf16x16_to_f32(u + i)));
+#endif
+        for (; i < n; i++) {
+            const float v = bf16_to_f32(g[i]);
+            const float e = exp_nonpos(-fabsf(v)); /* exp(-|v|): no overflow either side */
+            const float sig = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[i] = f32_to_bf16(round_bf16(v * sig) * bf16_to_f32(u[i]));
+        }
+    }
+}
