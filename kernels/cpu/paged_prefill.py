@@ -17,6 +17,7 @@ from lmfoundry.kernels.cpu.paged_decode import check_paged_arguments
 
 _c_i64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ITEM_BYTES = 5 * 4  # the C side's Item: five ints
+MAX_GROUP = 64  # query heads per KV head an item holds (the C side's MAX_QV)
 
 
 class PagedPrefill:
@@ -35,8 +36,9 @@ class PagedPrefill:
         self._room = torch.empty(0, dtype=torch.uint8)
 
     @staticmethod
-    def supports(dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype == torch.bfloat16 and 0 < head_dim <= 512 and head_dim % 64 == 0
+    def supports(dtype: torch.dtype, head_dim: int, group: int = 1) -> bool:
+        """Whether the kernel takes this cache dtype, head size and GQA group (query heads per KV head)."""
+        return dtype == torch.bfloat16 and 0 < head_dim <= 512 and head_dim % 64 == 0 and 0 < group <= MAX_GROUP
 
     def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
                  starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor, out: torch.Tensor,

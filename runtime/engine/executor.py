@@ -119,7 +119,9 @@ class ReferenceModelExecutor:
         cache is bf16 with a head_dim it takes; otherwise chunks go through SDPA."""
         if self.decode_kernel is None:
             return None
-        if not all(PagedPrefill.supports(f.storage_dtype, self.config.head_dim) for f in self.formats):
+        attention = cast("DecoderLayer", self.model.model.layers[0]).self_attn
+        group = attention.num_heads // max(1, attention.num_kv_heads)
+        if not all(PagedPrefill.supports(f.storage_dtype, self.config.head_dim, group) for f in self.formats):
             return None
         return load_paged_prefill()
 

@@ -74,4 +74,4 @@ def test_unsupported_arguments_are_refused(gen) -> None:
     with pytest.raises(ValueError, match="int32"):
         kernel(q, cache.key_cache, cache.value_cache, tables, one.long(), one + 5, one, torch.empty_like(q))
     assert not PagedPrefill.supports(torch.bfloat16, 80) and not PagedPrefill.supports(torch.float32, 64)
-    assert PagedPrefill.supports(torch.bfloat16, 128)
+    assert PagedPrefill.supports(torch.bfloat16, 128) and not PagedPrefill.supports(torch.bfloat16, 64, group=65)
