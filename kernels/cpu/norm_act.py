@@ -1,5 +1,7 @@
-"""A Llama layer's RMSNorm and SiLU(gate) * up in bfloat16 on CPU, one pass each (`norm_act.c`),
-and their PyTorch references (the reference model's own bf16 arithmetic)."""
+"""A Llama layer's RMSNorm and SiLU(gate) * up in bfloat16 on CPU, one pass each (`norm_act.c`).
+The RMSNorm's reference is `lmfoundry.kernels.norm_quant.rmsnorm_reference` (the reference
+model's bf16 arithmetic); SiLU-mul's is `silu_mul_reference` below, the model's in-place ops
+(`kernels.activation.reference` rounds once where the model rounds twice)."""
 
 from __future__ import annotations
 
@@ -63,11 +65,6 @@ class NormAct:
 def load_norm_act() -> NormAct | None:
     """The kernels, built on first use; None where they cannot be built or are turned off."""
     return bound("norm_act", NormAct)
-
-
-def rms_norm_reference(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    """`lmfoundry.model.reference.RMSNorm` (offset 0) in bf16: normalize in float32, round, scale."""
-    return gain * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Causal attention of a step's prompt chunks over the paged KV cache on CPU, blocks read in place
-(`paged_prefill.c`), and its PyTorch reference.
+(`paged_prefill.c`); the reference is `lmfoundry.kernels.paged_attention_common.reference` (chunk
+by chunk: its queries are the last `lens[c]` of `contexts[c] + lens[c]` keys), as for the GPU
+prefill kernel.
 
 The C kernel takes every chunk of a step at once (one call per layer): their rows in the step's
 flat batch, their cached context lengths and block tables, the engine's cache layout. The new
@@ -77,24 +79,3 @@ def load_paged_prefill() -> PagedPrefill | None:
     kernel = bound("paged_prefill", PagedPrefill)
     return kernel if kernel is not None and kernel.supported else None
 
-
-def paged_prefill_reference(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor,
-                            scale: float | None = None) -> torch.Tensor:
-    """The same attention, chunk by chunk in float64: [T, Hq, D] in q's dtype, rows outside every
-    chunk left zero."""
-    _, block_size, hkv, d = key_cache.shape
-    hq = q.shape[1]
-    scale = d**-0.5 if scale is None else scale
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for c in range(starts.shape[0]):
-        s, n, ctx = int(starts[c]), int(lens[c]), int(contexts[c])
-        total = ctx + n
-        blocks = tables[c, : -(-total // block_size)].long()
-        k = key_cache[blocks].reshape(-1, hkv, d)[:total].double().repeat_interleave(hq // hkv, dim=1)
-        v = value_cache[blocks].reshape(-1, hkv, d)[:total].double().repeat_interleave(hq // hkv, dim=1)
-        scores = torch.einsum("ihd,thd->hit", q[s : s + n].double(), k) * scale
-        allowed = torch.arange(total)[None, :] <= (ctx + torch.arange(n))[:, None]
-        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        out[s : s + n] = torch.einsum("hit,thd->ihd", p, v)
-    return out.to(q.dtype)

@@ -14,7 +14,6 @@ within one bfloat16 rounding step per value (see norm_act.c).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmfoundry.kernels.cpu.norm_act import NormAct, load_norm_act
@@ -41,18 +40,14 @@ class NativeRMSNorm(RMSNorm):
 
 
 class NativeSiluMul:
-    """`MLP.act_mul` for SiLU: bf16(silu(gate)) * up in one pass, the reference's ops for small
-    or ill-fitting inputs."""
+    """`MLP.act_mul` for SiLU: bf16(silu(gate)) * up in one pass; None (the MLP's own ops run)
+    for small or ill-fitting inputs."""
 
     def __init__(self, kernel: NormAct) -> None:
         self.kernel = kernel
 
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if gate.numel() >= SILU_MUL_MIN_ELEMENTS:
-            out = self.kernel.silu_mul(gate, up)
-            if out is not None:
-                return out
-        return F.silu(gate, inplace=True).mul_(up)
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        return self.kernel.silu_mul(gate, up) if gate.numel() >= SILU_MUL_MIN_ELEMENTS else None
 
 
 def swap_native_elementwise(model: nn.Module) -> int:

@@ -313,8 +313,9 @@ class MLP(nn.Module):
         self.gelu = GELU_ACTIVATIONS.get(config.hidden_act)  # None: SiLU (Llama); "tanh"/"none": Gemma
         # gate/up as one prepacked product: set by the CPU serving swap (cpu_linears.prepack_dense_linears)
         self.gate_up_proj: FusedPrepackedLinear | None = None
-        # act(gate) * up in one pass: set by the CPU serving swap (cpu_elementwise.swap_native_elementwise)
-        self.act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # act(gate) * up in one pass, or None where it does not fit: set by the CPU serving swap
+        # (cpu_elementwise.swap_native_elementwise)
+        self.act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """down_proj's input: act(gate(x)) * up(x), in place on gate's output (no third
@@ -324,7 +325,9 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.act_mul is not None:
-            return self.act_mul(gate, up)
+            out = self.act_mul(gate, up)
+            if out is not None:
+                return out
         return self.activation(gate).mul_(up)
 
     def activation(self, gate: torch.Tensor) -> torch.Tensor:

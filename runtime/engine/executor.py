@@ -81,7 +81,7 @@ class ReferenceModelExecutor:
             # serving-time module swap: oneDNN reorders each weight once; q/k/v and gate/up run as
             # one product each
             prepack_dense_linears(model, fuse=True)
-            swap_native_elementwise(model)  # RMSNorm and SiLU(gate) * up: one C pass each
+            swap_native_elementwise(model)  # RMSNorm, SiLU(gate) * up and rotary: one C pass each
         self.engine_config = config
         self.config = model.config
         self.dtype = model.dtype

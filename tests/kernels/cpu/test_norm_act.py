@@ -1,5 +1,5 @@
 """The one-pass RMSNorm and SiLU(gate) * up (`kernels/cpu/norm_act.c`) against the reference
-model's bf16 arithmetic (`norm_act.rms_norm_reference`, `silu_mul_reference`).
+model's bf16 arithmetic (`norm_quant.rmsnorm_reference`, `norm_act.silu_mul_reference`).
 
 Error bounds: RMSNorm, `error_bounds.rmsnorm_bound` (the normalized value may round one bf16 step
 apart, the gain product once more). SiLU(gate) * up: each side computes silu in fp32 (ours: a
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from lmfoundry.kernels.cpu.build import unavailable_reason
-from lmfoundry.kernels.cpu.norm_act import load_norm_act, rms_norm_reference, silu_mul_reference
+from lmfoundry.kernels.cpu.norm_act import load_norm_act, silu_mul_reference
 from lmfoundry.kernels.error_bounds import U32, assert_within, assert_written, rmsnorm_bound, unit_roundoff
+from lmfoundry.kernels.norm_quant import rmsnorm_reference
 
 kernel = load_norm_act()
 pytestmark = pytest.mark.skipif(kernel is None, reason=f"no native kernel: {unavailable_reason('norm_act')}")
@@ -28,7 +29,7 @@ def test_rms_norm_matches_the_reference(gen, rows, dim) -> None:
     out = kernel.rms_norm(x, gain, 1e-5)
     assert out is not None and out.shape == x.shape and out.dtype == torch.bfloat16
     assert_written(out, "rms_norm")
-    ref = rms_norm_reference(x, gain, 1e-5)
+    ref = rmsnorm_reference(x, gain, 1e-5)
     assert_within(out, ref, rmsnorm_bound(x, gain, ref, 1e-5), "rms_norm")
 
 

@@ -1,4 +1,5 @@
-"""The CPU prefill kernel (`kernels/cpu/paged_prefill.c`) against its PyTorch reference.
+"""The CPU prefill kernel (`kernels/cpu/paged_prefill.c`) against the paged attention reference
+(`paged_attention_common.reference`, one chunk at a time).
 
 Error bound (`attention_bound(..., p_split=True)`, as for the decode kernel): scores in fp32 from
 AVX-512 BF16 dot products of bf16 q and K (products exact in fp32), exp through a degree-6
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from lmfoundry.kernels.cpu.build import unavailable_reason
-from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill, paged_prefill_reference
+from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
 from lmfoundry.kernels.error_bounds import assert_within, attention_bound, poisoned
+from lmfoundry.kernels.paged_attention_common import reference
 from lmfoundry.kernels.paged_kv import PagedKVCache
 
 kernel = load_paged_prefill()
@@ -42,14 +44,15 @@ def check(gen: torch.Generator, hq: int, hkv: int, d: int, chunks: list[tuple[in
     contexts = torch.tensor([c for c, _ in chunks], dtype=torch.int32)
     out = poisoned(tuple(q.shape), torch.bfloat16)
     kernel(q, cache.key_cache, cache.value_cache, tables, s, lens, contexts, out, threads=threads)
-    ref = paged_prefill_reference(q, cache.key_cache, cache.value_cache, tables, s, lens, contexts)
     mine = torch.zeros(row, dtype=torch.bool)
     for i, ((c, n), start) in enumerate(zip(chunks, starts, strict=True)):
         rows = slice(start, start + n)
         mine[rows] = True
-        bound = attention_bound(q[rows], cache, tables[i : i + 1], torch.tensor([0, n]), torch.tensor([c + n]),
-                                ref[rows], d**-0.5, torch.float32, p_split=True)
-        assert_within(out[rows], ref[rows], bound, f"paged_prefill chunk (context {c}, {n} tokens)")
+        seqlens, keys = torch.tensor([0, n]), torch.tensor([c + n])
+        ref = reference(q[rows], cache, tables[i : i + 1], seqlens, keys, d**-0.5)
+        bound = attention_bound(q[rows], cache, tables[i : i + 1], seqlens, keys, ref, d**-0.5, torch.float32,
+                                p_split=True)
+        assert_within(out[rows], ref, bound, f"paged_prefill chunk (context {c}, {n} tokens)")
     assert torch.isnan(out[~mine].float()).all(), "rows outside the chunks were written"
 
 

@@ -256,6 +256,25 @@ def test_decodes_sharing_a_prefix_cascade_beside_ones_that_do_not(model, monkeyp
         assert out.outputs[0].token_ids == reference_greedy(model, p, 16)
 
 
+def with_and_without_native_kernels(monkeypatch, kernel: type, make_model, cfg: EngineConfig, shared: list[int],
+                                    ps: list[list[int]], params: SamplingParams) -> dict[str, list]:
+    """Outputs of `ps` after caching the prefix `shared`, on an engine over `make_model()` with the
+    C kernels (key "1") and without them ("0"); asserts `kernel` ran exactly in the first."""
+    results = {}
+    for native in ("1", "0"):
+        with monkeypatch.context() as m:
+            m.setenv("LMFOUNDRY_NATIVE_KERNELS", native)
+            calls: list[int] = []
+            original = kernel.__call__
+            m.setattr(kernel, "__call__",
+                      lambda self, *a, calls=calls, original=original, **k: calls.append(1) or original(self, *a, **k))
+            engine = LLMEngine(make_model(), None, cfg)
+            engine.generate([shared + [7]], SamplingParams(max_tokens=1, temperature=0))  # cache the prefix
+            results[native] = engine.generate(ps, params)
+            assert bool(calls) == (native == "1")
+    return results
+
+
 @pytest.mark.skipif(load_paged_decode() is None, reason="no C compiler: the in-place decode kernel is not built")
 def test_in_place_decode_kernel_matches_the_gathered_path(model, monkeypatch) -> None:
     """Decodes through the C kernel (blocks read in place, one call a layer) and through the
@@ -267,18 +286,7 @@ def test_in_place_decode_kernel_matches_the_gathered_path(model, monkeypatch) ->
     ps = prompts(4, seed=18, lo=1, hi=12, prefix=shared) + prompts(3, seed=19, lo=20, hi=60)
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=0, ignore_eos=True)
     cfg = EngineConfig(num_kv_blocks=400, block_size=4, max_num_batched_tokens=48)
-    results = {}
-    for native in ("1", "0"):
-        monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", native)
-        calls: list[int] = []
-        original = PagedDecode.__call__
-        monkeypatch.setattr(PagedDecode, "__call__",
-                            lambda self, *a, calls=calls, original=original, **k: calls.append(1) or original(self, *a, **k))
-        engine = LLMEngine(model, None, cfg)
-        engine.generate([shared + [7]], SamplingParams(max_tokens=1, temperature=0))  # cache the prefix
-        results[native] = engine.generate(ps, params)
-        assert bool(calls) == (native == "1")
-        monkeypatch.setattr(PagedDecode, "__call__", original)
+    results = with_and_without_native_kernels(monkeypatch, PagedDecode, lambda: model, cfg, shared, ps, params)
     for on, off, p in zip(results["1"], results["0"], ps, strict=True):
         assert on.outputs[0].token_ids == off.outputs[0].token_ids == reference_greedy(model, p, 16)
         got = torch.tensor([lp.logprob for lp in on.outputs[0].logprobs])
@@ -289,7 +297,7 @@ def test_in_place_decode_kernel_matches_the_gathered_path(model, monkeypatch) ->
 @pytest.mark.skipif(load_paged_prefill() is None, reason="no AVX-512 BF16 prefill kernel here")
 def test_native_bf16_step_matches_the_pytorch_path(monkeypatch) -> None:
     """A bf16 model (head_dim 64) served with every C kernel (prefill and decode attention read in
-    place, one-pass RMSNorm and SiLU-mul) and with none (SDPA, PyTorch ops) gives the same greedy
+    place, one-pass RMSNorm, SiLU-mul and rotary) and with none (SDPA, PyTorch ops) gives the same greedy
     tokens up to bf16 ties, with prefix-cache hits and chunked prefills in the same steps; the
     prefill kernel is what runs the chunks when it is built."""
     from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill
@@ -302,18 +310,7 @@ def test_native_bf16_step_matches_the_pytorch_path(monkeypatch) -> None:
     ps = prompts(3, seed=25, lo=1, hi=12, prefix=shared) + prompts(3, seed=26, lo=20, hi=90)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     cfg = EngineConfig(num_kv_blocks=400, block_size=16, max_num_batched_tokens=64)
-    results = {}
-    for native in ("1", "0"):
-        monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", native)
-        calls: list[int] = []
-        original = PagedPrefill.__call__
-        monkeypatch.setattr(PagedPrefill, "__call__",
-                            lambda self, *a, calls=calls, original=original, **k: calls.append(1) or original(self, *a, **k))
-        engine = LLMEngine(bf16_model(), None, cfg)
-        engine.generate([shared + [7]], SamplingParams(max_tokens=1, temperature=0))  # cache the prefix
-        results[native] = engine.generate(ps, params)
-        assert bool(calls) == (native == "1")
-        monkeypatch.setattr(PagedPrefill, "__call__", original)
+    results = with_and_without_native_kernels(monkeypatch, PagedPrefill, bf16_model, cfg, shared, ps, params)
     assert_greedy_up_to_bf16_ties(bf16_model(), [r.outputs[0].token_ids for r in results["1"]], results["0"])
 
 
