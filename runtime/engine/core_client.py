@@ -34,7 +34,12 @@ from lmfoundry.runtime.engine.core import EngineSpec
 log = logging.getLogger(__name__)
 
 POLL_MS = 1000  # the receiver thread looks at the engine process at least this often
-ENGINE_MAIN = "import sys; from lmfoundry.runtime.engine.core import main; main(sys.argv[1])"
+# `python -c` puts the working directory first on sys.path; started from a checkout's root, its
+# `kernels/` folder would shadow Hugging Face's `kernels` package, which transformers imports.
+ENGINE_MAIN = (
+    "import sys; sys.path[:] = [p for p in sys.path if p]; "
+    "from lmfoundry.runtime.engine.core import main; main(sys.argv[1])"
+)
 
 
 class EngineCoreClient(EngineClient):
