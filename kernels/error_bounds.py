@@ -115,6 +115,7 @@ def attention_bound(
     *,
     p_split: bool = False,
     splits: int = 1,
+    p_hi_lo: bool = True,
 ) -> torch.Tensor:
     """Per (token, head, dim) bound on |kernel - reference| for causal paged attention.
 
@@ -132,6 +133,8 @@ def attention_bound(
         tile per 16 keys, n/4·u32 in ε;
       - `splits` > 1: the merge weighs each split's state by one more exp2 (the same two terms,
         once) and sums `splits` more terms (γ_{N+S}).
+    With `p_hi_lo=False` (and `p_split`), P is rounded once to `p_dtype` instead of split into
+    hi + lo (the CPU decode kernel's bf16 P): relative error u, the other terms as for p_split.
     """
     from lmfoundry.kernels.paged_kv import dequantize_kv
 
@@ -141,7 +144,7 @@ def attention_bound(
     key_cache, value_cache = cache.key_cache.cpu(), cache.value_cache.cpu()
     k_scale, v_scale = cache.k_scale.cpu(), cache.v_scale.cpu()
     bound = torch.zeros(ref.shape, dtype=torch.float64)
-    u_p = unit_roundoff(p_dtype) ** 2 if p_split else unit_roundoff(p_dtype)
+    u_p = unit_roundoff(p_dtype) ** 2 if p_split and p_hi_lo else unit_roundoff(p_dtype)
     sub = torch.finfo(p_dtype).smallest_normal * torch.finfo(p_dtype).eps if p_split else 0.0  # subnormal spacing
     for b in range(len(ctx_lens)):
         start, stop, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(ctx_lens[b])

@@ -11,7 +11,9 @@
  * (then V) rows are read front to back, and each K/V row once per GQA group. Long contexts, or too
  * few sequences to keep every thread busy, are split into partitions whose partial softmaxes are
  * merged through their maxima and sums (flash-decoding). Arithmetic in float32; q, K/V and the
- * output in float32 or bfloat16 (dtype codes below).
+ * output in float32 or bfloat16 (dtype codes below). On CPUs with AVX512-BF16, bf16 attention
+ * rounds the softmax weights P to bf16 for the PV product, as GPU flash attention does, so that one
+ * dot-product instruction takes two tokens (attend_part_bf16; lmf_paged_decode_p_bf16 says when).
  *
  * Built on the serving machine with -march=native by lmfoundry.kernels.cpu.build, so the loops
  * vectorize for the CPU it runs on; OpenMP is torch's own runtime (the same libgomp.so.1).
@@ -186,6 +188,127 @@ static void attend_part(const char *q, int64_t q_head_stride, const char *k_cach
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_P_BF16 1
+#define MAX_G 8 /* query heads of a group whose PV accumulators stay in registers at once */
+#define PREFETCH_TOKENS 16 /* how far ahead the PV loop asks for V rows (blocks lie anywhere in the cache) */
+
+/* Byte offsets of tokens [t0, t1) in the caches: one division per block, not per token. */
+static inline void token_offsets(const int32_t *table, int block_size, int t0, int t1, int64_t token_stride,
+                                 int64_t *restrict at) {
+    for (int t = t0; t < t1;) {
+        const int blk = t / block_size, off = t % block_size;
+        const int stop = (blk + 1) * block_size < t1 ? (blk + 1) * block_size : t1;
+        const int64_t base = ((int64_t)table[blk] * block_size + off) * token_stride;
+        for (int i = 0; i < stop - t; i++) at[t - t0 + i] = base + i * token_stride;
+        t = stop;
+    }
+}
+
+/* acc[h][c0 .. c0+32) += sum over tokens of P[h][t] * V[t][kvh][c0 .. c0+32) for the heads
+ * h0 .. h0+G of one KV head. Tokens go in pairs: unpacking two V rows' 16-bit words interleaves
+ * them within each 128-bit lane, and one dpbf16 against the broadcast pair (P[t], P[t+1]) adds both
+ * tokens' products in fp32. The unpack permutes dimensions (lane i of `lo` holds dimension
+ * 8*(i/4) + i%4, of `hi` that + 4); the permutation is undone once, at the store. G is a constant
+ * at every call, so the 2G accumulators live in registers for the whole item. */
+static inline __attribute__((always_inline)) void pv_chunk(const char *v_cache, const int64_t *at, int npairs,
+                                                           int64_t head_off, const uint16_t *pb, int npad, int h0,
+                                                           int G, float *restrict acc, int d, int c0) {
+    __m512 lo[MAX_G], hi[MAX_G];
+    for (int h = 0; h < G; h++) lo[h] = hi[h] = _mm512_setzero_ps();
+    for (int k = 0; k < npairs; k++) {
+        _mm_prefetch(v_cache + at[2 * k + PREFETCH_TOKENS] + head_off, _MM_HINT_T0); /* at[] is padded for it */
+        _mm_prefetch(v_cache + at[2 * k + 1 + PREFETCH_TOKENS] + head_off, _MM_HINT_T0);
+        const __m512i a = _mm512_loadu_si512(v_cache + at[2 * k] + head_off);
+        const __m512i b = _mm512_loadu_si512(v_cache + at[2 * k + 1] + head_off);
+        const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < G; h++) {
+            int32_t pair;
+            memcpy(&pair, pb + (int64_t)(h0 + h) * npad + 2 * k, 4);
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+            lo[h] = _mm512_dpbf16_ps(lo[h], vlo, p);
+            hi[h] = _mm512_dpbf16_ps(hi[h], vhi, p);
+        }
+    }
+    /* lane order back to dimensions: out[j] for j < 16 from lo/hi lanes 4*(j/8) + j%4 (+16: hi) */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int h = 0; h < G; h++) {
+        _mm512_storeu_ps(acc + (int64_t)(h0 + h) * d + c0, _mm512_permutex2var_ps(lo[h], first, hi[h]));
+        _mm512_storeu_ps(acc + (int64_t)(h0 + h) * d + c0 + 16, _mm512_permutex2var_ps(lo[h], second, hi[h]));
+    }
+}
+
+/* attend_part for bf16 q/K/V and d % 32 == 0 on CPUs with AVX512-BF16: scores as there, then P
+ * rounded to bf16 for the PV product (as GPU flash attention does; the normaliser sums the
+ * rounded weights), whose dot products take two tokens per instruction. */
+static void attend_part_bf16(const char *q, int64_t q_head_stride, const char *k_cache, const char *v_cache,
+                             const int32_t *table, int block_size, int hkv, int d, int g, int t0, int t1,
+                             float scale, float *restrict acc, float *restrict m, float *restrict l) {
+    const int n = t1 - t0, hq = hkv * g, npad = (n + 15) & ~15;
+    const int64_t token_stride = (int64_t)hkv * d * 2, head_bytes = (int64_t)d * 2;
+    int64_t at[npad + PREFETCH_TOKENS];
+    token_offsets(table, block_size, t0, t1, token_stride, at);
+    for (int i = n; i < npad + PREFETCH_TOKENS; i++) at[i] = at[0]; /* padding reads a real row; its weight is 0 */
+    float s[hq * npad];
+    uint16_t pb[hq * npad];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int kvh = 0; kvh < hkv; kvh++)
+        for (int t = 0; t < npad; t += 16) {
+            const char *rows[16];
+            for (int j = 0; j < 16; j++) {
+                rows[j] = k_cache + at[t + j] + kvh * head_bytes;
+                for (int line = 0; line < head_bytes; line += 64) /* the next tile's rows of this head */
+                    _mm_prefetch(k_cache + at[t + 16 + j] + kvh * head_bytes + line, _MM_HINT_T0);
+            }
+            for (int h = kvh * g; h < (kvh + 1) * g; h++) {
+                const char *qh = q + (int64_t)h * q_head_stride * 2;
+                _mm512_storeu_ps(s + h * npad + t, _mm512_mul_ps(score16(qh, 0, rows, d, DTYPE_BF16), vscale));
+            }
+        }
+    const __mmask16 tail = n % 16 ? (__mmask16)((1u << (n % 16)) - 1) : (__mmask16)0xffff;
+    for (int h = 0; h < hq; h++) {
+        float *sh = s + h * npad;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < npad; t += 16)
+            top = _mm512_mask_max_ps(top, t + 16 <= n ? 0xffff : tail, top, _mm512_loadu_ps(sh + t));
+        const float mx = _mm512_reduce_max_ps(top);
+        __m512 total = _mm512_setzero_ps();
+        for (int t = 0; t < npad; t += 16) {
+            const __m512 e = _mm512_maskz_mov_ps(t + 16 <= n ? 0xffff : tail,
+                                                 round_bf16x16(exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sh + t),
+                                                                                          _mm512_set1_ps(mx)))));
+            total = _mm512_add_ps(total, e);
+            _mm256_storeu_si256((__m256i *)(pb + h * npad + t), f32x16_to_bf16(e));
+        }
+        m[h] = mx;
+        l[h] = _mm512_reduce_add_ps(total);
+    }
+    const int npairs = (n + 1) / 2;
+    for (int kvh = 0; kvh < hkv; kvh++)
+        for (int c0 = 0; c0 < d; c0 += 32)
+            for (int h0 = kvh * g; h0 < (kvh + 1) * g; h0 += MAX_G) {
+                const int64_t off = kvh * head_bytes + 2 * c0;
+                switch ((kvh + 1) * g - h0 < MAX_G ? (kvh + 1) * g - h0 : MAX_G) {
+                case 1: pv_chunk(v_cache, at, npairs, off, pb, npad, h0, 1, acc, d, c0); break;
+                case 2: pv_chunk(v_cache, at, npairs, off, pb, npad, h0, 2, acc, d, c0); break;
+                case 3: pv_chunk(v_cache, at, npairs, off, pb, npad, h0, 3, acc, d, c0); break;
+                case 4: pv_chunk(v_cache, at, npairs, off, pb, npad, h0, 4, acc, d, c0); break;
+                case 5: pv_chunk(v_cache, at, npairs, off, pb, npad, h0, 5, acc, d, c0); break;
+                case 6: pv_chunk(v_cache, at, npairs, off, pb, npad, h0, 6, acc, d, c0); break;
+                case 7: pv_chunk(v_cache, at, npairs, off, pb, npad, h0, 7, acc, d, c0); break;
+                default: pv_chunk(v_cache, at, npairs, off, pb, npad, h0, MAX_G, acc, d, c0); break;
+                }
+            }
+}
+#else
+#define HAVE_P_BF16 0
+#endif
+
+/* 1 where bf16 attention with this head size rounds P to bf16 for the PV product (the AVX512-BF16
+ * path), else 0: the error bound the tests hold the kernel to depends on it. */
+int lmf_paged_decode_p_bf16(int dtype, int d) { return HAVE_P_BF16 && dtype == DTYPE_BF16 && d % 32 == 0; }
+
 /* out[rows[b]] = attention of q[rows[b]] over the first lengths[b] tokens of tables[b], for b in
  * [0, batch). Contexts are cut into partitions of `part_len` tokens (a multiple of block_size);
  * with more than one, `work` holds every partition's (acc[hq][d], m[hq], l[hq]) for the merge and
@@ -224,9 +347,16 @@ int lmf_paged_decode(const void *q, int64_t q_row_stride, int64_t q_head_stride,
             }
             continue;
         }
-        attend_part(qc + (int64_t)rows[b] * q_row_stride * esize, q_head_stride, (const char *)k_cache,
-                    (const char *)v_cache, tables + (int64_t)b * table_stride, block_size, hkv, d, g, t0, t1, scale,
-                    dtype, esize, acc, m, l);
+        const char *qb = qc + (int64_t)rows[b] * q_row_stride * esize;
+        const int32_t *table = tables + (int64_t)b * table_stride;
+#if HAVE_P_BF16
+        if (lmf_paged_decode_p_bf16(dtype, d))
+            attend_part_bf16(qb, q_head_stride, (const char *)k_cache, (const char *)v_cache, table, block_size, hkv,
+                             d, g, t0, t1, scale, acc, m, l);
+        else
+#endif
+            attend_part(qb, q_head_stride, (const char *)k_cache, (const char *)v_cache, table, block_size, hkv, d,
+                        g, t0, t1, scale, dtype, esize, acc, m, l);
         if (num_parts == 1)
             for (int h = 0; h < hq; h++)
                 store_row(oc + ((int64_t)rows[b] * out_row_stride + (int64_t)h * d) * esize, dtype, d, acc + h * d,

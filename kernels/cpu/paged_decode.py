@@ -42,7 +42,15 @@ class PagedDecode:
         fn.argtypes = [_ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr, _c_i64, _ptr, _ptr, _ptr, _c_i64, _c_int, _c_int,
                        _c_int, _c_int, _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _ptr, _c_int]
         self._fn = fn
+        self._p_bf16 = lib.lmf_paged_decode_p_bf16
+        self._p_bf16.restype, self._p_bf16.argtypes = _c_int, [_c_int, _c_int]
         self._work = torch.empty(0, dtype=torch.float32)
+
+    def p_dtype(self, dtype: torch.dtype, head_dim: int) -> torch.dtype:
+        """The dtype the softmax weights P take in the PV product: bfloat16 for bf16 attention
+        on CPUs with AVX512-BF16 (two tokens per dot-product instruction, as GPU flash attention
+        rounds P), else float32. Error bounds depend on it."""
+        return torch.bfloat16 if self._p_bf16(DTYPE_CODES[dtype], head_dim) else torch.float32
 
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int) -> bool:

@@ -3,12 +3,17 @@
 Error bound (`attention_bound(..., p_split=True)`, as for the Triton FlashDecoding kernel): the
 kernel scores in fp32 (AVX-512 BF16 dot products of bf16 q and K, whose products are exact in
 fp32, or fp32 FMAs), takes exp through a degree-6 polynomial (relative error a few u32, inside the
-bound's exp terms), keeps P in fp32 (p_dtype float32), sums PV and the normaliser in fp32 and
-merges partitions through one more exp each; each side rounds the output once. Outputs start as
-NaN: every decode row must be overwritten and every other row left alone.
+bound's exp terms), sums PV and the normaliser in fp32 and merges partitions through one more exp
+each; each side rounds the output once. P enters the PV product in the dtype the kernel reports
+(`PagedDecode.p_dtype`): float32, or bfloat16 for bf16 attention on CPUs with AVX512-BF16, which
+adds bf16's unit roundoff to every weight's relative error (p_dtype bfloat16, rounded once:
+p_hi_lo=False). Outputs start as NaN: every decode row must be overwritten and every other row
+left alone.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -49,7 +54,7 @@ def check(cache, tables, lengths, rows, q, threads: int | None = None) -> None:
     ref = paged_decode_reference(q, cache.key_cache, cache.value_cache, tables, lengths, rows)
     d = q.shape[2]
     bound = attention_bound(q[rows.long()], cache, tables, torch.arange(len(lengths) + 1), lengths, ref, d**-0.5,
-                            torch.float32, p_split=True)
+                            kernel.p_dtype(q.dtype, d), p_split=True, p_hi_lo=False)
     assert_within(out[rows.long()], ref, bound, "paged_decode")
     others = torch.ones(q.shape[0], dtype=torch.bool)
     others[rows.long()] = False
@@ -71,6 +76,15 @@ def test_one_sequence_is_split_across_threads(gen, threads) -> None:
     part_len, parts = plan_partitions(700, 1, threads, 16)
     assert parts > 1 and part_len % 16 == 0 and (parts - 1) * part_len < 700 <= parts * part_len
     check(*case(gen, torch.bfloat16, 9, 3, 64, [700]), threads=threads)
+
+
+def test_bf16_weights_where_the_cpu_has_bf16_dot_products() -> None:
+    """The kernel says which P it uses; bf16 only for bf16 attention on a whole number of 32-wide chunks."""
+    assert kernel.p_dtype(torch.float32, 64) == torch.float32
+    assert kernel.p_dtype(torch.bfloat16, 48) == torch.float32
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    expected = torch.bfloat16 if "avx512_bf16" in flags else torch.float32
+    assert kernel.p_dtype(torch.bfloat16, 64) == expected
 
 
 def test_block_size_other_than_16(gen) -> None:
