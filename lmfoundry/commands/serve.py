@@ -173,7 +173,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
                           timeout_keep_alive)
     from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
-    from lmfoundry.runtime.engine.core import EngineSpec
+    from lmfoundry.runtime.engine.core import EngineSpec, freeze_heap
     from lmfoundry.runtime.engine.core_client import EngineCoreClient
     from lmfoundry.runtime.loader import check_device, check_tensor_parallel, is_engine_bundle, resolve_dtype
     from lmfoundry.runtime.server.app import create_app
@@ -241,6 +241,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
                                                              timeout_graceful_shutdown=5))
         if died:
             server.should_exit = True
+        freeze_heap()
         # uvicorn in this thread: the first SIGINT/SIGTERM stops accepting and drains the requests
         # in flight (up to the graceful timeout), a second one forces the exit.
         server.run()

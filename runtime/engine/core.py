@@ -10,6 +10,7 @@ then running, and the engine keeps serving.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -140,6 +141,7 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
             outputs.send_pyobj(("failed", f"the engine could not start: {type(exc).__name__}: {exc}"))
             return
         outputs.send_pyobj(("ready", engine.info, engine.tokenizer, engine.stats()))
+        freeze_heap()
         try:
             _serve(EngineCore(engine), commands, outputs, parent_pid)
         except EngineDead as exc:  # e.g. a lost tensor-parallel rank: the API process sees this one end
@@ -160,6 +162,14 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
         sys.stderr.flush()
     if lost:
         os._exit(1)  # not sys.exit: the lost group's processes must not be waited for
+
+
+def freeze_heap() -> None:
+    """Move every object allocated so far (modules, the model's and tokenizer's Python objects) out
+    of the garbage collector's reach. Serving allocates and frees objects per token; without this
+    each full collection walks all those long-lived objects again (vLLM's processes do the same)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:
