@@ -253,19 +253,25 @@ static void attend_part_bf16(const char *q, int64_t q_head_stride, const char *k
     float s[hq * npad];
     uint16_t pb[hq * npad];
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int kvh = 0; kvh < hkv; kvh++)
-        for (int t = 0; t < npad; t += 16) {
+    const int l1_tile = 16 * token_stride <= 8192;
+    for (int t = 0; t < npad; t += 16) {
+        /* the next tile's tokens, every head (one run of bytes each, read by the loop below): into
+         * L1 while a tile's rows fit beside the rest, into L2 for wide models */
+        for (int j = 0; j < 16; j++)
+            for (int line = 0; line < token_stride; line += 64)
+                if (l1_tile)
+                    _mm_prefetch(k_cache + at[t + 16 + j] + line, _MM_HINT_T0);
+                else
+                    _mm_prefetch(k_cache + at[t + 16 + j] + line, _MM_HINT_T1);
+        for (int kvh = 0; kvh < hkv; kvh++) {
             const char *rows[16];
-            for (int j = 0; j < 16; j++) {
-                rows[j] = k_cache + at[t + j] + kvh * head_bytes;
-                for (int line = 0; line < head_bytes; line += 64) /* the next tile's rows of this head */
-                    _mm_prefetch(k_cache + at[t + 16 + j] + kvh * head_bytes + line, _MM_HINT_T0);
-            }
+            for (int j = 0; j < 16; j++) rows[j] = k_cache + at[t + j] + kvh * head_bytes;
             for (int h = kvh * g; h < (kvh + 1) * g; h++) {
                 const char *qh = q + (int64_t)h * q_head_stride * 2;
                 _mm512_storeu_ps(s + h * npad + t, _mm512_mul_ps(score16(qh, 0, rows, d, DTYPE_BF16), vscale));
             }
         }
+    }
     const __mmask16 tail = n % 16 ? (__mmask16)((1u << (n % 16)) - 1) : (__mmask16)0xffff;
     for (int h = 0; h < hq; h++) {
         float *sh = s + h * npad;
