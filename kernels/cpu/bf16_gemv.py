@@ -9,7 +9,12 @@ import torch
 
 from lmfoundry.kernels.cpu.build import bound
 
-MAX_ROWS = 4  # up to here a product is a weight stream (decode); above it oneDNN's GEMM is faster
+# Up to here a product is a weight stream (decode) and the C product is clearly faster; from about 6
+# rows oneDNN's GEMM is level with it, from 12 faster (benchmarks/cpu_gemv.py, weights streamed from
+# memory as in a step). Any row count routed here routes prompt chunks that short too, whose K/V
+# then round differently from the same tokens computed in a long chunk (a prefix-cached request's
+# greedy text can differ from the cold one's): another reason to keep it small.
+MAX_ROWS = 4
 TILE_N, TILE_K = 16, 32  # output rows x inputs of one blocked tile (a cache line per row)
 
 _c_i64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p

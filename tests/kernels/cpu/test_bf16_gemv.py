@@ -17,7 +17,7 @@ kernel = load_bf16_gemv()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX-512 BF16 C product here")
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (1, 960, 576), (3, 576, 1536), (4, 48, 96)])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (1, 960, 576), (3, 576, 1536), (4, 48, 96), (8, 960, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(gen, m, n, k, bias) -> None:
     w = (torch.randn(n, k, generator=gen) + 0.05).to(torch.bfloat16)

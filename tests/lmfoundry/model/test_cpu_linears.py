@@ -176,7 +176,7 @@ def test_prepacked_linear_equals_f_linear_exactly(rows: int, bias: bool, monkeyp
 
 @needs_bf16_onednn
 @pytest.mark.skipif(load_bf16_gemv() is None, reason="no AVX-512 BF16 C product here")
-@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, MAX_ROWS, MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_takes_the_c_product_for_decode_rows(rows: int, bias: bool) -> None:
     """Up to MAX_ROWS rows the C product runs (within the fp32-accumulation bound of F.linear: K
