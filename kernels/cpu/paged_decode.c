@@ -280,12 +280,10 @@ static void attend_part_bf16(const char *q, int64_t q_head_stride, const char *k
             top = _mm512_mask_max_ps(top, t + 16 <= n ? 0xffff : tail, top, _mm512_loadu_ps(sh + t));
         const float mx = _mm512_reduce_max_ps(top);
         __m512 total = _mm512_setzero_ps();
-        for (int t = 0; t < npad; t += 16) {
-            const __m512 e = _mm512_maskz_mov_ps(t + 16 <= n ? 0xffff : tail,
-                                                 round_bf16x16(exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sh + t),
-                                                                                          _mm512_set1_ps(mx)))));
-            total = _mm512_add_ps(total, e);
-            _mm256_storeu_si256((__m256i *)(pb + h * npad + t), f32x16_to_bf16(e));
+        for (int t = 0; t < npad; t += 16) { /* P rounded to bf16 once; the sum reads back what is stored */
+            const __m256i bits = f32x16_to_bf16(exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), _mm512_set1_ps(mx))));
+            _mm256_storeu_si256((__m256i *)(pb + h * npad + t), _mm256_maskz_mov_epi16(t + 16 <= n ? 0xffff : tail, bits));
+            total = _mm512_add_ps(total, bf16x16_to_f32(pb + h * npad + t));
         }
         m[h] = mx;
         l[h] = _mm512_reduce_add_ps(total);
