@@ -4,8 +4,8 @@ The runtime module swap for W4A16-style (integer codes of at most 4 bits) and W8
 one scale per output channel) weights when the model runs in bfloat16. A dense dequantized copy
 would make the quantized artifact as large and as slow as the float model; these keep the codes:
 
-- `Int4PackLinear`: codes in `_convert_weight_to_int4pack_for_cpu`'s layout ([N/64, K, 64]
-  nibble pairs: half a byte a weight) plus one (scale, zero) pair in bf16 per group and channel.
+- `Int4PackLinear`: codes in `_convert_weight_to_int4pack_for_cpu`'s layout (blocks of output
+  channels whose width depends on the CPU capability, see `int4_layout`: half a byte a weight) plus one (scale, zero) pair in bf16 per group and channel.
   The kernel computes w = (u - 8) * scale + zero with u in [0, 15]; compressed-tensors' signed codes
   q and zero points zp map onto it as u = q + 8, zero = -zp * scale. Channel/tensor scales become
   groups of the largest size the kernel takes (32, 64, 128, 256) that divides K, the scale repeated;
@@ -27,6 +27,7 @@ keeps the dequantized dense linear and says so).
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from typing import Sequence, TypeGuard
 
 import torch
@@ -38,9 +39,29 @@ from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.quantizers.base import QuantizedWeight
 
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu accepts
-INT4_BLOCK_N = 64  # output channels per block of the CPU int4pack layout
 DEQUANT_ROWS = 128  # from this many input rows, dequantize-then-GEMM beats the per-row kernel
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' vectorized paths (their fp32 paths are scalar)
+
+
+@lru_cache(maxsize=1)
+def int4_layout() -> tuple[int, bool]:
+    """(output channels per block, whether a byte pairs neighbouring channels) of this machine's
+    int4pack layout. PyTorch packs for the CPU capability it dispatches to: [N/w, K, w/2] bytes,
+    byte j of a block row holding channels j and j + w/2 (w = 64 on AVX-512, 32 on AVX2), or
+    channels 2j and 2j + 1 (w = 32, the portable kernel). Probed once on a tiny matrix rather than
+    inferred from flags, so a capability forced by ATEN_CPU_CAPABILITY or a layout PyTorch changes
+    cannot silently scramble the dequantized weight."""
+    n, k = 128, 2
+    codes = (torch.arange(n * k, dtype=torch.int32) * 7 % 16).reshape(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).reshape(-1)
+    for width in (64, 32, 16, 8, 4, 2):
+        v = packed.view(n // width, k, width // 2)
+        nibbles = torch.stack([v & 15, v >> 4], -1).int()  # [N/w, K, w/2, (low, high)]
+        for paired in (False, True):
+            blocked = (nibbles if paired else nibbles.transpose(-1, -2)).reshape(n // width, k, width)
+            if torch.equal(blocked.permute(0, 2, 1).reshape(n, k), codes):
+                return width, paired
+    raise RuntimeError("unknown int4pack layout of this PyTorch build")
 
 
 def _nibble_lut() -> torch.Tensor:
@@ -137,14 +158,15 @@ class Int4PackLinear(nn.Module):
         return w.contiguous()
 
     def _blocked_weight(self) -> torch.Tensor:
-        """bf16 [N/64, K, 64] from the packed codes: block b, column j holds channel 64 b + j."""
+        """bf16 [N/w, K, w] from the packed codes (w from `int4_layout()`): block b, column j holds
+        channel w b + j."""
         n, k, g = self.out_features, self.in_features, self.group
-        half = INT4_BLOCK_N // 2
-        codes = F.embedding(self.packed.view(n // INT4_BLOCK_N, k, half).int(), _LUT)  # [N/64, K, 32, 2]
-        codes = codes.transpose(-1, -2).reshape(n // INT4_BLOCK_N, k // g, g, INT4_BLOCK_N)
-        sz = self.scale_zeros.view(k // g, n // INT4_BLOCK_N, INT4_BLOCK_N, 2).permute(1, 0, 2, 3)
+        width, paired = int4_layout()
+        codes = F.embedding(self.packed.view(n // width, k, width // 2).int(), _LUT)  # [N/w, K, w/2, 2]
+        codes = (codes if paired else codes.transpose(-1, -2)).reshape(n // width, k // g, g, width)
+        sz = self.scale_zeros.view(k // g, n // width, width, 2).permute(1, 0, 2, 3)
         w = torch.addcmul(sz[..., 1].unsqueeze(2), codes, sz[..., 0].unsqueeze(2))
-        return w.reshape(n // INT4_BLOCK_N, k, INT4_BLOCK_N)
+        return w.reshape(n // width, k, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape[:-1], x.dtype
@@ -152,7 +174,7 @@ class Int4PackLinear(nn.Module):
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         x2 = x2.to(COMPUTE_DTYPE)
-        if _dequantize_first(x2) and self.out_features % INT4_BLOCK_N == 0:
+        if _dequantize_first(x2) and self.out_features % int4_layout()[0] == 0:
             y = torch.matmul(x2, self._blocked_weight()).transpose(0, 1).reshape(-1, self.out_features)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,

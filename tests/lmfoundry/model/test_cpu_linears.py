@@ -12,6 +12,10 @@ paths: the per-row kernel (few rows) and dequantize-then-GEMM (DEQUANT_ROWS rows
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -111,6 +115,29 @@ def test_dequantized_weight_is_the_checkpoint_weight() -> None:
         assert ((got - exact).abs() <= 2 * U * (exact.abs() + zs)).all(), args.describe()
         if qw.zero_point is None:
             assert torch.equal(got, exact), args.describe()  # codes times bf16 scales: exact in bf16
+
+
+def _capabilities() -> list[str]:
+    """ATen CPU capabilities this machine can run (each packs int4 codes its own way)."""
+    caps = ["default"]
+    if torch.cpu._is_avx2_supported():
+        caps.append("avx2")
+    if torch.cpu._is_avx512_supported():
+        caps.append("avx512")
+    return caps
+
+
+@pytest.mark.parametrize("capability", _capabilities())
+def test_int4_layout_of_each_cpu_capability(capability: str) -> None:
+    """The dequantized weight and the dequantize-then-GEMM path read the int4pack blocks the way
+    PyTorch wrote them under every capability (AVX-512, AVX2 and the portable kernel pack
+    differently), so a W4A16 model is right on whichever CPU serves it."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "dequantized_weight_is or (within_the_bf16_bound and int4)"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
 
 
 def test_int4_resident_bytes_are_under_a_third_of_bf16() -> None:
