@@ -5,7 +5,8 @@ one scale per output channel) weights when the model runs in bfloat16. A dense d
 would make the quantized artifact as large and as slow as the float model; these keep the codes:
 
 - `Int4PackLinear`: codes in `_convert_weight_to_int4pack_for_cpu`'s layout (blocks of output
-  channels whose width depends on the CPU capability, see `int4_layout`: half a byte a weight) plus one (scale, zero) pair in bf16 per group and channel.
+  channels whose width depends on the CPU capability, see `int4_layout`: half a byte a weight)
+  plus one (scale, zero) pair in bf16 per group and channel.
   The kernel computes w = (u - 8) * scale + zero with u in [0, 15]; compressed-tensors' signed codes
   q and zero points zp map onto it as u = q + 8, zero = -zp * scale. Channel/tensor scales become
   groups of the largest size the kernel takes (32, 64, 128, 256) that divides K, the scale repeated;
