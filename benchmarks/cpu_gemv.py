@@ -1,8 +1,15 @@
-"""Few-row bf16 products on CPU: the C product (`kernels/cpu/bf16_gemv.c`) against oneDNN's
-prepacked GEMM, the two paths `PrepackedLinear` chooses between, per row count. It is the evidence
-for `bf16_gemv.MAX_ROWS`, the most rows that go through the C product.
+"""bf16 products of a decode step on CPU, per row count: the C product this CPU builds against
+the paths it replaces.
+
+- AVX512-BF16 / AMX CPUs: the few-row product (`kernels/cpu/bf16_gemv.c`) against oneDNN's
+  prepacked GEMM, the two paths `PrepackedLinear` chooses between; the evidence for
+  `bf16_gemv.MAX_ROWS`, the most rows that go through the C product.
+- AVX2 CPUs (no bf16 arithmetic): the FMA product (`kernels/cpu/bf16_fma_gemm.c`, every row count)
+  against `F.linear` in bf16 (oneDNN emulating bf16: what a bf16 model ran before) and float32
+  `F.linear` on a float32 copy of the weights (the float32 model's product, twice the bytes).
 
     python benchmarks/cpu_gemv.py --out benchmarks/results/cpu_gemv_smollm2
+    python benchmarks/cpu_gemv.py --rows 1,4,16,32,64,128,512 --out benchmarks/results/cpu_fma_gemm_smollm2_avx2
 
 What is timed is what a decode step does: every layer's dense products (q/k/v and gate/up fused, as
 the serving swap fuses them, o_proj, down_proj) for `--layers` layers (default the model's own count)
@@ -51,69 +58,90 @@ def _step(calls: list[Callable[[], Any]]) -> None:
 def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: int, rows: list[int],
             steps: int, rounds: int, threads: int) -> list[dict[str, Any]]:
     import torch
+    import torch.nn.functional as F
 
-    from lmfoundry.kernels.cpu.bf16_gemv import Bf16Gemv, load_bf16_gemv
+    from lmfoundry.kernels.cpu.bf16_fma_gemm import load_bf16_fma_gemm
+    from lmfoundry.kernels.cpu.bf16_gemv import load_bf16_gemv
     from lmfoundry.kernels.error_bounds import assert_within, dot_bound
+    from lmfoundry.model.cpu_linears import _onednn_bf16
 
     torch.set_num_threads(threads)
-    gemv = load_bf16_gemv()
+    onednn_bf16 = _onednn_bf16()
+    gemv = load_bf16_gemv() if onednn_bf16 else load_bf16_fma_gemm()
     if gemv is None:
-        raise SystemExit("the C product is not built here (no compiler, or no AVX-512 BF16: "
-                         "lmfoundry.kernels.cpu.build.unavailable_reason('bf16_gemv'))")
+        raise SystemExit("no C product is built here (no compiler, or neither AVX-512 BF16 nor AVX2 + FMA: "
+                         "lmfoundry.kernels.cpu.build.unavailable_reason('bf16_gemv' / 'bf16_fma_gemm'))")
     gen = torch.Generator().manual_seed(0)
     shapes = [(n, k) for _, n, k in layer] * layers + [head]
     weights = [(torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16) for n, k in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    blocked = [Bf16Gemv.block(w) for w in weights]
+    blocked = [gemv.block(w) for w in weights]
+    if onednn_bf16:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+        baselines = {"oneDNN": lambda xs: [partial(torch.ops.mkldnn._linear_pointwise, xs[k], p, None, "none", [], "")
+                                           for (_, k), p in zip(shapes, packed, strict=True)]}
+    else:
+        wide = [w.float() for w in weights]
+        baselines = {"bf16 F.linear": lambda xs: [partial(F.linear, xs[k], w) for (_, k), w in zip(shapes, weights,
+                                                                                                  strict=True)],
+                     "fp32 F.linear": lambda xs: [partial(F.linear, xs[k].float(), w) for (_, k), w in zip(shapes, wide,
+                                                                                                      strict=True)]}
     out: list[dict[str, Any]] = []
     for m in rows:
+        if onednn_bf16 and m > gemv.max_rows:
+            continue
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in shapes}}
         ys = [torch.empty(m, n, dtype=torch.bfloat16) for n, _ in shapes]
-        onednn = [partial(torch.ops.mkldnn._linear_pointwise, xs[k], p, None, "none", [], "")
-                  for (_, k), p in zip(shapes, packed, strict=True)]
         c = [partial(gemv, xs[k], b, None, y, threads=threads) for (_, k), b, y in zip(shapes, blocked, ys, strict=True)]
         for idx in [*range(len(layer)), len(shapes) - 1]:  # one layer's shapes and the head, as the tests bound it
             c[idx]()
             x, w = xs[shapes[idx][1]].double(), weights[idx].double()
             ref = x @ w.t()
             bound = dot_bound(ref, x.abs() @ w.abs().t(), shapes[idx][1], torch.bfloat16)
-            assert_within(ys[idx], ref, bound, f"bf16_gemv {shapes[idx]} M={m}")
-        samples: dict[str, list[float]] = {"onednn": [], "c": []}
-        paths = {"onednn": onednn, "c": c}
+            assert_within(ys[idx], ref, bound, f"C product {shapes[idx]} M={m}")
+        paths = {name: make(xs) for name, make in baselines.items()}
+        paths["C"] = c
+        samples: dict[str, list[float]] = {name: [] for name in paths}
         for r in range(rounds):
-            for path in (("onednn", "c") if r % 2 == 0 else ("c", "onednn")):
+            for path in (list(paths) if r % 2 == 0 else list(reversed(paths))):
                 _step(paths[path])  # warm-up
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     _step(paths[path])
                 samples[path].append((time.perf_counter() - t0) / steps * 1e3)
-        row = {"M": m, "onednn_ms": statistics.median(samples["onednn"]), "c_ms": statistics.median(samples["c"]),
-               "onednn_rounds": samples["onednn"], "c_rounds": samples["c"]}
-        row["ratio"] = row["c_ms"] / row["onednn_ms"]
+        row = {"M": m, "ms": {name: statistics.median(v) for name, v in samples.items()}, "rounds": samples}
+        row["ratio"] = {name: row["ms"]["C"] / row["ms"][name] for name in baselines}
         out.append(row)
-        print(f"rows {m:3d}  oneDNN {row['onednn_ms']:7.2f} ms  C {row['c_ms']:7.2f} ms  C/oneDNN {row['ratio']:.2f}",
-              flush=True)
+        print(f"rows {m:3d}  " + "  ".join(f"{name} {ms:7.2f} ms" for name, ms in row["ms"].items()) + "  "
+              + "  ".join(f"C/{name} {v:.2f}" for name, v in row["ratio"].items()), flush=True)
     return out
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, shapes: Any, load: tuple[Any, Any]) -> str:
     from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS
+    from lmfoundry.model.cpu_linears import _onednn_bf16
+    from lmfoundry.runtime.cpu_isa import describe
 
     layer, head, layers = shapes
     names = ", ".join(f"{name} {n}x{k}" for name, n, k in layer)
-    lines = [f"# Few-row bf16 products in a decode step: the C product against oneDNN ({args.model})", "",
+    product = "few-row bf16_gemv" if _onednn_bf16() else "FMA product bf16_fma_gemm (every row count)"
+    base = list(rows[0]["ms"]) if rows else []
+    lines = [f"# bf16 products in a decode step: the C product against the paths it replaces ({args.model})", "",
              f"Command: `python benchmarks/cpu_gemv.py {' '.join(args.argv)}`".rstrip(), "",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads; load average "
              f"{list(load[0])} before, {list(load[1])} after. {args.rounds} rounds, paths alternating (A B, B A); "
              f"each sample the mean of {args.steps} steps.", "",
              f"One step: {layers} layers of {names} (each layer its own random weights), then the LM head "
              f"{head[0]}x{head[1]}: every weight streams from memory once per step, as in serving.", "",
-             f"`MAX_ROWS` in this tree: {MAX_ROWS} (inputs of up to that many rows take the C product).", "",
-             "| rows | oneDNN ms/step | C ms/step | C / oneDNN | every round (oneDNN; C) |",
-             "|---:|---:|---:|---:|---|"]
+             f"CPU: {describe()}. C product here: {product}"
+             + (f"; `MAX_ROWS` in this tree: {MAX_ROWS} (inputs of up to that many rows take it)." if _onednn_bf16()
+                else "."), "",
+             "| rows | " + " | ".join(f"{name} ms/step" for name in base) + " | "
+             + " | ".join(f"C / {name}" for name in base if name != "C") + " | every round (" + "; ".join(base) + ") |",
+             "|---:|" + "---:|" * (2 * len(base) - 1) + "---|"]
     for r in rows:
-        rounds = ", ".join(f"{v:.2f}" for v in r["onednn_rounds"]) + "; " + ", ".join(f"{v:.2f}" for v in r["c_rounds"])
-        lines.append(f"| {r['M']} | {r['onednn_ms']:.2f} | {r['c_ms']:.2f} | {r['ratio']:.2f} | {rounds} |")
+        rounds = "; ".join(", ".join(f"{v:.2f}" for v in r["rounds"][name]) for name in base)
+        lines.append(f"| {r['M']} | " + " | ".join(f"{r['ms'][name]:.2f}" for name in base) + " | "
+                     + " | ".join(f"{r['ratio'][name]:.2f}" for name in base if name != "C") + f" | {rounds} |")
     return "\n".join(lines) + "\n"
 
 

@@ -192,6 +192,9 @@ def parse_args() -> argparse.Namespace:
                    help="system prompt length in words (default: calibrated to --system-tokens)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per server (default: cores)")
     p.add_argument("--dtype", default="bfloat16", help="ours, vLLM and hf (llama.cpp: the GGUF's types)")
+    p.add_argument("--vllm-dtype", default=None,
+                   help="vLLM's dtype where it differs from --dtype: its best on this CPU (on CPUs without bf16 "
+                        "arithmetic vLLM's bf16 prefill is emulated and float32 serves faster)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory of ours and vLLM (GiB for vLLM)")
     p.add_argument("--ours-arg", action="append", default=[], help="an extra argument for `lmfoundry serve`")
@@ -246,7 +249,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for peer in peers:
         args.out.with_suffix(f".{peer}.log").unlink(missing_ok=True)
-    weights = {p: f"{args.dtype} weights" for p in peers if p != "llama.cpp"}
+    args.vllm_dtype = args.vllm_dtype or args.dtype
+    weights = {p: f"{args.vllm_dtype if p == 'vllm' else args.dtype} weights" for p in peers if p != "llama.cpp"}
     if "llama.cpp" in peers:
         weights["llama.cpp"] = (f"GGUF {Path(args.gguf).name}" if args.gguf else
                                 "**4-bit weights**: the packaged SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -256,6 +260,7 @@ def main() -> None:
         "threads": args.threads, "rounds": args.rounds, "levels": args.levels, "max_tokens": args.max_tokens,
         "requests": args.requests or "max(2c, 8)", "warmup": args.warmup, "shared_fraction": args.shared_fraction,
         "prefix_words": args.prefix_words, **prompt_lengths(args, tok), "dtype": args.dtype,
+        "vllm_dtype": args.vllm_dtype,
         "kv_cache_gb": args.kv_cache_gb, "weights": weights, "loadavg_before": loadavg(),
         "notes": [*args.note, *([VLLM_BIND_NOTE] if "vllm" in peers and args.vllm_bind == "all" else [])],
         "command": " ".join(["python", "benchmarks/serve_peers.py", *sys.argv[1:]]),

@@ -129,7 +129,7 @@ def peer_command(peer: str, args: argparse.Namespace, folder: Path, port: int) -
         if preload:
             extra["LD_PRELOAD"] = preload
         cmd = [py, "-c", VLLM_SHIM, "--model", str(folder), "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", args.dtype, "--max-model-len", max_len, "--served-model-name", SERVED]
+               "--dtype", getattr(args, "vllm_dtype", None) or args.dtype, "--max-model-len", max_len, "--served-model-name", SERVED]
         if args.vllm_eager:
             cmd.append("--enforce-eager")  # skip torch.compile (minutes on the first start)
         return cmd, extra

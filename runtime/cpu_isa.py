@@ -1,8 +1,11 @@
 """What this CPU computes natively, for choosing the serving dtype and keying `--arch cpu` bundles.
 
-bfloat16 is the default execution dtype only where the CPU has bf16 arithmetic (AVX512-BF16 or
+bfloat16 is the default execution dtype where the CPU has bf16 arithmetic (AVX512-BF16 or
 AMX-BF16): there bf16 GEMMs run on the matrix/dot-product units and the int4pack / int8pack
-weight-only kernels take their vectorized path. Elsewhere bf16 is emulated and float32 is faster.
+weight-only kernels take their vectorized path. On AVX2 CPUs oneDNN emulates bf16, but the
+runtime's own products (`kernels/cpu/bf16_fma_gemm.c`: bf16 weights widened in registers, float32
+FMAs) and attention kernels read half the bytes of float32 at the same arithmetic, so bfloat16 is
+the default there too wherever they are built; elsewhere float32 is faster.
 """
 
 from __future__ import annotations
@@ -42,13 +45,24 @@ def isa() -> str:
     return "default"
 
 
+def widened_bf16() -> bool:
+    """Whether bf16 runs through the runtime's AVX2 kernels here (no bf16 arithmetic, but AVX2 +
+    FMA and the kernels built)."""
+    if native_bf16():
+        return False
+    from lmfoundry.kernels.cpu.bf16_fma_gemm import load_bf16_fma_gemm
+
+    return load_bf16_fma_gemm() is not None
+
+
 def default_dtype() -> torch.dtype:
     """The execution dtype of `--dtype auto` on CPU."""
-    return torch.bfloat16 if native_bf16() else torch.float32
+    return torch.bfloat16 if native_bf16() or widened_bf16() else torch.float32
 
 
 def describe() -> str:
     """One line for a server's or evaluation's start: what was detected and what follows."""
     extra = [n for n in ("avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni") if cpu_features().get(n)]
-    dtype = "bfloat16" if native_bf16() else "float32 (no native bf16)"
+    dtype = "bfloat16" if native_bf16() else \
+        "bfloat16 (widened to float32 in the runtime's AVX2 kernels)" if widened_bf16() else "float32 (no native bf16)"
     return f"cpu: {isa()} ({', '.join(extra) or 'no bf16/int8 dot-product units'}); --dtype auto -> {dtype}"

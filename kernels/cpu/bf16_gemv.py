@@ -23,6 +23,8 @@ _c_i64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 class Bf16Gemv:
     """The built product with its C signature; `__call__` checks what the C side cannot."""
 
+    max_rows = MAX_ROWS  # inputs of more rows go to oneDNN
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.lmf_bf16_gemv
         fn.restype = None

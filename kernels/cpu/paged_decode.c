@@ -14,6 +14,9 @@
  * output in float32 or bfloat16 (dtype codes below). On CPUs with AVX512-BF16, bf16 attention
  * rounds the softmax weights P to bf16 for the PV product, as GPU flash attention does, so that one
  * dot-product instruction takes two tokens (attend_part_bf16; lmf_paged_decode_p_bf16 says when).
+ * With AVX-512 tokens are scored and summed 16 at a time, with AVX2 and FMA 8 at a time (float32
+ * FMAs, K/V widened from bf16 in registers), elsewhere one at a time in loops the compiler
+ * vectorizes.
  *
  * Built on the serving machine with -march=native by lmfoundry.kernels.cpu.build, so the loops
  * vectorize for the CPU it runs on; OpenMP is torch's own runtime (the same libgomp.so.1).
@@ -76,6 +79,21 @@ static inline __m512 score16(const char *q_raw, const float *qf, const char *con
     (void)q_raw;
     return reduce16(acc);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "avx2_common.h"
+
+/* The dot products of one query head (qf, float32) with 8 K rows; d % 8 == 0. */
+static inline __m256 score8(const float *qf, const char *const rows[8], int d, int dtype) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(qf + i);
+        for (int j = 0; j < 8; j++)
+            acc[j] = _mm256_fmadd_ps(qv, dtype == DTYPE_BF16 ? bf16x8_to_f32(rows[j] + 2 * i)
+                                                             : _mm256_loadu_ps((const float *)rows[j] + i), acc[j]);
+    }
+    return reduce8(acc);
+}
 #endif
 
 /* One item: every query head of one sequence over context tokens [t0, t1). The K/V heads are
@@ -114,6 +132,23 @@ static void attend_part(const char *q, int64_t q_head_stride, const char *k_cach
                     _mm512_storeu_ps(s + h * n + (t - t0),
                                      _mm512_mul_ps(score16(q_raw + h * d * esize, qf + h * d, rows, d, dtype),
                                                    _mm512_set1_ps(scale)));
+            }
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0)
+        for (; t + 8 <= t1; t += 8) {
+            int64_t at[8];
+            for (int j = 0; j < 8; j++) {
+                at[j] = ((int64_t)table[(t + j) / block_size] * block_size + (t + j) % block_size) * token_stride;
+                for (int64_t line = 0; line < token_stride; line += 64) /* V for the second pass, while K is scored */
+                    _mm_prefetch(v_cache + at[j] + line, _MM_HINT_T1);
+            }
+            for (int kvh = 0; kvh < hkv; kvh++) {
+                const char *rows[8];
+                for (int j = 0; j < 8; j++) rows[j] = k_cache + at[j] + kvh * head_bytes;
+                for (int h = kvh * g; h < (kvh + 1) * g; h++)
+                    _mm256_storeu_ps(s + h * n + (t - t0),
+                                     _mm256_mul_ps(score8(qf + h * d, rows, d, dtype), _mm256_set1_ps(scale)));
             }
         }
 #endif
@@ -168,6 +203,33 @@ static void attend_part(const char *q, int64_t q_head_stride, const char *k_cach
                         for (int j = 0; j < 16; j++)
                             a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vblock + j * d + i), a);
                         _mm512_storeu_ps(acc + h * d + i, a);
+                    }
+                }
+            }
+        }
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* as above, 8 V rows at a time */
+    if (d % 8 == 0 && d <= 256) {
+        float vblock[8 * d];
+        for (; t + 8 <= t1; t += 8) {
+            int64_t at[8];
+            for (int j = 0; j < 8; j++)
+                at[j] = ((int64_t)table[(t + j) / block_size] * block_size + (t + j) % block_size) * token_stride;
+            for (int kvh = 0; kvh < hkv; kvh++) {
+                for (int j = 0; j < 8; j++) {
+                    const char *r = v_cache + at[j] + kvh * head_bytes;
+                    for (int i = 0; i < d; i += 8)
+                        _mm256_storeu_ps(vblock + j * d + i, dtype == DTYPE_BF16 ? bf16x8_to_f32(r + 2 * i)
+                                                                                : _mm256_loadu_ps((const float *)r + i));
+                }
+                for (int h = kvh * g; h < (kvh + 1) * g; h++) {
+                    const float *p = s + h * n + (t - t0);
+                    for (int i = 0; i < d; i += 8) {
+                        __m256 a = _mm256_loadu_ps(acc + h * d + i);
+                        for (int j = 0; j < 8; j++)
+                            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vblock + j * d + i), a);
+                        _mm256_storeu_ps(acc + h * d + i, a);
                     }
                 }
             }

@@ -1,5 +1,5 @@
 /* Causal attention of prompt chunks over the paged KV cache, read in place, for CPUs with AVX-512
- * BF16 (bfloat16 q, cache and output; float32 arithmetic).
+ * BF16 or AVX2 and FMA (bfloat16 q, cache and output; float32 arithmetic).
  *
  * A chunk is `n` new tokens of one sequence at positions context .. context + n - 1; its K/V rows
  * (the cached context and the new tokens, written before this call) live in the blocks of its
@@ -15,24 +15,27 @@
  * up to its last row's position, with an online softmax (flash attention): a tile's K is laid out
  * as pairs of dimensions by key, so one AVX-512 BF16 dot-product instruction per pair gives a
  * query's 16 scores; its V is widened to float32 once and shared by every query vector of the item.
- * Items are taken longest first (the last rows of a causal chunk see the most keys).
+ * Items are taken longest first (the last rows of a causal chunk see the most keys). On CPUs with
+ * AVX2 and FMA but no bf16 instructions the same walk runs in tiles of 8 keys with K and V widened
+ * to float32 (the products are the same exact float32 values).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include "avx512_common.h"
+#include "bf16.h"
 
 #define MAX_QV 64 /* query vectors an item holds: rows x heads of one GQA group */
-#define TILE 16   /* keys a tile scores at once */
 #define QG 4      /* query vectors scored and accumulated side by side */
-
-int lmf_paged_prefill_supported(void) { return 1; }
 
 typedef struct {
     int chunk, row0, rows, kvh, keys; /* keys: how many the item's last row attends */
 } Item;
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "avx512_common.h"
+#define HAVE_PREFILL 1
+#define TILE 16   /* keys a tile scores at once */
 
 /* One item: query rows [row0, row0 + rows) of chunk `c` (relative to its first row), the query
  * heads of KV head kvh. Query vectors go four at a time, so each K/V load feeds four of them and
@@ -147,6 +150,159 @@ static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_
                                     (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + i * d + c * 16), inv)));
         }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "avx2_common.h"
+#define HAVE_PREFILL 1
+#define TILE 8 /* keys a tile scores at once: one float32 vector */
+
+/* exp(x) for x <= 0 on 8 lanes (larger x clamp at -87), as exp_nonpos in bf16.h */
+static inline __m256 exp_nonpos8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* The AVX2 form of the item above: the same walk, tiles of 8 keys, K and V widened to float32
+ * (products of bf16 values are exact in float32, as in the dot-product instruction), float32 FMAs
+ * with the query vectors' values broadcast; each K/V load feeds four query vectors. */
+static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_stride, const uint16_t *k_cache,
+                        const uint16_t *v_cache, int block_size, int hkv, int d, int g, const int32_t *table,
+                        int start, int context, const Item *it, uint16_t *out, int64_t out_row_stride, float scale) {
+    const int qv = it->rows * g, qvp = (qv + QG - 1) / QG * QG, chunks = d / 8;
+    float qf[qvp * d];   /* query vectors in float32 [qv][d] (padding: zeros) */
+    float acc[qvp * d];  /* unnormalized outputs [qv][d] */
+    float m[qvp], l[qvp];
+    int limit[qvp];      /* the last key each query vector attends (padding: -1) */
+    float kt[d * TILE];  /* the tile's K in float32: [d][8 keys] */
+    float vt[TILE * d];  /* the tile's V in float32: [8 keys][d] */
+    memset(qf, 0, sizeof(qf));
+    for (int i = 0; i < qvp; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+        limit[i] = -1;
+    }
+    for (int r = 0; r < it->rows; r++)
+        for (int gi = 0; gi < g; gi++) {
+            const int i = r * g + gi;
+            const uint16_t *src = q + (int64_t)(start + it->row0 + r) * q_row_stride + (int64_t)(it->kvh * g + gi) * q_head_stride;
+            for (int c = 0; c < d; c++) qf[i * d + c] = bf16_to_f32(src[c]);
+            limit[i] = context + it->row0 + r;
+        }
+    memset(acc, 0, sizeof(float) * (size_t)qvp * d);
+    const int64_t token = (int64_t)hkv * d; /* elements per cached token */
+    for (int t0 = 0; t0 < it->keys; t0 += TILE) {
+        const int kn = it->keys - t0 < TILE ? it->keys - t0 : TILE;
+        for (int j = 0; j < TILE; j++) {
+            if (j < kn) {
+                const int t = t0 + j;
+                const int64_t at = ((int64_t)table[t / block_size] * block_size + t % block_size) * token + (int64_t)it->kvh * d;
+                for (int c = 0; c < d; c++) kt[c * TILE + j] = bf16_to_f32(k_cache[at + c]);
+                for (int c = 0; c < chunks; c++) _mm256_storeu_ps(vt + j * d + c * 8, bf16x8_to_f32(v_cache + at + c * 8));
+            } else {
+                for (int c = 0; c < d; c++) kt[c * TILE + j] = 0.0f;
+                memset(vt + j * d, 0, sizeof(float) * (size_t)d);
+            }
+        }
+        for (int i0 = 0; i0 < qvp; i0 += QG) {
+            int last[QG], any = 0;
+            for (int u = 0; u < QG; u++) {
+                last[u] = limit[i0 + u] - t0; /* lanes 0..last are keys query i0 + u attends */
+                any |= last[u] >= 0;
+            }
+            if (!any) continue;
+            __m256 s[QG][2];
+            for (int u = 0; u < QG; u++) s[u][0] = s[u][1] = _mm256_setzero_ps();
+            const float *q0 = qf + i0 * d;
+            for (int c = 0; c < d; c += 2) {
+                const __m256 k0 = _mm256_loadu_ps(kt + c * TILE), k1 = _mm256_loadu_ps(kt + (c + 1) * TILE);
+                for (int u = 0; u < QG; u++) {
+                    s[u][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + u * d + c), k0, s[u][0]);
+                    s[u][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + u * d + c + 1), k1, s[u][1]);
+                }
+            }
+            float pw[QG][TILE];
+            int jn_all = 0;
+            for (int u = 0; u < QG; u++) {
+                const int i = i0 + u;
+                if (last[u] < 0) {
+                    memset(pw[u], 0, sizeof(pw[u]));
+                    continue;
+                }
+                const int jn = last[u] + 1 < kn ? last[u] + 1 : kn; /* live lanes: 0 .. jn - 1 */
+                jn_all = jn > jn_all ? jn : jn_all;
+                const __m256 live = _mm256_castsi256_ps(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(jn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+                const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                                   _mm256_mul_ps(_mm256_add_ps(s[u][0], s[u][1]), _mm256_set1_ps(scale)),
+                                                   live);
+                const float top = hmax8(sc);
+                if (top > m[i]) {
+                    const float corr = m[i] == -INFINITY ? 0.0f : expf(m[i] - top);
+                    l[i] *= corr;
+                    float *ai = acc + i * d;
+                    for (int c = 0; c < chunks; c++)
+                        _mm256_storeu_ps(ai + c * 8, _mm256_mul_ps(_mm256_loadu_ps(ai + c * 8), _mm256_set1_ps(corr)));
+                    m[i] = top;
+                }
+                const __m256 pr = _mm256_and_ps(live, exp_nonpos8(_mm256_sub_ps(sc, _mm256_set1_ps(m[i]))));
+                l[i] += hsum8(pr);
+                _mm256_storeu_ps(pw[u], pr);
+            }
+            for (int cc = 0; cc < chunks; cc += 2) {
+                __m256 a[QG][2];
+                for (int u = 0; u < QG; u++)
+                    for (int x = 0; x < 2; x++) a[u][x] = _mm256_loadu_ps(acc + (i0 + u) * d + (cc + x) * 8);
+                for (int j = 0; j < jn_all; j++) {
+                    const __m256 v0 = _mm256_loadu_ps(vt + j * d + cc * 8), v1 = _mm256_loadu_ps(vt + j * d + cc * 8 + 8);
+                    for (int u = 0; u < QG; u++) {
+                        const __m256 pj = _mm256_set1_ps(pw[u][j]);
+                        a[u][0] = _mm256_fmadd_ps(pj, v0, a[u][0]);
+                        a[u][1] = _mm256_fmadd_ps(pj, v1, a[u][1]);
+                    }
+                }
+                for (int u = 0; u < QG; u++)
+                    for (int x = 0; x < 2; x++) _mm256_storeu_ps(acc + (i0 + u) * d + (cc + x) * 8, a[u][x]);
+            }
+        }
+    }
+    for (int r = 0; r < it->rows; r++)
+        for (int gi = 0; gi < g; gi++) {
+            const int i = r * g + gi;
+            uint16_t *dst = out + (int64_t)(start + it->row0 + r) * out_row_stride + (int64_t)(it->kvh * g + gi) * d;
+            const float inv = 1.0f / l[i];
+            for (int c = 0; c < d; c++) dst[c] = f32_to_bf16(acc[i * d + c] * inv);
+        }
+}
+#endif
+
+#if defined(HAVE_PREFILL)
+int lmf_paged_prefill_supported(void) { return 1; }
 
 /* Attention for `n_chunks` chunks: chunk c is rows starts[c] .. starts[c] + lens[c] - 1 of q and
  * out ([T, Hq, D], heads of D contiguous), with contexts[c] cached tokens before it and its blocks

@@ -34,7 +34,7 @@ class PagedPrefill:
         self._items = lib.lmf_paged_prefill_items
         self._items.restype = _c_int
         self._items.argtypes = [_ptr, _c_int, _c_int, _c_int]
-        self.supported = bool(lib.lmf_paged_prefill_supported())  # built without AVX-512 BF16: no kernel
+        self.supported = bool(lib.lmf_paged_prefill_supported())  # built without AVX-512 BF16 or AVX2 + FMA: no kernel
         self._room = torch.empty(0, dtype=torch.uint8)
 
     @staticmethod
@@ -74,8 +74,8 @@ class PagedPrefill:
 
 
 def load_paged_prefill() -> PagedPrefill | None:
-    """The kernel, built on first use; None where it cannot be built, the CPU has no AVX-512
-    BF16, or native kernels are turned off."""
+    """The kernel, built on first use; None where it cannot be built, the CPU has neither AVX-512
+    BF16 nor AVX2 + FMA, or native kernels are turned off."""
     kernel = bound("paged_prefill", PagedPrefill)
     return kernel if kernel is not None and kernel.supported else None
 

@@ -57,7 +57,8 @@ def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
               help="cpu or cuda[:N]: where an engine bundle's kernels run (checkpoints run on CPU).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Execution dtype of checkpoints on CPU. auto: bfloat16 where the CPU has bf16 arithmetic "
-                   "(quantized weights then stay packed, as `serve` runs them), float32 elsewhere.")
+                   "or runs the AVX2 bf16 kernels (quantized weights then stay packed, as `serve` runs them), float32 "
+                   "elsewhere.")
 def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: int | None, batch_size: int,
             tp: int, as_json: bool, device: str, dtype: str) -> None:
     """Perplexity of each of MODELS (folder, GGUF, built-in name or quantized checkpoint) on the

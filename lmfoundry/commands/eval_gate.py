@@ -30,7 +30,8 @@ from lmfoundry.runtime.dtypes import DTYPES
               help="cpu or cuda[:N]: where an engine bundle (candidate or baseline) runs its compiled kernels.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Execution dtype of checkpoints on CPU, the same for both models. auto: bfloat16 where the "
-                   "CPU has bf16 arithmetic (quantized weights then stay packed), float32 elsewhere.")
+                   "CPU has bf16 arithmetic or runs the AVX2 bf16 kernels (quantized weights then stay packed), float32 "
+                   "elsewhere.")
 @click.option("--tp", type=int, default=1, show_default=True,
               help="Split each model over this many processes, as `serve --tp` runs it (must divide the "
                    "attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes; a bundle runs at "

@@ -88,7 +88,8 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
 @click.option("--served-model-name", default=None, help="Model id reported by /v1/models.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Execution dtype on CPU. auto: bfloat16 where the CPU has bf16 arithmetic (AVX512-BF16/AMX; "
-                   "W4A16/W8A16 weights then stay packed), float32 elsewhere; an engine bundle on a GPU keeps its own.")
+                   "W4A16/W8A16 weights then stay packed) or AVX2 + FMA (the runtime's kernels widen bf16 in registers), "
+                   "float32 elsewhere; an engine bundle on a GPU keeps its own.")
 @click.option("--max-model-len", type=int, default=None, help="Context length (prompt + output).")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences batched together.")
 @click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,

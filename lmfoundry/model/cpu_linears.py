@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS, Bf16Gemv, load_bf16_gemv
+from lmfoundry.kernels.cpu.bf16_fma_gemm import Bf16FmaGemm, load_bf16_fma_gemm
+from lmfoundry.kernels.cpu.bf16_gemv import Bf16Gemv, load_bf16_gemv
 from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.quantizers.base import QuantizedWeight
 
@@ -78,6 +79,15 @@ def _dequantize_first(x: torch.Tensor) -> bool:
     """Eager: whether this many rows run faster as dequantize-then-GEMM. Traced (`compile --arch
     cpu`): never, the op stays one node that Inductor's GEMM template serves at every size."""
     return not torch.compiler.is_compiling() and x.shape[0] >= DEQUANT_ROWS
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w for the dequantize-then-GEMM path, bf16 in and out: oneDNN's bf16 GEMM where the CPU
+    has bf16 arithmetic, else float32 BLAS on widened copies (oneDNN emulates bf16 several times
+    slower there; widening is exact, and both accumulate in float32 and round once)."""
+    if _onednn_bf16():
+        return torch.matmul(x, w)
+    return torch.matmul(x.float(), w.float()).to(x.dtype)
 
 
 def _kernel_group(k: int, group: int | None) -> int | None:
@@ -176,7 +186,7 @@ class Int4PackLinear(nn.Module):
             x2 = x2.index_select(1, self.perm)
         x2 = x2.to(COMPUTE_DTYPE)
         if _dequantize_first(x2) and self.out_features % int4_layout()[0] == 0:
-            y = torch.matmul(x2, self._blocked_weight()).transpose(0, 1).reshape(-1, self.out_features)
+            y = _gemm(x2, self._blocked_weight()).transpose(0, 1).reshape(-1, self.out_features)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,
                                                            self.scale_zeros)
@@ -231,7 +241,7 @@ class Int8PackLinear(nn.Module):
         shape, dtype = x.shape[:-1], x.dtype
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if _dequantize_first(x2):
-            y = F.linear(x2, self.codes.to(COMPUTE_DTYPE) * self.scale[:, None])
+            y = _gemm(x2, (self.codes.to(COMPUTE_DTYPE) * self.scale[:, None]).t())
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.codes, self.scale)
         if self.zero_scaled is not None:
@@ -254,32 +264,55 @@ def packed_linear(qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module |
     return Int8PackLinear.from_quantized(qw, bias)
 
 
+@lru_cache(maxsize=1)
+def _onednn_bf16() -> bool:
+    """Whether this CPU's oneDNN has bf16 kernels (AVX512-BF16 or AMX; elsewhere it emulates them)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class PrepackedLinear(nn.Module):
-    """A dense bfloat16 linear whose weight oneDNN has reordered once into its blocked layout.
+    """A dense bfloat16 linear whose weight is laid out once, at the swap, for the product it runs.
 
     `F.linear` on a plain bf16 weight makes oneDNN reorder it on every call; for the small layers
     of a decode step that reorder costs about as much as the product (the weight-streaming rate
     of a plain call is well below the machine's; benchmarks/results/step_profile.md). vLLM's CPU
-    backend prepacks the same way. The product is oneDNN's same kernel, so outputs equal
-    `F.linear`'s bit for bit, except for inputs of at most `MAX_ROWS` rows (decode steps) where
-    the C product `lmfoundry.kernels.cpu.bf16_gemv` is built: oneDNN streams a weight well below
-    the memory's rate there, the C kernel reads its own blocked copy front to back (outputs then
-    differ from `F.linear`'s by the summation order: fp32 accumulation, one bf16 rounding). The
-    packed weight is opaque: this module is for serving, not for tracing (`compile --arch cpu`
+    backend prepacks the same way. Two layouts, by what the CPU has:
+
+    - oneDNN with bf16 kernels: the weight reordered into oneDNN's blocked layout; outputs equal
+      `F.linear`'s bit for bit, except for inputs of at most `bf16_gemv.MAX_ROWS` rows (decode
+      steps) where the C product `lmfoundry.kernels.cpu.bf16_gemv` is built: oneDNN streams a
+      weight well below the memory's rate there, the C kernel reads its own blocked copy front to
+      back (outputs then differ from `F.linear`'s by the summation order: fp32 accumulation, one
+      bf16 rounding).
+    - no bf16 arithmetic (AVX2 CPUs, where oneDNN emulates bf16 several times slower than float32):
+      the weight in the panels of `lmfoundry.kernels.cpu.bf16_fma_gemm`, which serves every row
+      count with float32 FMAs on weights widened in registers (same arithmetic, one copy of the
+      weight).
+
+    The packed weight is opaque: this module is for serving, not for tracing (`compile --arch cpu`
     traces the plain model); `.weight` unpacks a copy."""
+
+    gemv: Bf16Gemv | Bf16FmaGemm | None
+    packed: torch.Tensor | None  # oneDNN's layout (None: FMA panels only)
+    blocked: torch.Tensor | None  # the C product's layout of the weight
 
     def __init__(self, linear: nn.Linear, few_rows: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias.detach().contiguous() if linear.bias is not None else None
+        fma = None if _onednn_bf16() else load_bf16_fma_gemm()
+        if fma is not None:
+            self.packed = None
+            self.gemv, self.blocked = fma, fma.block(linear.weight)
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         gemv = load_bf16_gemv() if few_rows else None
         fits = gemv is not None and Bf16Gemv.fits(self.out_features, self.in_features)
         self.gemv = gemv if fits else None
         self.blocked = Bf16Gemv.block(linear.weight) if fits else None  # the few-row product's copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and self.blocked is not None and x.numel() <= MAX_ROWS * self.in_features:
+        if self.gemv is not None and self.blocked is not None and x.numel() <= self.gemv.max_rows * self.in_features:
             rows = x.reshape(-1, self.in_features)
             rows = rows if rows.stride(1) == 1 else rows.contiguous()
             out = rows.new_empty(rows.shape[0], self.out_features)
@@ -290,10 +323,14 @@ class PrepackedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The plain [out, in] weight, unpacked on demand (a copy: nothing dense is kept)."""
+        if self.packed is None:
+            assert self.blocked is not None  # FMA panels: the only copy of the weight
+            return Bf16FmaGemm.unblock(self.blocked, self.out_features).contiguous()
         return self.packed.to_dense()
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bf16 oneDNN-prepacked"
+        layout = "oneDNN-prepacked" if self.packed is not None else "FMA panels"
+        return f"in={self.in_features}, out={self.out_features}, bf16 {layout}"
 
 
 class FusedPrepackedLinear(PrepackedLinear):
@@ -354,10 +391,11 @@ class PrepackedPart(nn.Module):
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
-    """Whether dense linears of a CPU model running in `dtype` can be prepacked (bf16 on a CPU
-    whose oneDNN has bf16 kernels)."""
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() \
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether dense linears of a CPU model running in `dtype` can be prepacked: bf16, on a CPU
+    whose oneDNN has bf16 kernels or where the FMA product (`bf16_fma_gemm`) is built."""
+    if dtype != torch.bfloat16:
+        return False
+    return _onednn_bf16() or load_bf16_fma_gemm() is not None
 
 
 def _prepackable(module: object) -> TypeGuard[nn.Linear]:
@@ -380,9 +418,10 @@ def _available_memory() -> int | None:
 
 
 def _few_row_copies(model: nn.Module) -> bool:
-    """Whether the dense bf16 linears get the few-row product's blocked copy: where it is built,
-    and the copies (one more weight each) fit in a quarter of the available memory."""
-    if load_bf16_gemv() is None:
+    """Whether the dense bf16 linears get the few-row product's blocked copy: where it is built
+    (and oneDNN serves the rest), and the copies (one more weight each) fit in a quarter of the
+    available memory."""
+    if load_bf16_gemv() is None or not _onednn_bf16():
         return False
     extra = sum(m.weight.numel() * 2 for m in model.modules() if _prepackable(m))
     available = _available_memory()

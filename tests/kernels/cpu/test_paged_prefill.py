@@ -2,8 +2,9 @@
 (`paged_attention_common.reference`, one chunk at a time).
 
 Error bound (`attention_bound(..., p_split=True)`, as for the decode kernel): scores in fp32 from
-AVX-512 BF16 dot products of bf16 q and K (products exact in fp32), exp through a degree-6
-polynomial, P kept in fp32, the online rescaling once per tile of 16 keys, PV and the normaliser
+AVX-512 BF16 dot products of bf16 q and K, or float32 FMAs of them widened (products exact in fp32
+either way), exp through a degree-6
+polynomial, P kept in fp32, the online rescaling once per tile of 16 keys (8 with AVX2), PV and the normaliser
 summed in fp32; each side rounds the output once. Outputs start as NaN: every chunk row must be
 overwritten and every other row left alone.
 """
@@ -21,7 +22,7 @@ from lmfoundry.kernels.paged_kv import PagedKVCache
 
 kernel = load_paged_prefill()
 pytestmark = pytest.mark.skipif(kernel is None,
-                                reason=f"no AVX-512 BF16 prefill kernel: {unavailable_reason('paged_prefill')}")
+                                reason=f"no prefill kernel (AVX-512 BF16 or AVX2): {unavailable_reason('paged_prefill')}")
 
 
 def check(gen: torch.Generator, hq: int, hkv: int, d: int, chunks: list[tuple[int, int]], block_size: int = 16,

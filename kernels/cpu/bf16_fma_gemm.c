@@ -1,0 +1,132 @@
+/* y = x W^T (+ bias) for tens of rows of x, bf16 in and out, float32 arithmetic, for CPUs with
+ * AVX2 and FMA but no bf16 instructions (AVX2-only x86 servers and VMs).
+ *
+ * Where the CPU has no bf16 arithmetic, oneDNN emulates its bf16 GEMM and runs it several times
+ * slower than its float32 one; yet a bf16 weight is still half the bytes to stream, and widening
+ * a bf16 value to float32 is exact (a 16-bit shift). So the weight stays bf16 and is widened in
+ * registers; every product and sum is float32 (fused multiply-add), and the output is rounded to
+ * bf16 once, after the bias: the arithmetic of a bf16 GEMM with float32 accumulation.
+ *
+ * Layout: the weight is stored as panels of 16 output channels, [N/16][K][16] (the last one
+ * padded with zero channels where N is not a multiple of 16), so each input k
+ * reads one 32-byte line of 16 weights: two float32 vectors of 8 outputs. Up to four input rows
+ * share each weight load (their value of x[r][k] is broadcast), so a decode batch streams the
+ * weight once per panel from memory and re-reads it from cache for the next four rows: the
+ * product is bound by the memory at a few rows and by the FMA units at tens of rows.
+ *
+ * Built on the serving machine with -march=native by lmfoundry.kernels.cpu.build; without AVX2
+ * and FMA `lmf_bf16_fma_gemm_supported` returns 0 and the caller keeps PyTorch.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include "avx2_common.h"
+
+int lmf_bf16_fma_gemm_supported(void) { return 1; }
+
+#define ROW_BLOCK_BYTES (256 * 1024)
+
+/* the first `valid` (<= 16) of a panel's outputs, bias added, rounded to bf16 */
+static inline void store_panel(const float acc_lo[8], const float acc_hi[8], const float *add, int valid,
+                               uint16_t *y) {
+    float v[16];
+    for (int j = 0; j < 8; j++) v[j] = acc_lo[j] + add[j], v[8 + j] = acc_hi[j] + add[8 + j];
+    for (int j = 0; j < valid; j++) y[j] = f32_to_bf16(v[j]);
+}
+
+/* R (1..6) rows of float32 x against one panel [K][16]: y[r][0..15], rounded to bf16. With one or
+ * two rows each output vector gets two accumulators (even and odd k) so that the FMA latency is
+ * hidden; with three or four the rows themselves are independent chains. */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, const uint16_t *panel,
+                                                             int k, const int R, const float *add, int valid,
+                                                             uint16_t *y, int64_t y_stride) {
+    __m256 lo[6], hi[6], lo2[6], hi2[6];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = lo2[r] = hi2[r] = _mm256_setzero_ps();
+    int c = 0;
+    if (R <= 2) {
+        for (; c + 2 <= k; c += 2) {
+            const __m256 w0 = bf16x8_to_f32(panel + c * 16), w1 = bf16x8_to_f32(panel + c * 16 + 8);
+            const __m256 v0 = bf16x8_to_f32(panel + c * 16 + 16), v1 = bf16x8_to_f32(panel + c * 16 + 24);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++) {
+                const __m256 xa = _mm256_broadcast_ss(x + r * x_stride + c);
+                const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + c + 1);
+                lo[r] = _mm256_fmadd_ps(xa, w0, lo[r]);
+                hi[r] = _mm256_fmadd_ps(xa, w1, hi[r]);
+                lo2[r] = _mm256_fmadd_ps(xb, v0, lo2[r]);
+                hi2[r] = _mm256_fmadd_ps(xb, v1, hi2[r]);
+            }
+        }
+    }
+    for (; c < k; c++) {
+        const __m256 w0 = bf16x8_to_f32(panel + c * 16), w1 = bf16x8_to_f32(panel + c * 16 + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m256 xa = _mm256_broadcast_ss(x + r * x_stride + c);
+            lo[r] = _mm256_fmadd_ps(xa, w0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(xa, w1, hi[r]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) {
+        float a[8], b[8];
+        _mm256_storeu_ps(a, _mm256_add_ps(lo[r], lo2[r]));
+        _mm256_storeu_ps(b, _mm256_add_ps(hi[r], hi2[r]));
+        store_panel(a, b, add, valid, y + r * y_stride);
+    }
+}
+
+/* x: [M, K] bf16 (row stride x_stride), panels: [ceil(N/16)][K][16] bf16 (the last panel's
+ * channels past N are padding, never stored), bias: [N] bf16 or NULL, y: [M, N] bf16 (row stride
+ * y_stride). Returns 0, or -1 when the float32 copy of x cannot be allocated. */
+int lmf_bf16_fma_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+                      int64_t y_stride, int m, int n, int k, int threads) {
+    float *xf = malloc(sizeof(float) * (size_t)m * (size_t)k); /* x widened once, read by every panel */
+    if (xf == NULL) return -1;
+    for (int r = 0; r < m; r++)
+        for (int c = 0; c < k; c++) xf[(int64_t)r * k + c] = bf16_to_f32(x[r * x_stride + c]);
+    const int nb = (n + 15) / 16;
+    /* rows in blocks whose float32 copy stays in cache while every panel passes over it */
+    const int fit = (int)(ROW_BLOCK_BYTES / (sizeof(float) * (size_t)k)) / 6 * 6;
+    const int rows = fit > 6 ? fit : 6;
+#define ROWS(R) panel_rows(xf + (int64_t)r * k, k, panel, k, R, add, valid, y + r * y_stride + b * 16, y_stride)
+    for (int r0 = 0; r0 < m; r0 += rows) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int b = 0; b < nb; b++) {
+        const uint16_t *panel = panels + (int64_t)b * k * 16;
+        const int valid = n - b * 16 < 16 ? n - b * 16 : 16;
+        float add[16] = {0};
+        if (bias)
+            for (int j = 0; j < valid; j++) add[j] = bf16_to_f32(bias[b * 16 + j]);
+        const int r1 = r0 + rows < m ? r0 + rows : m;
+        int r = r0;
+        for (; r + 6 <= r1; r += 6) ROWS(6);
+        switch (r1 - r) {
+            case 5: ROWS(5); break;
+            case 4: ROWS(4); break;
+            case 3: ROWS(3); break;
+            case 2: ROWS(2); break;
+            case 1: ROWS(1); break;
+            default: break;
+        }
+    }
+#undef ROWS
+    }
+    free(xf);
+    return 0;
+}
+#else
+int lmf_bf16_fma_gemm_supported(void) { return 0; }
+
+int lmf_bf16_fma_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+                      int64_t y_stride, int m, int n, int k, int threads) {
+    (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k,
+        (void)threads;
+    return -1;
+}
+#endif
