@@ -38,32 +38,18 @@ static inline void store_panel(const float acc_lo[8], const float acc_hi[8], con
     for (int j = 0; j < valid; j++) y[j] = f32_to_bf16(v[j]);
 }
 
-/* R (1..6) rows of float32 x against one panel [K][16]: y[r][0..15], rounded to bf16. With one or
- * two rows each output vector gets two accumulators (even and odd k) so that the FMA latency is
- * hidden; with three or four the rows themselves are independent chains. */
+/* R (1..6) rows of float32 x against one panel [K][16]: y[r][0..15], rounded to bf16. Every output
+ * is one FMA chain over k in order, whatever R and wherever the row sits in its group: a token's
+ * product is bit for bit the same in a prompt chunk and alone in a decode step, so a prefix-cached
+ * request computes what the cold one did (greedy text included). One row still outruns the memory
+ * with two chains per panel; from three rows the rows' chains hide the FMA latency. */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, const uint16_t *panel,
                                                              int k, const int R, const float *add, int valid,
                                                              uint16_t *y, int64_t y_stride) {
-    __m256 lo[6], hi[6], lo2[6], hi2[6];
+    __m256 lo[6], hi[6];
 #pragma GCC unroll 6
-    for (int r = 0; r < R; r++) lo[r] = hi[r] = lo2[r] = hi2[r] = _mm256_setzero_ps();
-    int c = 0;
-    if (R <= 2) {
-        for (; c + 2 <= k; c += 2) {
-            const __m256 w0 = bf16x8_to_f32(panel + c * 16), w1 = bf16x8_to_f32(panel + c * 16 + 8);
-            const __m256 v0 = bf16x8_to_f32(panel + c * 16 + 16), v1 = bf16x8_to_f32(panel + c * 16 + 24);
-#pragma GCC unroll 6
-            for (int r = 0; r < R; r++) {
-                const __m256 xa = _mm256_broadcast_ss(x + r * x_stride + c);
-                const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + c + 1);
-                lo[r] = _mm256_fmadd_ps(xa, w0, lo[r]);
-                hi[r] = _mm256_fmadd_ps(xa, w1, hi[r]);
-                lo2[r] = _mm256_fmadd_ps(xb, v0, lo2[r]);
-                hi2[r] = _mm256_fmadd_ps(xb, v1, hi2[r]);
-            }
-        }
-    }
-    for (; c < k; c++) {
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int c = 0; c < k; c++) {
         const __m256 w0 = bf16x8_to_f32(panel + c * 16), w1 = bf16x8_to_f32(panel + c * 16 + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
@@ -75,8 +61,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
         float a[8], b[8];
-        _mm256_storeu_ps(a, _mm256_add_ps(lo[r], lo2[r]));
-        _mm256_storeu_ps(b, _mm256_add_ps(hi[r], hi2[r]));
+        _mm256_storeu_ps(a, lo[r]);
+        _mm256_storeu_ps(b, hi[r]);
         store_panel(a, b, add, valid, y + r * y_stride);
     }
 }

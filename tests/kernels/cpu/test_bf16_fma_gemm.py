@@ -59,3 +59,29 @@ def test_mismatched_arguments_are_refused(gen) -> None:
         kernel(x[:, :32], w, None, torch.empty(2, 32, dtype=torch.bfloat16))  # K of the panels is 64
     with pytest.raises(ValueError, match="bias"):
         kernel(x, w, torch.zeros(16, dtype=torch.bfloat16), torch.empty(2, 32, dtype=torch.bfloat16))
+
+
+def test_a_row_is_the_same_in_any_batch(gen) -> None:
+    """A row's product does not depend on how many rows come with it or where it sits among them
+    (one FMA chain per output, in k order): a token's K/V are the same computed in a prompt chunk
+    or alone in a decode step, so a prefix-cached request repeats the cold one bit for bit.
+
+    Every row is the same vector, and the weight's last column and the bias cancel its product to
+    within a few float32 roundings of the terms: what is left (and rounded to bf16) is the summation
+    order's own error, so any change of order between batch shapes changes outputs."""
+    n, k = 200, 576
+    x0 = torch.cat([torch.randn(k - 1, generator=gen), torch.ones(1)]).to(torch.bfloat16)
+    w = torch.randn(n, k - 1, generator=gen).to(torch.bfloat16)
+    last = (-(w.double() @ x0[:-1].double())).to(torch.bfloat16)  # cancels most of each product
+    w = torch.cat([w, last[:, None]], 1)
+    bias = (-(w.double() @ x0.double())).to(torch.bfloat16)  # and most of what is left
+    panels = Bf16FmaGemm.block(w)
+    x = x0.expand(300, k).contiguous()
+    whole = torch.empty(300, n, dtype=torch.bfloat16)
+    kernel(x, panels, bias, whole)
+    assert bool((whole != 0).any())  # the residues are there to compare
+    assert torch.equal(whole, whole[:1].expand(300, n)), "rows differ by their place in the batch"
+    for rows in (1, 2, 5, 13):
+        part = torch.empty(rows, n, dtype=torch.bfloat16)
+        kernel(x[:rows], panels, bias, part)
+        assert torch.equal(part, whole[:rows]), rows
