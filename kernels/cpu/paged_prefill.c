@@ -32,6 +32,18 @@ typedef struct {
     int chunk, row0, rows, kvh, keys; /* keys: how many the item's last row attends */
 } Item;
 
+/* An item's online-softmax state before its first key (m = -inf, l = 0) and the last key each of
+ * its query vectors attends (vector r * g + gi: row r's head gi; padding vectors -1: none). */
+static inline void item_state(const Item *it, int g, int context, int qvp, float *m, float *l, int *limit) {
+    for (int i = 0; i < qvp; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+        limit[i] = -1;
+    }
+    for (int r = 0; r < it->rows; r++)
+        for (int gi = 0; gi < g; gi++) limit[r * g + gi] = context + it->row0 + r;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "avx512_common.h"
 #define HAVE_PREFILL 1
@@ -51,17 +63,12 @@ static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_
     uint32_t kt[pairs * TILE];    /* the tile's K: [d/2][16 keys] pairs */
     float vt[TILE * d];           /* the tile's V in float32: [16 keys][d] */
     memset(qpairs, 0, sizeof(qpairs));
-    for (int i = 0; i < qvp; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-        limit[i] = -1;
-    }
+    item_state(it, g, context, qvp, m, l, limit);
     for (int r = 0; r < it->rows; r++)
         for (int gi = 0; gi < g; gi++) {
             const int i = r * g + gi;
             const uint16_t *src = q + (int64_t)(start + it->row0 + r) * q_row_stride + (int64_t)(it->kvh * g + gi) * q_head_stride;
             memcpy(qpairs + i * pairs, src, (size_t)d * 2);
-            limit[i] = context + it->row0 + r;
         }
     memset(acc, 0, sizeof(float) * (size_t)qvp * d);
     const int64_t token = (int64_t)hkv * d; /* elements per cached token */
@@ -156,38 +163,6 @@ static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_
 #define HAVE_PREFILL 1
 #define TILE 8 /* keys a tile scores at once: one float32 vector */
 
-/* exp(x) for x <= 0 on 8 lanes (larger x clamp at -87), as exp_nonpos in bf16.h */
-static inline __m256 exp_nonpos8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
 /* The AVX2 form of the item above: the same walk, tiles of 8 keys, K and V widened to float32
  * (products of bf16 values are exact in float32, as in the dot-product instruction), float32 FMAs
  * with the query vectors' values broadcast; each K/V load feeds four query vectors. */
@@ -202,17 +177,12 @@ static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_
     float kt[d * TILE];  /* the tile's K in float32: [d][8 keys] */
     float vt[TILE * d];  /* the tile's V in float32: [8 keys][d] */
     memset(qf, 0, sizeof(qf));
-    for (int i = 0; i < qvp; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-        limit[i] = -1;
-    }
+    item_state(it, g, context, qvp, m, l, limit);
     for (int r = 0; r < it->rows; r++)
         for (int gi = 0; gi < g; gi++) {
             const int i = r * g + gi;
             const uint16_t *src = q + (int64_t)(start + it->row0 + r) * q_row_stride + (int64_t)(it->kvh * g + gi) * q_head_stride;
             for (int c = 0; c < d; c++) qf[i * d + c] = bf16_to_f32(src[c]);
-            limit[i] = context + it->row0 + r;
         }
     memset(acc, 0, sizeof(float) * (size_t)qvp * d);
     const int64_t token = (int64_t)hkv * d; /* elements per cached token */
