@@ -9,10 +9,12 @@
  *
  * Layout: the weight is stored as panels of 16 output channels, [N/16][K][16] (the last one
  * padded with zero channels where N is not a multiple of 16), so each input k
- * reads one 32-byte line of 16 weights: two float32 vectors of 8 outputs. Up to four input rows
+ * reads one 32-byte line of 16 weights: two float32 vectors of 8 outputs. Up to six input rows
  * share each weight load (their value of x[r][k] is broadcast), so a decode batch streams the
- * weight once per panel from memory and re-reads it from cache for the next four rows: the
- * product is bound by the memory at a few rows and by the FMA units at tens of rows.
+ * weight once per panel from memory and re-reads it from cache for the next six rows: the
+ * product is bound by the memory at a few rows and by the FMA units at tens of rows. Threads take
+ * panels one at a time (a dynamic schedule): a thread woken late by the OpenMP pool, or sharing
+ * its core, leaves its panels to the others instead of holding the whole product at the barrier.
  *
  * Built on the serving machine with -march=native by lmfoundry.kernels.cpu.build; without AVX2
  * and FMA `lmf_bf16_fma_gemm_supported` returns 0 and the caller keeps PyTorch.
@@ -74,35 +76,47 @@ int lmf_bf16_fma_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panel
                       int64_t y_stride, int m, int n, int k, int threads) {
     float *xf = malloc(sizeof(float) * (size_t)m * (size_t)k); /* x widened once, read by every panel */
     if (xf == NULL) return -1;
-    for (int r = 0; r < m; r++)
-        for (int c = 0; c < k; c++) xf[(int64_t)r * k + c] = bf16_to_f32(x[r * x_stride + c]);
     const int nb = (n + 15) / 16;
     /* rows in blocks whose float32 copy stays in cache while every panel passes over it */
     const int fit = (int)(ROW_BLOCK_BYTES / (sizeof(float) * (size_t)k)) / 6 * 6;
     const int rows = fit > 6 ? fit : 6;
 #define ROWS(R) panel_rows(xf + (int64_t)r * k, k, panel, k, R, add, valid, y + r * y_stride + b * 16, y_stride)
-    for (int r0 = 0; r0 < m; r0 += rows) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int b = 0; b < nb; b++) {
-        const uint16_t *panel = panels + (int64_t)b * k * 16;
-        const int valid = n - b * 16 < 16 ? n - b * 16 : 16;
-        float add[16] = {0};
-        if (bias)
-            for (int j = 0; j < valid; j++) add[j] = bf16_to_f32(bias[b * 16 + j]);
-        const int r1 = r0 + rows < m ? r0 + rows : m;
-        int r = r0;
-        for (; r + 6 <= r1; r += 6) ROWS(6);
-        switch (r1 - r) {
-            case 5: ROWS(5); break;
-            case 4: ROWS(4); break;
-            case 3: ROWS(3); break;
-            case 2: ROWS(2); break;
-            case 1: ROWS(1); break;
-            default: break;
+    /* One parallel region: the threads widen x together (the only barrier before the end), then
+     * take panels one at a time, row block after row block without waiting for each other, so a
+     * thread that started late or runs slower leaves its panels to the other. */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++) {
+            const uint16_t *src = x + (int64_t)r * x_stride;
+            float *dst = xf + (int64_t)r * k;
+            int c = 0;
+            for (; c + 8 <= k; c += 8) _mm256_storeu_ps(dst + c, bf16x8_to_f32(src + c));
+            for (; c < k; c++) dst[c] = bf16_to_f32(src[c]);
+        }
+        for (int r0 = 0; r0 < m; r0 += rows) {
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int b = 0; b < nb; b++) {
+                const uint16_t *panel = panels + (int64_t)b * k * 16;
+                const int valid = n - b * 16 < 16 ? n - b * 16 : 16;
+                float add[16] = {0};
+                if (bias)
+                    for (int j = 0; j < valid; j++) add[j] = bf16_to_f32(bias[b * 16 + j]);
+                const int r1 = r0 + rows < m ? r0 + rows : m;
+                int r = r0;
+                for (; r + 6 <= r1; r += 6) ROWS(6);
+                switch (r1 - r) {
+                    case 5: ROWS(5); break;
+                    case 4: ROWS(4); break;
+                    case 3: ROWS(3); break;
+                    case 2: ROWS(2); break;
+                    case 1: ROWS(1); break;
+                    default: break;
+                }
+            }
         }
     }
 #undef ROWS
-    }
     free(xf);
     return 0;
 }

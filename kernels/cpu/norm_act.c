@@ -63,6 +63,17 @@ static inline __m256i silu_mul16(__m512 v, __m512 u) {
     const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e); /* v < 0: e / (1 + e) */
     return f32x16_to_bf16(_mm512_mul_ps(round_bf16x16(_mm512_mul_ps(v, sig)), u));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "avx2_common.h"
+
+/* silu(v) rounded to bf16, times u, rounded: 8 lanes, the scalar loop's arithmetic (one division) */
+static inline __m128i silu_mul8(__m256 v, __m256 u) {
+    const __m256 e = exp_nonpos8(_mm256_or_ps(v, _mm256_set1_ps(-0.0f))); /* exp(-|v|) */
+    const __m256 neg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, neg); /* v < 0: e / (1 + e) */
+    const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return f32x8_to_bf16(_mm256_mul_ps(round_bf16x8(_mm256_mul_ps(v, sig)), u));
+}
 #endif
 
 /* out[r] = bf16(silu(gate[r])) * up[r], each product rounded to bf16, for rows r in [0, rows). */
@@ -77,6 +88,9 @@ void lmf_silu_mul_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t
 #if defined(__AVX512F__)
         for (; i + 16 <= n; i += 16)
             _mm256_storeu_si256((__m256i *)(o + i), silu_mul16(bf16x16_to_f32(g + i), bf16x16_to_f32(u + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(o + i), silu_mul8(bf16x8_to_f32(g + i), bf16x8_to_f32(u + i)));
 #endif
         for (; i < n; i++) {
             const float v = bf16_to_f32(g[i]);

@@ -82,17 +82,45 @@ static inline __m512 score16(const char *q_raw, const float *qf, const char *con
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "avx2_common.h"
 
-/* The dot products of one query head (qf, float32) with 8 K rows; d % 8 == 0. */
-static inline __m256 score8(const float *qf, const char *const rows[8], int d, int dtype) {
+/* 8 K or V rows of one KV head (as stored) -> block[8][d] in float32: widened once, read by every
+ * query head of the GQA group; d % 8 == 0. */
+static inline void widen_rows8(const char *const rows[8], int d, int dtype, float *restrict block) {
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < d; i += 8)
+            _mm256_storeu_ps(block + j * d + i, dtype == DTYPE_BF16 ? bf16x8_to_f32(rows[j] + 2 * i)
+                                                                    : _mm256_loadu_ps((const float *)rows[j] + i));
+}
+
+/* The dot products of one query head (qf, float32) with the 8 rows of a widened K block. */
+static inline __m256 score8(const float *qf, const float *kblock, int d) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(qf + i);
-        for (int j = 0; j < 8; j++)
-            acc[j] = _mm256_fmadd_ps(qv, dtype == DTYPE_BF16 ? bf16x8_to_f32(rows[j] + 2 * i)
-                                                             : _mm256_loadu_ps((const float *)rows[j] + i), acc[j]);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kblock + j * d + i), acc[j]);
     }
     return reduce8(acc);
+}
+
+/* ah[0..d) += sum over the block's 8 tokens of p[j] * vblock[j][0..d), token after token for each
+ * element (as the scalar loop adds them). 64 dimensions at a time stay in eight registers, so
+ * each weight is broadcast once per 64 outputs and eight FMA chains run side by side. */
+static inline void pv8(const float *p, const float *vblock, int d, float *restrict ah) {
+    int i = 0;
+    for (; i + 64 <= d; i += 64) {
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(ah + i + 8 * c);
+        for (int j = 0; j < 8; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vblock + j * d + i + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(ah + i + 8 * c, a[c]);
+    }
+    for (; i < d; i += 8) {
+        __m256 a = _mm256_loadu_ps(ah + i);
+        for (int j = 0; j < 8; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vblock + j * d + i), a);
+        _mm256_storeu_ps(ah + i, a);
+    }
 }
 #endif
 
@@ -135,7 +163,8 @@ static void attend_part(const char *q, int64_t q_head_stride, const char *k_cach
             }
         }
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (d % 8 == 0)
+    if (d % 8 == 0 && d <= 256) {
+        float kblock[8 * d];
         for (; t + 8 <= t1; t += 8) {
             int64_t at[8];
             for (int j = 0; j < 8; j++) {
@@ -146,11 +175,13 @@ static void attend_part(const char *q, int64_t q_head_stride, const char *k_cach
             for (int kvh = 0; kvh < hkv; kvh++) {
                 const char *rows[8];
                 for (int j = 0; j < 8; j++) rows[j] = k_cache + at[j] + kvh * head_bytes;
+                widen_rows8(rows, d, dtype, kblock);
                 for (int h = kvh * g; h < (kvh + 1) * g; h++)
                     _mm256_storeu_ps(s + h * n + (t - t0),
-                                     _mm256_mul_ps(score8(qf + h * d, rows, d, dtype), _mm256_set1_ps(scale)));
+                                     _mm256_mul_ps(score8(qf + h * d, kblock, d), _mm256_set1_ps(scale)));
             }
         }
+    }
 #endif
     for (; t < t1; t++) {
         const int64_t at = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
@@ -167,13 +198,29 @@ static void attend_part(const char *q, int64_t q_head_stride, const char *k_cach
     }
     for (int h = 0; h < hq; h++) {
         float *sh = s + h * n;
-        float top = -INFINITY;
-        for (int i = 0; i < n; i++) top = sh[i] > top ? sh[i] : top;
-        float total = 0.0f;
+        float top = -INFINITY, total = 0.0f;
+        int i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        /* eight scores at a time (the compiler leaves the scalar loops below unvectorized) */
+        __m256 vtop = _mm256_set1_ps(-INFINITY), vtotal = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(sh + i));
+        top = hmax8(vtop);
+        for (; i < n; i++) top = sh[i] > top ? sh[i] : top;
+        const __m256 vmax = _mm256_set1_ps(top);
+        for (i = 0; i + 8 <= n; i += 8) {
+            const __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(sh + i), vmax));
+            _mm256_storeu_ps(sh + i, e);
+            vtotal = _mm256_add_ps(vtotal, e);
+        }
+        total = hsum8(vtotal);
+#else
+        for (; i < n; i++) top = sh[i] > top ? sh[i] : top;
+        i = 0;
+#endif
 #pragma omp simd reduction(+ : total)
-        for (int i = 0; i < n; i++) {
-            sh[i] = exp_nonpos(sh[i] - top);
-            total += sh[i];
+        for (int j = i; j < n; j++) {
+            sh[j] = exp_nonpos(sh[j] - top);
+            total += sh[j];
         }
         m[h] = top;
         l[h] = total;
@@ -217,21 +264,10 @@ static void attend_part(const char *q, int64_t q_head_stride, const char *k_cach
             for (int j = 0; j < 8; j++)
                 at[j] = ((int64_t)table[(t + j) / block_size] * block_size + (t + j) % block_size) * token_stride;
             for (int kvh = 0; kvh < hkv; kvh++) {
-                for (int j = 0; j < 8; j++) {
-                    const char *r = v_cache + at[j] + kvh * head_bytes;
-                    for (int i = 0; i < d; i += 8)
-                        _mm256_storeu_ps(vblock + j * d + i, dtype == DTYPE_BF16 ? bf16x8_to_f32(r + 2 * i)
-                                                                                : _mm256_loadu_ps((const float *)r + i));
-                }
-                for (int h = kvh * g; h < (kvh + 1) * g; h++) {
-                    const float *p = s + h * n + (t - t0);
-                    for (int i = 0; i < d; i += 8) {
-                        __m256 a = _mm256_loadu_ps(acc + h * d + i);
-                        for (int j = 0; j < 8; j++)
-                            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vblock + j * d + i), a);
-                        _mm256_storeu_ps(acc + h * d + i, a);
-                    }
-                }
+                const char *rows[8];
+                for (int j = 0; j < 8; j++) rows[j] = v_cache + at[j] + kvh * head_bytes;
+                widen_rows8(rows, d, dtype, vblock);
+                for (int h = kvh * g; h < (kvh + 1) * g; h++) pv8(s + h * n + (t - t0), vblock, d, acc + h * d);
             }
         }
     }

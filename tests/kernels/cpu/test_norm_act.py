@@ -42,7 +42,7 @@ def test_rms_norm_keeps_leading_dims_and_refuses_what_it_cannot_read(gen) -> Non
     assert kernel.rms_norm(x.transpose(1, 2), torch.ones(3, dtype=torch.bfloat16), 1e-6) is None  # strided columns
 
 
-@pytest.mark.parametrize("rows,n", [(1, 1536), (5, 40), (64, 1536)])
+@pytest.mark.parametrize("rows,n", [(1, 1536), (5, 40), (3, 45), (64, 1536)])
 def test_silu_mul_matches_the_reference(gen, rows, n) -> None:
     fused = (torch.randn(rows, 2 * n, generator=gen) * 4 + 0.05).to(torch.bfloat16)
     gate, up = fused.split(n, dim=-1)  # strided views of one gate/up product, as the MLP has them
