@@ -16,8 +16,8 @@
  * as pairs of dimensions by key, so one AVX-512 BF16 dot-product instruction per pair gives a
  * query's 16 scores; its V is widened to float32 once and shared by every query vector of the item.
  * Items are taken longest first (the last rows of a causal chunk see the most keys). On CPUs with
- * AVX2 and FMA but no bf16 instructions the same walk runs in tiles of 8 keys with K and V widened
- * to float32 (the products are the same exact float32 values).
+ * AVX2 and FMA but no bf16 instructions the same walk runs with K and V widened to float32 (the
+ * products are the same exact float32 values), six query vectors against 16 keys at a time.
  */
 #include <math.h>
 #include <stdint.h>
@@ -161,31 +161,90 @@ static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "avx2_common.h"
 #define HAVE_PREFILL 1
-#define TILE 8 /* keys a tile scores at once: one float32 vector */
+#define TILE 16 /* keys a tile scores at once: two float32 vectors */
+#define QA 6    /* query vectors per pass: 6 x 2 accumulators, the shape of the FMA GEMM's 6 x 16 tile */
 
-/* The AVX2 form of the item above: the same walk, tiles of 8 keys, K and V widened to float32
+/* The scores of QA query vectors (q0 + u * d) against a tile's 16 keys (kt: [d][16] float32), one
+ * FMA chain per score in dimension order. The accumulators are locals, not an array, so that they
+ * stay in registers (GCC stores an array of them back every iteration); each pair of K loads and
+ * six broadcasts feed twelve FMAs. */
+static inline __attribute__((always_inline)) void score_tile(const float *q0, int d, const float *kt, __m256 lo[QA],
+                                                             __m256 hi[QA]) {
+    __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, l4 = l0, l5 = l0;
+    __m256 h0 = l0, h1 = l0, h2 = l0, h3 = l0, h4 = l0, h5 = l0;
+    for (int c = 0; c < d; c++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + c * TILE), k1 = _mm256_loadu_ps(kt + c * TILE + 8);
+        __m256 x = _mm256_broadcast_ss(q0 + c);
+        l0 = _mm256_fmadd_ps(x, k0, l0), h0 = _mm256_fmadd_ps(x, k1, h0);
+        x = _mm256_broadcast_ss(q0 + d + c);
+        l1 = _mm256_fmadd_ps(x, k0, l1), h1 = _mm256_fmadd_ps(x, k1, h1);
+        x = _mm256_broadcast_ss(q0 + 2 * d + c);
+        l2 = _mm256_fmadd_ps(x, k0, l2), h2 = _mm256_fmadd_ps(x, k1, h2);
+        x = _mm256_broadcast_ss(q0 + 3 * d + c);
+        l3 = _mm256_fmadd_ps(x, k0, l3), h3 = _mm256_fmadd_ps(x, k1, h3);
+        x = _mm256_broadcast_ss(q0 + 4 * d + c);
+        l4 = _mm256_fmadd_ps(x, k0, l4), h4 = _mm256_fmadd_ps(x, k1, h4);
+        x = _mm256_broadcast_ss(q0 + 5 * d + c);
+        l5 = _mm256_fmadd_ps(x, k0, l5), h5 = _mm256_fmadd_ps(x, k1, h5);
+    }
+    lo[0] = l0, lo[1] = l1, lo[2] = l2, lo[3] = l3, lo[4] = l4, lo[5] = l5;
+    hi[0] = h0, hi[1] = h1, hi[2] = h2, hi[3] = h3, hi[4] = h4, hi[5] = h5;
+}
+
+/* a[u][0..16) += sum over the tile's first jn keys of pw[u][j] * vt[j][0..16) for QA query
+ * vectors' 16 output dimensions (a: their accumulator rows, stride d), key after key. */
+static inline __attribute__((always_inline)) void pv_tile(const float (*pw)[TILE], int jn, const float *vt, int d,
+                                                          float *a) {
+    __m256 l0 = _mm256_loadu_ps(a), l1 = _mm256_loadu_ps(a + d), l2 = _mm256_loadu_ps(a + 2 * d);
+    __m256 l3 = _mm256_loadu_ps(a + 3 * d), l4 = _mm256_loadu_ps(a + 4 * d), l5 = _mm256_loadu_ps(a + 5 * d);
+    __m256 h0 = _mm256_loadu_ps(a + 8), h1 = _mm256_loadu_ps(a + d + 8), h2 = _mm256_loadu_ps(a + 2 * d + 8);
+    __m256 h3 = _mm256_loadu_ps(a + 3 * d + 8), h4 = _mm256_loadu_ps(a + 4 * d + 8);
+    __m256 h5 = _mm256_loadu_ps(a + 5 * d + 8);
+    for (int j = 0; j < jn; j++) {
+        const __m256 v0 = _mm256_loadu_ps(vt + j * d), v1 = _mm256_loadu_ps(vt + j * d + 8);
+        __m256 p = _mm256_broadcast_ss(pw[0] + j);
+        l0 = _mm256_fmadd_ps(p, v0, l0), h0 = _mm256_fmadd_ps(p, v1, h0);
+        p = _mm256_broadcast_ss(pw[1] + j);
+        l1 = _mm256_fmadd_ps(p, v0, l1), h1 = _mm256_fmadd_ps(p, v1, h1);
+        p = _mm256_broadcast_ss(pw[2] + j);
+        l2 = _mm256_fmadd_ps(p, v0, l2), h2 = _mm256_fmadd_ps(p, v1, h2);
+        p = _mm256_broadcast_ss(pw[3] + j);
+        l3 = _mm256_fmadd_ps(p, v0, l3), h3 = _mm256_fmadd_ps(p, v1, h3);
+        p = _mm256_broadcast_ss(pw[4] + j);
+        l4 = _mm256_fmadd_ps(p, v0, l4), h4 = _mm256_fmadd_ps(p, v1, h4);
+        p = _mm256_broadcast_ss(pw[5] + j);
+        l5 = _mm256_fmadd_ps(p, v0, l5), h5 = _mm256_fmadd_ps(p, v1, h5);
+    }
+    _mm256_storeu_ps(a, l0), _mm256_storeu_ps(a + d, l1), _mm256_storeu_ps(a + 2 * d, l2);
+    _mm256_storeu_ps(a + 3 * d, l3), _mm256_storeu_ps(a + 4 * d, l4), _mm256_storeu_ps(a + 5 * d, l5);
+    _mm256_storeu_ps(a + 8, h0), _mm256_storeu_ps(a + d + 8, h1), _mm256_storeu_ps(a + 2 * d + 8, h2);
+    _mm256_storeu_ps(a + 3 * d + 8, h3), _mm256_storeu_ps(a + 4 * d + 8, h4), _mm256_storeu_ps(a + 5 * d + 8, h5);
+}
+
+/* The AVX2 form of the item above: the same walk in tiles of 16 keys, K and V widened to float32
  * (products of bf16 values are exact in float32, as in the dot-product instruction), float32 FMAs
- * with the query vectors' values broadcast; each K/V load feeds four query vectors. */
+ * with the query vectors' values broadcast; each K/V load feeds six query vectors. */
 static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_stride, const uint16_t *k_cache,
                         const uint16_t *v_cache, int block_size, int hkv, int d, int g, const int32_t *table,
                         int start, int context, const Item *it, uint16_t *out, int64_t out_row_stride, float scale) {
-    const int qv = it->rows * g, qvp = (qv + QG - 1) / QG * QG, chunks = d / 8;
+    const int qv = it->rows * g, qvp = (qv + QA - 1) / QA * QA, chunks = d / 8;
     float qf[qvp * d];   /* query vectors in float32 [qv][d] (padding: zeros) */
     float acc[qvp * d];  /* unnormalized outputs [qv][d] */
     float m[qvp], l[qvp];
     int limit[qvp];      /* the last key each query vector attends (padding: -1) */
-    float kt[d * TILE];  /* the tile's K in float32: [d][8 keys] */
-    float vt[TILE * d];  /* the tile's V in float32: [8 keys][d] */
+    float kt[d * TILE];  /* the tile's K in float32: [d][16 keys] */
+    float vt[TILE * d];  /* the tile's V in float32: [16 keys][d] */
     memset(qf, 0, sizeof(qf));
     item_state(it, g, context, qvp, m, l, limit);
     for (int r = 0; r < it->rows; r++)
         for (int gi = 0; gi < g; gi++) {
             const int i = r * g + gi;
             const uint16_t *src = q + (int64_t)(start + it->row0 + r) * q_row_stride + (int64_t)(it->kvh * g + gi) * q_head_stride;
-            for (int c = 0; c < d; c++) qf[i * d + c] = bf16_to_f32(src[c]);
+            for (int c = 0; c < chunks; c++) _mm256_storeu_ps(qf + i * d + c * 8, bf16x8_to_f32(src + c * 8));
         }
     memset(acc, 0, sizeof(float) * (size_t)qvp * d);
     const int64_t token = (int64_t)hkv * d; /* elements per cached token */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int t0 = 0; t0 < it->keys; t0 += TILE) {
         const int kn = it->keys - t0 < TILE ? it->keys - t0 : TILE;
         for (int j = 0; j < TILE; j++) {
@@ -199,39 +258,28 @@ static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_
                 memset(vt + j * d, 0, sizeof(float) * (size_t)d);
             }
         }
-        for (int i0 = 0; i0 < qvp; i0 += QG) {
-            int last[QG], any = 0;
-            for (int u = 0; u < QG; u++) {
-                last[u] = limit[i0 + u] - t0; /* lanes 0..last are keys query i0 + u attends */
-                any |= last[u] >= 0;
-            }
+        for (int i0 = 0; i0 < qvp; i0 += QA) {
+            int any = 0;
+            for (int u = 0; u < QA; u++) any |= limit[i0 + u] >= t0;
             if (!any) continue;
-            __m256 s[QG][2];
-            for (int u = 0; u < QG; u++) s[u][0] = s[u][1] = _mm256_setzero_ps();
-            const float *q0 = qf + i0 * d;
-            for (int c = 0; c < d; c += 2) {
-                const __m256 k0 = _mm256_loadu_ps(kt + c * TILE), k1 = _mm256_loadu_ps(kt + (c + 1) * TILE);
-                for (int u = 0; u < QG; u++) {
-                    s[u][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + u * d + c), k0, s[u][0]);
-                    s[u][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + u * d + c + 1), k1, s[u][1]);
-                }
-            }
-            float pw[QG][TILE];
+            __m256 slo[QA], shi[QA];
+            score_tile(qf + i0 * d, d, kt, slo, shi);
+            float pw[QA][TILE];
             int jn_all = 0;
-            for (int u = 0; u < QG; u++) {
-                const int i = i0 + u;
-                if (last[u] < 0) {
+            for (int u = 0; u < QA; u++) {
+                const int i = i0 + u, last = limit[i] - t0; /* keys 0..last of the tile are attended */
+                if (last < 0) {
                     memset(pw[u], 0, sizeof(pw[u]));
                     continue;
                 }
-                const int jn = last[u] + 1 < kn ? last[u] + 1 : kn; /* live lanes: 0 .. jn - 1 */
+                const int jn = last + 1 < kn ? last + 1 : kn; /* live lanes: 0 .. jn - 1 */
                 jn_all = jn > jn_all ? jn : jn_all;
-                const __m256 live = _mm256_castsi256_ps(
-                    _mm256_cmpgt_epi32(_mm256_set1_epi32(jn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-                const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                                   _mm256_mul_ps(_mm256_add_ps(s[u][0], s[u][1]), _mm256_set1_ps(scale)),
-                                                   live);
-                const float top = hmax8(sc);
+                const __m256 live_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(jn), lane));
+                const __m256 live_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(jn - 8), lane));
+                const __m256 vs = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+                const __m256 sc_lo = _mm256_blendv_ps(ninf, _mm256_mul_ps(slo[u], vs), live_lo);
+                const __m256 sc_hi = _mm256_blendv_ps(ninf, _mm256_mul_ps(shi[u], vs), live_hi);
+                const float top = hmax8(_mm256_max_ps(sc_lo, sc_hi));
                 if (top > m[i]) {
                     const float corr = m[i] == -INFINITY ? 0.0f : expf(m[i] - top);
                     l[i] *= corr;
@@ -240,25 +288,14 @@ static void attend_item(const uint16_t *q, int64_t q_row_stride, int64_t q_head_
                         _mm256_storeu_ps(ai + c * 8, _mm256_mul_ps(_mm256_loadu_ps(ai + c * 8), _mm256_set1_ps(corr)));
                     m[i] = top;
                 }
-                const __m256 pr = _mm256_and_ps(live, exp_nonpos8(_mm256_sub_ps(sc, _mm256_set1_ps(m[i]))));
-                l[i] += hsum8(pr);
-                _mm256_storeu_ps(pw[u], pr);
+                const __m256 mi = _mm256_set1_ps(m[i]);
+                const __m256 p_lo = _mm256_and_ps(live_lo, exp_nonpos8(_mm256_sub_ps(sc_lo, mi)));
+                const __m256 p_hi = _mm256_and_ps(live_hi, exp_nonpos8(_mm256_sub_ps(sc_hi, mi)));
+                l[i] += hsum8(_mm256_add_ps(p_lo, p_hi));
+                _mm256_storeu_ps(pw[u], p_lo);
+                _mm256_storeu_ps(pw[u] + 8, p_hi);
             }
-            for (int cc = 0; cc < chunks; cc += 2) {
-                __m256 a[QG][2];
-                for (int u = 0; u < QG; u++)
-                    for (int x = 0; x < 2; x++) a[u][x] = _mm256_loadu_ps(acc + (i0 + u) * d + (cc + x) * 8);
-                for (int j = 0; j < jn_all; j++) {
-                    const __m256 v0 = _mm256_loadu_ps(vt + j * d + cc * 8), v1 = _mm256_loadu_ps(vt + j * d + cc * 8 + 8);
-                    for (int u = 0; u < QG; u++) {
-                        const __m256 pj = _mm256_set1_ps(pw[u][j]);
-                        a[u][0] = _mm256_fmadd_ps(pj, v0, a[u][0]);
-                        a[u][1] = _mm256_fmadd_ps(pj, v1, a[u][1]);
-                    }
-                }
-                for (int u = 0; u < QG; u++)
-                    for (int x = 0; x < 2; x++) _mm256_storeu_ps(acc + (i0 + u) * d + (cc + x) * 8, a[u][x]);
-            }
+            for (int c = 0; c < d; c += 16) pv_tile((const float(*)[TILE])pw, jn_all, vt + c, d, acc + i0 * d + c);
         }
     }
     for (int r = 0; r < it->rows; r++)

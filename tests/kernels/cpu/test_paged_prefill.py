@@ -4,7 +4,7 @@
 Error bound (`attention_bound(..., p_split=True)`, as for the decode kernel): scores in fp32 from
 AVX-512 BF16 dot products of bf16 q and K, or float32 FMAs of them widened (products exact in fp32
 either way), exp through a degree-6
-polynomial, P kept in fp32, the online rescaling once per tile of 16 keys (8 with AVX2), PV and the normaliser
+polynomial, P kept in fp32, the online rescaling once per tile of 16 keys, PV and the normaliser
 summed in fp32; each side rounds the output once. Outputs start as NaN: every chunk row must be
 overwritten and every other row left alone.
 """
