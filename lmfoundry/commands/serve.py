@@ -14,8 +14,20 @@ import click
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.dtypes import DTYPES
 
+# Default step budgets (--max-num-batched-tokens). Every running stream waits for the whole step,
+# and on CPU a step's time grows with its rows long after the matrix units are busy, so past that
+# point a larger chunk only lengthens the wait (benchmarks/results/serve_peers_avx2.md measures 1024
+# against 2048); 2048 is vLLM's default, for GPUs, whose units need many more rows to be busy.
+CPU_STEP_TOKENS = 1024
+GPU_STEP_TOKENS = 2048
+
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine import EngineInfo
+
+
+def default_step_tokens(device: str) -> int:
+    """--max-num-batched-tokens when not given: smaller on CPU (see CPU_STEP_TOKENS)."""
+    return CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS
 
 
 def _print_url(host: str, port: int, api_key: str | None) -> None:
@@ -92,10 +104,11 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
                    "float32 elsewhere; an engine bundle on a GPU keeps its own.")
 @click.option("--max-model-len", type=int, default=None, help="Context length (prompt + output).")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences batched together.")
-@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
-              help="Tokens per forward pass (prefill chunk size). Larger chunks keep the CPU's matrix units busier "
-                   "(the default is vLLM-CPU's server default); smaller ones stall running decodes less while a "
-                   "long prompt prefills.")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="Tokens per forward pass (prefill chunk size); default 1024 on CPU, 2048 (vLLM's) on a GPU. "
+                   "Every running stream waits for a whole step, so a chunk only needs enough rows to keep the "
+                   "matrix units busy: a CPU's are busy with far fewer than a GPU's, and a larger chunk there "
+                   "only lengthens the stall (benchmarks/results/serve_peers_avx2.md measures both).")
 @click.option("--max-waiting", type=int, default=256, show_default=True,
               help="Waiting sequences before requests get 429.")
 @click.option("--kv-cache-gb", type=float, default=1.0, show_default=True, help="KV-cache memory.")
@@ -158,7 +171,7 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
-          max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int,
+          max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int | None, max_waiting: int,
           kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, compile_step: bool,
           enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
@@ -204,6 +217,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         model = _compiled_step_bundle(model, device, block_size)
     if block_size is None:
         block_size = _bundle_block_size(model) if is_engine_bundle(model) else 16
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_step_tokens(device)
     for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
                         ("--block-size", block_size), ("--num-speculative-tokens", num_speculative_tokens),
                         ("--ngram-max", ngram_max)):

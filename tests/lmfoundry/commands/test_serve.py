@@ -31,3 +31,12 @@ def test_serve_cli_missing_model_is_one_line_error(tmp_path) -> None:
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert out.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in out
+
+
+def test_the_step_budget_defaults_smaller_on_cpu() -> None:
+    """A CPU step's time grows with its rows past the point its matrix units are busy, and every
+    running stream waits for the whole step: the CPU default chunk is half vLLM's GPU one."""
+    from lmfoundry.commands.serve import default_step_tokens
+
+    assert default_step_tokens("cpu") == 1024
+    assert default_step_tokens("cuda") == default_step_tokens("cuda:1") == 2048
