@@ -13,8 +13,11 @@
  * share each weight load (their value of x[r][k] is broadcast), so a decode batch streams the
  * weight once per panel from memory and re-reads it from cache for the next six rows: the
  * product is bound by the memory at a few rows and by the FMA units at tens of rows. Threads take
- * panels one at a time (a dynamic schedule): a thread woken late by the OpenMP pool, or sharing
- * its core, leaves its panels to the others instead of holding the whole product at the barrier.
+ * panels in shrinking runs (a guided schedule): long contiguous runs first, so a few-row product
+ * streams the weight front to back as a static split would, then single panels, so that a thread
+ * woken late by the OpenMP pool, or sharing its core, leaves its panels to the others instead of
+ * holding the whole product at the barrier (one panel at a time from the start cost a one-row
+ * product a third more time: the threads' reads interleaved across the weight).
  *
  * Built on the serving machine with -march=native by lmfoundry.kernels.cpu.build; without AVX2
  * and FMA `lmf_bf16_fma_gemm_supported` returns 0 and the caller keeps PyTorch.
@@ -82,8 +85,7 @@ int lmf_bf16_fma_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panel
     const int rows = fit > 6 ? fit : 6;
 #define ROWS(R) panel_rows(xf + (int64_t)r * k, k, panel, k, R, add, valid, y + r * y_stride + b * 16, y_stride)
     /* One parallel region: the threads widen x together (the only barrier before the end), then
-     * take panels one at a time, row block after row block without waiting for each other, so a
-     * thread that started late or runs slower leaves its panels to the other. */
+     * take runs of panels (guided), row block after row block without waiting for each other. */
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -95,7 +97,7 @@ int lmf_bf16_fma_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panel
             for (; c < k; c++) dst[c] = bf16_to_f32(src[c]);
         }
         for (int r0 = 0; r0 < m; r0 += rows) {
-#pragma omp for schedule(dynamic, 1) nowait
+#pragma omp for schedule(guided) nowait
             for (int b = 0; b < nb; b++) {
                 const uint16_t *panel = panels + (int64_t)b * k * 16;
                 const int valid = n - b * 16 < 16 ? n - b * 16 : 16;
