@@ -79,6 +79,14 @@ def run_job(job: QuantizeJob) -> str:
         shutdown()
 
 
+def job_inputs(job: QuantizeJob) -> list[Path]:
+    """The files and folders the job reads that exist on disk as named (the model, the recipe,
+    the calibration text): its output may not be, lie in, hold or link into any of them. A
+    built-in model's converted folder is added once resolved (`_read_inputs`)."""
+    named = [job.model, job.recipe.source_file, job.recipe.calibration.source]
+    return [Path(p).expanduser() for p in named if p is not None and os.path.lexists(Path(p).expanduser())]
+
+
 def _compute_device(spec: str) -> Any:
     """The torch device of this process: under torchrun with CUDA, the GPU of LOCAL_RANK."""
     import torch
@@ -93,6 +101,9 @@ def _compute_device(spec: str) -> Any:
 
 def _run_writer(job: QuantizeJob, device: Any) -> str:
     """`run_job` on the writing process (the only one, or rank 0)."""
+    from lmfoundry.outputs import refuse_overlap
+
+    refuse_overlap(job.output, job_inputs(job))
     out = check_output(job.output, job.overwrite)
     created = _make_parents(out)
     staging: Path | None = None
@@ -253,6 +264,10 @@ def _read_inputs(job: QuantizeJob) -> _Inputs:
     plan = build_plan(q)
     quantizer = build_quantizer(q, plan)
     folder = resolve_model(job.model, allow_pickle=job.allow_pickle)
+    if job.output is not None:  # a .gguf or built-in model resolves to a converted folder in the cache
+        from lmfoundry.outputs import refuse_overlap
+
+        refuse_overlap(job.output, [folder])
     reader = CheckpointReader(folder)
     if reader.plan is not None:
         raise UserError(f"{folder}: already quantized; quantize a float model")

@@ -59,7 +59,10 @@ def sha256_file(path: Path) -> str:
 
 
 def default_output(checkpoint: Path) -> Path:
-    checkpoint = checkpoint.resolve()
+    """CHECKPOINT-engine next to the checkpoint (beside its real folder when named through links)."""
+    from lmfoundry.outputs import resolved
+
+    checkpoint = resolved(checkpoint)
     return checkpoint.parent / f"{checkpoint.name}-engine"
 
 
@@ -92,9 +95,11 @@ def _is_engine_bundle(folder: Path) -> bool:
 
 
 def _check_output(out: Path, checkpoint: Path) -> None:
-    """Refuse an -o that cannot receive the engine, before any work (nothing is created here)."""
-    if out.resolve() == checkpoint.resolve():
-        raise UserError(f"{out}: the engine cannot be written into the checkpoint folder itself")
+    """Refuse an -o that cannot receive the engine, before any work (nothing is created here):
+    one that is, lies inside, holds or links into the checkpoint, or a folder of other files."""
+    from lmfoundry.outputs import refuse_overlap
+
+    refuse_overlap(out, [checkpoint])
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise UserError(f"{out}: exists and is not a folder")

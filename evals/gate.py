@@ -81,6 +81,30 @@ def task_manager(names: list[str], include_paths: list[Path]) -> Any:
     return tm
 
 
+def check_gated_metrics(tasks: list[TaskSpec], include_paths: list[Path]) -> None:
+    """Refuse, before any model is evaluated, a gate on a metric its task does not report (a typo
+    such as `acc_nrom` used to surface only after both models had run). The tasks' configs are read
+    through lm-eval itself, so a user task's own metric_list and filters count as lm-eval reports
+    them (`metric` for the unfiltered result, `metric,filter` otherwise)."""
+    from lmfoundry.evals.comparison import FLIPS
+
+    gated = [t for t in tasks if t.gate]
+    if not gated:
+        return
+    loaded = task_manager([t.name for t in gated], include_paths).load([t.name for t in gated])["tasks"]
+    for t in gated:
+        task = loaded.get(t.name)
+        if task is None:  # a group: its members report per member; checked after evaluation
+            continue
+        filters = [f.name for f in getattr(task, "_filters", [])] or ["none"]
+        reported = {m if f == "none" else f"{m},{f}" for m in task._metric_fn_list for f in filters}
+        asked = {m[: -len(FLIPS)] if m.endswith(FLIPS) else m for m in t.gate}
+        unknown = sorted(asked - reported)
+        if unknown:
+            raise UserError(f"{t.name}: gated metric(s) {', '.join(unknown)} not produced by the task (it reports "
+                            f"{', '.join(sorted(reported))}); nothing was evaluated")
+
+
 def run_lm_eval(lm: Any, tasks: list[TaskSpec], gate: GateSpec, include_paths: list[Path],
                 progress: bool = False) -> dict[str, dict[str, Any]]:
     """Run lm-eval on `lm` and return per-task, per-document results, ordered by doc id."""
@@ -384,7 +408,7 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
         if not p.is_dir():
             raise UserError(f"--include-path {p}: not a folder")
     out = Path(output)
-    _check_output_folder(out)
+    _check_output_folder(out, [candidate, baseline, gate.source, *user_paths])
     # Both models up front: evaluating the baseline takes minutes, and a missing candidate, one
     # without a usable config or tokenizer, or one that tokenizes differently would make all of
     # it wasted work.
@@ -400,6 +424,7 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     with tempfile.TemporaryDirectory(prefix="lmfoundry-gate-") as tmp:
         ours, task_hashes = materialize_tasks(Path(tmp))
         paths = [ours, *user_paths]
+        check_gated_metrics(tasks, paths)
         base = evaluate_model(baseline, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
                               prompts=prompts, tp=tp)
         cand = evaluate_model(candidate, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
@@ -454,9 +479,13 @@ def _answers(prompts: list[Prompt], cand: list[dict[str, Any]], base: list[dict[
             for c, b, cv, bv in zip(cand, base, validity(prompts, cand), validity(prompts, base), strict=True)]
 
 
-def _check_output_folder(out: Path) -> None:
+def _check_output_folder(out: Path, inputs: list[Any]) -> None:
     """Refuse an -o that cannot take the report before evaluating anything, without creating it
-    yet (a refused or failed gate leaves no empty report folder behind)."""
+    yet (a refused or failed gate leaves no empty report folder behind): one that is, lies inside
+    or links into an input (the report inside the candidate would break its manifest)."""
+    from lmfoundry.outputs import refuse_overlap
+
+    refuse_overlap(out, inputs, holds_inputs_ok=True)
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: exists and is not a folder")
     existing = out

@@ -25,7 +25,7 @@ from lmfoundry.errors import UserError
 @click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16"]), default="auto", show_default=True,
               help="Activation dtype of the kernels (auto: the checkpoint's, bfloat16 for float32 ones).")
 @click.option("--tune", is_flag=True, help="Time the tile candidates on the local GPU for its own arch.")
-@click.option("--max-tokens", type=int, default=None,
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="--arch cpu: the most tokens one compiled step takes (decodes plus prefill chunk; default "
                    "8192; a larger step runs eagerly).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
@@ -52,8 +52,9 @@ def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, wei
                             "arch's bundle) split over CPU processes without a compiled step")
         from lmfoundry.compile.cpu_step import DEFAULT_MAX_TOKENS, build_cpu_engine
 
+        step_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         out, manifest, seconds = build_cpu_engine(checkpoint, output, block_size=block_size,
-                                                  max_tokens=max_tokens or DEFAULT_MAX_TOKENS, log_line=log)
+                                                  max_tokens=step_tokens, log_line=log)
         cpu = manifest["cpu"]
         click.echo(f"engine: {out}")
         click.echo(f"cpu step: {cpu['step']['path']} ({cpu['step']['bytes'] / 2**20:.1f} MiB, {cpu['isa']}, "

@@ -26,8 +26,10 @@ def export_cmd(checkpoint: str, fmt: str, output: str, tokenizer_pre: str, overw
     `--dtype float16` for fp16 scales, which Q4_0/Q8_0 then carry bit-exactly."""
     from lmfoundry.export.gguf import export_gguf
     from lmfoundry.manifest import sha256_file
+    from lmfoundry.outputs import refuse_overlap
 
     out = Path(output).expanduser()
+    refuse_overlap(out, [checkpoint])  # before --overwrite is considered: an input is never replaced
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists (pass --overwrite to replace it)")
     if out.exists() and not out.is_file():

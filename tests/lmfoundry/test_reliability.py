@@ -45,8 +45,6 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_error, run_cli, tiny_model_folder
 
-from lmfoundry.cli import main
-
 QUANT = ["--quiet", "--scheme", "w4a16", "--group-size", "32", "--num-samples", "2", "--seq-len", "16"]
 
 
@@ -64,14 +62,6 @@ def run_sub(args: list[str], timeout: float = 120, **env: str) -> subprocess.Com
 
 def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
-
-
-@pytest.fixture(scope="module")
-def artifact(model, calib, tmp_path_factory) -> Path:
-    """A real quantized artifact (copied by the tests that modify one)."""
-    out = tmp_path_factory.mktemp("a") / "q"
-    main(["quantize", str(model), "-o", str(out), *QUANT, "--calib", str(calib)])
-    return out
 
 
 def copy_artifact(artifact: Path, dest: Path) -> Path:
