@@ -124,8 +124,11 @@ def check_plan(plan: QuantizationPlan, config: ModelConfig) -> None:
             if in_features % g:
                 dims = sorted({k for _, k in config.linear_shapes.values()})
                 ok = [s for s in (32, 64, 128, 256) if all(d % s == 0 for d in dims)]
+                why = (f"is larger than the input dimension {in_features} of {local} (a group is a run of input "
+                       "columns sharing one scale)" if g > in_features else
+                       f"does not divide the input dimension {in_features} of {local}")
                 raise UserError(
-                    f"group size {g} does not divide the input dimension {in_features} of {local}; "
+                    f"group size {g} {why}; "
                     f"group sizes that divide every layer: {', '.join(map(str, ok)) or 'none of 32/64/128/256'}"
                     " (or use --per-channel)"
                 )

@@ -40,6 +40,10 @@ class TaskSpec:
 # statistic with its interval without gating it.
 DIVERGENCE_LIMITS = ("max_mean_kld", "max_p99_kld", "min_same_top", "max_rms_dp")
 GENERATION_LIMITS = ("min_exact_match", "min_prefix_match", "min_valid_recovery")
+# Thresholds that are shares of tokens, documents or answers: a value above 1 can never be met
+# (a minimum) or never be missed (a maximum), so it is a typo, refused. Recoveries and ratios
+# (candidate / baseline) may exceed 1.
+RATES = ("max_flip_rate", "min_same_top", "max_rms_dp", "min_exact_match", "min_prefix_match")
 
 
 @dataclass
@@ -109,7 +113,7 @@ class GateSpec:
             limit = body.get("limit")
             if limit is not None:
                 limit = _int(limit, f"{tw}.limit", 1)
-            thresholds = {_text(k, f"{tw}.gate"): None if v is None else _positive(v, f"{tw}.gate.{k}")
+            thresholds = {_text(k, f"{tw}.gate"): None if v is None else _threshold(k, v, f"{tw}.gate.{k}")
                           for k, v in gate.items()}
             tasks.append(TaskSpec(task, limit, thresholds))
         pspec = self._perplexity(raw.get("perplexity"), f"{where}.perplexity")
@@ -121,7 +125,7 @@ class GateSpec:
     def _limits(self, raw: dict[Any, Any], names: tuple[str, ...], where: str) -> dict[str, float | None]:
         """Thresholds of `names`: the tier's value where given (null: reported only), else the
         gate's default."""
-        return {n: (None if raw[n] is None else _positive(raw[n], f"{where}.{n}")) if n in raw else self.limits[n]
+        return {n: (None if raw[n] is None else _threshold(n, raw[n], f"{where}.{n}")) if n in raw else self.limits[n]
                 for n in names}
 
     def _perplexity(self, raw: Any, where: str) -> PerplexitySpec | None:
@@ -198,6 +202,14 @@ def _positive(value: Any, where: str) -> float:
     return number
 
 
+def _threshold(name: str, value: Any, where: str) -> float:
+    """A gate threshold: positive, and at most 1 for a rate (RATES, a task's `<metric>_flips`)."""
+    number = _positive(value, where)
+    if (name in RATES or name.endswith("_flips")) and number > 1:
+        raise UserError(f"{where} is a rate (a share between 0 and 1), got {_show(value)}")
+    return number
+
+
 def _bool(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
         raise UserError(f"{where} must be true or false, got {_show(value)}")
@@ -252,7 +264,7 @@ def load_gate(spec: str | None = None) -> GateSpec:
     defaults = _mapping(data.get("defaults"), f"{path}: defaults",
                         ("min_recovery", "max_ppl_ratio", "max_flip_rate", *DIVERGENCE_LIMITS, *GENERATION_LIMITS))
     # a statistic without a default threshold is reported with its interval, not gated
-    optional = {n: None if defaults.get(n) is None else _positive(defaults[n], f"{path}: defaults.{n}")
+    optional = {n: None if defaults.get(n) is None else _threshold(n, defaults[n], f"{path}: defaults.{n}")
                 for n in ("max_flip_rate", *DIVERGENCE_LIMITS, *GENERATION_LIMITS)}
     confidence = _number(data.get("confidence", 0.95), f"{path}: confidence")
     if not 0.5 <= confidence < 1:

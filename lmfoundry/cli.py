@@ -8,14 +8,13 @@ file only lists them.
 
 from __future__ import annotations
 
-import errno
 import importlib
 import os
 import sys
 
 import click
 
-from lmfoundry.errors import UserError
+from lmfoundry.errors import UserError, disk_full
 
 # name -> "module:attribute". Keep in the order shown by --help.
 COMMANDS: dict[str, str] = {
@@ -95,12 +94,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except Exception as exc:  # noqa: BLE001 - only a full disk is turned into one line; the rest re-raised
+        if not disk_full(exc):
             raise
         # a verb's writers stage their output and remove the staging folder on the way out
-        where = exc.filename or "the output folder"
-        click.echo(f"error: {where}: no space left on the device ({exc.strerror}); nothing was written — "
+        where = getattr(exc, "filename", None) or "the output folder"
+        click.echo(f"error: {where}: no space left on the device; nothing was written — "
                    "free space there or write elsewhere", err=True)
         sys.exit(2)
 

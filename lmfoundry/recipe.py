@@ -151,6 +151,22 @@ class _NoAliasLoader(yaml.SafeLoader):
                             "write the values out")
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A mapping, refused when a key appears twice: YAML itself keeps the last one silently,
+        so a threshold or a scheme written twice would apply whichever came second."""
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = key in first
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if seen:
+                raise UserError(f"{self.name}: key {key!r} appears twice (lines {first[key] + 1} and "
+                                f"{key_node.start_mark.line + 1}); keep one")
+            first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
 
 def load_yaml(raw: bytes | str, where: Path | str) -> Any:
     """Parse one YAML document from a recipe or gate file: aliases refused, errors one line."""

@@ -197,12 +197,15 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
     step; a GPU bundle's verified weights (un-tiled and un-fused again when compile repacked them:
     exact) in the reference model with packed linears, which is what a CPU runs fastest (its
     kernels' PyTorch references are a correctness tool)."""
-    from lmfoundry.runtime.bundle_manifest import read_manifest, verify_weights
+    from lmfoundry.runtime.bundle_manifest import read_manifest, verify, verify_weights
 
     engine = Path(path)
     manifest = read_manifest(engine)
     if manifest.get("target") == "cpu":
         return load_bundle(engine, "cpu", dtype=dtype)
+    # the kernels do not run here, but a bundle with a modified file is refused wherever it is read:
+    # serving its weights would vouch for an artifact that is no longer the one compiled
+    verify(engine, manifest)
     verify_weights(engine, manifest)
     weights = engine / "weights"
     reader = CheckpointReader(weights)

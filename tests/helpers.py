@@ -442,3 +442,26 @@ def assert_greedy_up_to_bf16_ties(model: Any, got: list[list[int]], want: list[A
         assert abs(mine - theirs) <= ulps * ulp, (
             f"tokens part at {apart} where the reference's logits are {abs(mine - theirs) / ulp:.1f} bf16 ulps apart "
             f"({mine:.4f} vs {theirs:.4f}): {tokens} vs {ref}")
+
+
+def run_cli_on_a_small_disk(args: list[str], mount: Path, size: str = "64k") -> tuple[int, str, list[str]]:
+    """`lmfoundry ARGS` with a tmpfs of `size` mounted at `mount` (an empty folder) in a mount
+    namespace of its own, so that writing there really runs out of space; (exit code, stderr,
+    what was left in the mount afterwards). Skips the test where namespaces cannot be made."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    script = f'mount -t tmpfs -o size={size} tmpfs "{mount}" || exit 97; "$@"; rc=$?; echo "LEFT:$(ls -A "{mount}")"; exit $rc'
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, "-m", "lmfoundry.cli", *args],
+                              capture_output=True, text=True, timeout=300, env=env)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) to make a small disk")
+    if proc.returncode == 97 or "LEFT:" not in proc.stdout:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {proc.stderr.strip()[:200]}")
+    left = proc.stdout.split("LEFT:", 1)[1].split()
+    return proc.returncode, proc.stderr, left

@@ -272,6 +272,11 @@ def parse_group_size(value: str | None) -> int | None:
     return group
 
 
+# More than any accelerator's memory, and small enough that the byte arithmetic stays finite (1e308
+# GiB overflowed to inf and ended in a traceback).
+MAX_OVERHEAD_GIB = 1 << 20
+
+
 @dataclass
 class PlanInputs:
     model: str
@@ -302,8 +307,8 @@ def validate(inp: PlanInputs) -> None:
         raise UserError(f"--gpu-util must be in (0, 1], got {inp.gpu_util}")
     if inp.batch_tokens <= 0:
         raise UserError(f"--batch-tokens must be positive, got {inp.batch_tokens}")
-    if inp.overhead_gib < 0:
-        raise UserError(f"--overhead-gib must be >= 0, got {inp.overhead_gib}")
+    if not 0 <= inp.overhead_gib <= MAX_OVERHEAD_GIB:
+        raise UserError(f"--overhead-gib must be in [0, {MAX_OVERHEAD_GIB}] GiB per GPU, got {inp.overhead_gib}")
     if inp.weights is not None and inp.weights.lower() not in WEIGHT_PRECISIONS:
         raise UserError(f"unknown --weights {inp.weights!r}; choose from {', '.join(WEIGHT_PRECISIONS)}")
     if inp.kv.lower() not in KV_DTYPE_BYTES:

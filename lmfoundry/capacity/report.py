@@ -191,7 +191,13 @@ def _notes(cfg, inp, specs, selected_w, gpu, quantize_lm_head, shard, raw) -> li
         if spec.strategy == "group":
             ins = sorted({i for _, i in linear_in_features(cfg, inp.tp)})
             bad = [i for i in ins if i % spec.group_size]
-            if bad:
+            if bad and spec.group_size > ins[-1]:
+                notes.append(
+                    f"{p} group {spec.group_size} is larger than every layer's in_features (at most {ins[-1]} per GPU "
+                    f"at tp {inp.tp}): a group is a run of input columns sharing one scale; try a divisor of "
+                    f"{math.gcd(*ins)} with --group-size"
+                )
+            elif bad:
                 notes.append(
                     f"{p} group {spec.group_size} does not divide in_features {bad[0]} "
                     f"(per GPU at tp {inp.tp}): such checkpoints cannot be stored; try a divisor "

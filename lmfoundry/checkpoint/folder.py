@@ -10,7 +10,6 @@ turns the stored tensors of one linear back into a `QuantizedWeight` (or a float
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lmfoundry.checkpoint.sources import safetensors_files
-from lmfoundry.errors import UserError
+from lmfoundry.errors import UserError, disk_full
 from lmfoundry.manifest import MANIFEST, hash_folder
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme, plan_from_compressed_tensors, to_compressed_tensors
@@ -105,8 +104,8 @@ class CheckpointWriter:
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         try:
             save_file(tensors, str(self.tmp / filename), metadata={"format": "pt"})
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        except Exception as exc:  # noqa: BLE001 - safetensors says "disk full" with its own error type
+            if not disk_full(exc):
                 raise
             need = sum(t.numel() * t.element_size() for t in tensors.values())
             raise UserError(f"{self.tmp / filename}: no space left on the device writing {need / 2**20:.1f} MiB "

@@ -49,6 +49,11 @@ def resolve_model(spec: str | os.PathLike, allow_pickle: bool = False) -> Path:
         return _converted_gguf(packaged_file(BUILTIN_MODELS[spec]), name=spec)
     path = Path(spec).expanduser()
     if not path.exists():
+        if path.is_symlink():
+            from lmfoundry.outputs import resolved
+
+            resolved(path)  # a loop of links is said as such
+            raise UserError(f"{spec}: a symbolic link to {os.readlink(path)}, which does not exist")
         hint = f" (built-in models: {', '.join(BUILTIN_MODELS)})" if os.sep not in spec else ""
         raise UserError(f"{spec}: no such file or folder{hint}")
     if path.is_file():

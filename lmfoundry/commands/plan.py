@@ -11,6 +11,7 @@ flags; the inputs are read in `lmfoundry.capacity.inputs`, the arithmetic is
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import click
@@ -31,12 +32,15 @@ class _Number(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, self.kind):
             return value
+        flag = param.opts[0] if param is not None and param.opts else "value"
+        noun = "an integer" if self.kind is int else "a finite number"
         try:
-            return self.kind(value)
-        except (TypeError, ValueError):
-            flag = param.opts[0] if param is not None and param.opts else "value"
-            noun = "an integer" if self.kind is int else "a number"
+            number = self.kind(value)
+        except (TypeError, ValueError, OverflowError):
             raise UserError(f"{flag} must be {noun}, got {value!r}") from None
+        if not math.isfinite(number):  # nan and inf reached int() and the arithmetic as tracebacks
+            raise UserError(f"{flag} must be {noun}, got {value!r}")
+        return number
 
 
 INT, FLOAT = _Number(int), _Number(float)

@@ -215,8 +215,14 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         click.echo(cpu_isa.describe(), err=True)
     if compile_step:
         model = _compiled_step_bundle(model, device, block_size)
+    if is_engine_bundle(model):  # its paged-attention kernels were specialized for one block size
+        compiled_block = _bundle_block_size(model)
+        if block_size is not None and block_size != compiled_block:
+            raise UserError(f"{model}: the bundle was compiled for --block-size {compiled_block}; serve it with "
+                            f"that (or leave --block-size out), or compile again with --block-size {block_size}")
+        block_size = compiled_block
     if block_size is None:
-        block_size = _bundle_block_size(model) if is_engine_bundle(model) else 16
+        block_size = 16
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_step_tokens(device)
     for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmfoundry.errors import UserError
+from lmfoundry.errors import UserError, disk_full
 
 ARCHES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
 BLOCK = 32  # every ggml type used here has blocks of 32 values
@@ -214,9 +214,12 @@ def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "defa
         writer.write_tensors_to_file(progress=False)
         writer.close()
         os.replace(tmp, output)
-    except BaseException:
+    except BaseException as exc:
         writer.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, Exception) and disk_full(exc):
+            raise UserError(f"{output}: no space left on the device for the GGUF file; nothing was kept - free "
+                            "space there or write elsewhere") from None
         raise
     report.bytes = output.stat().st_size
     return report

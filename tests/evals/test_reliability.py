@@ -113,6 +113,12 @@ GATE_BREAKAGE = {
     "tier-key-typo": (lambda g: _quick(g).update(perplexty=_quick(g).pop("perplexity")), "unknown key(s) perplexty"),
     "other-tier-broken": (lambda g: g["tiers"]["full"]["tasks"].update(lmf_piqa={"limit": "all"}),
                           "tiers.full.tasks.lmf_piqa.limit must be an integer"),
+    # issue 46: rates above 1 (never met, or never missed) were accepted
+    "same-top-rate-above-one": (lambda g: g["defaults"].update(min_same_top=1.5), "min_same_top is a rate"),
+    "flip-rate-above-one": (lambda g: _quick(g)["tasks"]["lmf_piqa"].update(gate={"acc_flips": 2}),
+                            "gate.acc_flips is a rate"),
+    "tier-exact-match-above-one": (lambda g: _quick(g).update(generation={"min_exact_match": 3}),
+                                   "min_exact_match is a rate"),
 }
 
 
@@ -155,6 +161,35 @@ def test_eval_gate_cli_bad_gate_yaml_is_one_line(tiny_model_dir, tmp_path, capsy
                          "-o", str(out), "--quiet"], capsys)
     _assert_one_line_error(code, err, "confidence must be a number")
     assert not out.exists()
+
+
+def test_duplicate_keys_in_a_gate_or_recipe_are_refused(tmp_path):
+    """Issue 46: YAML keeps the last of two equal keys silently; a doubled threshold is a mistake."""
+    g = _gate_dict(tmp_path)
+    text = yaml.safe_dump(g).replace("  max_ppl_ratio: 1.05\n", "  max_ppl_ratio: 1.05\n  max_ppl_ratio: 2.0\n")
+    path = tmp_path / "gate.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match="key 'max_ppl_ratio' appears twice"):
+        load_gate(str(path))
+    from lmfoundry.recipe import Recipe
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("quantize: {scheme: w4a16, scheme: w8a16}\n")
+    with pytest.raises(UserError, match="key 'scheme' appears twice"):
+        Recipe.from_yaml(recipe)
+
+
+def test_a_gated_metric_the_task_lacks_is_refused_before_evaluating(tiny_model_dir, tmp_path, capsys, no_loading):
+    """Issue 46: `gate: [acc_nrom]` was refused only after both models were evaluated (and cached)."""
+    g = _gate_dict(tmp_path)
+    _quick(g)["tasks"]["lmf_piqa"]["gate"] = {"acc_nrom": 0.9, "acc_flips": 0.2}
+    path = tmp_path / "gate.yaml"
+    path.write_text(yaml.safe_dump(g))
+    out = tmp_path / "report"
+    code, _, err = _cli(["eval-gate", str(tiny_model_dir), "--baseline", str(tiny_model_dir), "--gate", str(path),
+                         "-o", str(out), "--quiet"], capsys)
+    _assert_one_line_error(code, err, "gated metric(s) acc_nrom not produced by the task")
+    assert "acc, acc_norm" in err and not out.exists()
 
 
 # ---- eval ppl bounds (cases 8 and 9) -----------------------------------------------------------

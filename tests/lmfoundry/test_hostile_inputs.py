@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_error, run_cli
+from helpers import assert_one_error, run_cli, run_cli_on_a_small_disk
 from safetensors.torch import load_file, save_file
 
 QUANT = ["--quiet", "--scheme", "w4a16", "--group-size", "32", "--num-samples", "2", "--seq-len", "16"]
@@ -175,17 +175,34 @@ def test_tokenizer_faults_are_one_line(fault, model, calib, tmp_path, capsys) ->
     assert not (tmp_path / "out").exists()
 
 
-def test_a_full_disk_is_one_line_and_leaves_nothing(model, calib, tmp_path, capsys, monkeypatch) -> None:
+@pytest.mark.parametrize("error", ["oserror", "safetensors"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(error, model, calib, tmp_path, capsys, monkeypatch) -> None:
+    from safetensors import SafetensorError
+
     import lmfoundry.checkpoint.folder as checkpoint
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device", args[1])
+        if error == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device", args[1])
+        # what safetensors really raises (issue 46: a traceback): its own type, the OS's words inside
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(checkpoint, "save_file", full)
     out = tmp_path / "out"
     code, err = quantize(model, calib, out, capsys)
     assert_one_error(code, err, "no space left on the device", "MiB")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no staging folder
+
+
+@pytest.mark.parametrize("size", ["16k", pytest.param("200k", marks=pytest.mark.slow)])
+def test_quantize_onto_a_really_full_disk(size, model, calib, tmp_path) -> None:
+    """Issue 46: a real tmpfs too small for the checkpoint (at its first shard, and part-way)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    code, err, left = run_cli_on_a_small_disk(["quantize", str(model), "-o", str(small / "out"), *QUANT,
+                                               "--calib", str(calib)], small, size)
+    assert_one_error(code, err, "no space left on the device")
+    assert code == 2 and left == []
 
 
 def test_repetition_penalty_that_would_overflow_is_refused() -> None:
@@ -207,3 +224,56 @@ def test_serving_a_misshapen_tensor_is_one_line(name, model, tmp_path) -> None:
 
     with pytest.raises(UserError, match=f"{name} is stored with shape"):
         load_model(edited_weights(model, tmp_path, cut))
+
+
+# ---- issue 46: loops of links, non-finite and out-of-range numbers -------------------------------
+LOOP_VERBS = {
+    "compile": ["compile", "{m}", "--arch", "hopper", "--quiet"],  # was RuntimeError: Symlink loop
+    "compile-cpu": ["compile", "{m}", "--arch", "cpu", "--quiet"],
+    "quantize": ["quantize", "{m}", "-o", "{tmp}/out", *QUANT],
+    "export": ["export", "{m}", "-o", "{tmp}/m.gguf", "--quiet"],
+    "serve": ["serve", "{m}", "--port", "0"],
+    "eval-ppl": ["eval", "ppl", "{m}"],
+    "doctor": ["doctor", "{m}"],
+}
+
+
+@pytest.mark.parametrize("verb", sorted(LOOP_VERBS))
+def test_a_model_that_is_a_loop_of_links_is_one_line(verb, tmp_path, capsys) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    args = [a.format(m=tmp_path / "a", tmp=tmp_path) for a in LOOP_VERBS[verb]]
+    code, _, err = run_cli(args, capsys)
+    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("cpu: "))  # serve's ISA line
+    assert_one_error(code, err, "a loop of symbolic links")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--overhead-gib", "nan"], "--overhead-gib must be a finite number"),  # was ValueError: cannot convert NaN
+    (["--overhead-gib", "inf"], "--overhead-gib must be a finite number"),
+    (["--overhead-gib", "1e308"], "--overhead-gib must be in [0, "),  # was OverflowError
+    (["--throughput", "inf", "--gpu-hour-price", "2"], "--throughput must be a finite number"),
+    (["--gpu-util", "nan"], "--gpu-util must be a finite number"),
+    (["--gpu-hour-price", "-inf", "--throughput", "10"], "--gpu-hour-price must be a finite number"),
+])
+def test_plan_refuses_non_finite_and_overflowing_numbers(flags, needle, model, capsys) -> None:
+    code, _, err = run_cli(["plan", str(model), *flags], capsys)
+    assert_one_error(code, err, needle)
+
+
+def test_a_group_larger_than_any_layer_is_said_as_such(model, calib, tmp_path, capsys) -> None:
+    """Issue 46: 99999999999999999999999 was refused as if it were a divisibility problem."""
+    code, err = quantize(model, calib, tmp_path / "out", capsys, "--group-size", "99999999999999999999999")
+    assert_one_error(code, err, "is larger than the input dimension")
+    code, out, err = run_cli(["plan", str(model), "--weights", "int4", "--group-size", "99999999999999999999999"],
+                             capsys)
+    assert code == 0 and "is larger than every layer's in_features" in out and "does not divide" not in out, out
+
+
+def test_compile_cpu_refuses_a_step_of_zero_tokens(model, tmp_path, capsys) -> None:
+    """Issue 46: `--max-tokens 0` read as "the default" and built a step."""
+    code, _, err = run_cli(["compile", str(model), "--arch", "cpu", "--max-tokens", "0", "-o", str(tmp_path / "e")],
+                           capsys)
+    assert_one_error(code, err, "--max-tokens")
+    assert not (tmp_path / "e").exists()

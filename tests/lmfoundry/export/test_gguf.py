@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model_folder
+from helpers import assert_one_error, run_cli_on_a_small_disk, tiny_model_folder
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
@@ -148,6 +148,18 @@ def test_rope_base_and_llama3_frequency_factors(tmp_path: Path) -> None:
     assert float(field.parts[field.data[0]][0]) == 500000.0
     stored = {t.name: t for t in reader.tensors}["rope_freqs.weight"]
     np.testing.assert_array_equal(np.asarray(stored.data, dtype=np.float32), factors.numpy())
+
+
+@pytest.mark.parametrize("size", ["64k", pytest.param("4m", marks=pytest.mark.slow)])
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(size, llama_src: Path, tmp_path: Path) -> None:
+    """Issue 46: numpy's "Not enough free space" OSError (no errno) ended in a traceback."""
+    ckpt = _quantize(llama_src, tmp_path / "q", scheme="w4a16", group_size=32)
+    small = tmp_path / "small"
+    small.mkdir()
+    code, err, left = run_cli_on_a_small_disk(["export", str(ckpt), "-o", str(small / "m.gguf"), "--quiet"], small,
+                                              size)
+    assert_one_error(code, err, "no space left on the device", "m.gguf")
+    assert code == 2 and left == []
 
 
 def test_refuses_what_has_no_exact_gguf_form(llama_src: Path, tmp_path: Path) -> None:

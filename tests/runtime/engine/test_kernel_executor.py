@@ -248,6 +248,38 @@ def test_tampered_weights_are_refused(bundles: Bundles, tmp_path: Path) -> None:
         load_bundle(copy, "cpu")
 
 
+def test_every_reader_refuses_a_tampered_kernel_file(bundles: Bundles, tmp_path: Path, capsys) -> None:
+    """Issue 46: a bundle whose cubin was modified used to be served and evaluated on a CPU (where
+    the kernels do not run), vouching for an artifact that is not the one compiled."""
+    import shutil
+
+    from helpers import run_cli
+
+    copy = tmp_path / "engine"
+    shutil.copytree(bundles.engine("w4a16"), copy)
+    cubin = sorted((copy / "kernels").rglob("*.cubin"))[0]
+    data = bytearray(cubin.read_bytes())
+    data[100] ^= 0x01
+    cubin.write_bytes(bytes(data))
+    with pytest.raises(EngineIntegrityError, match="sha256"):
+        load_model(copy, device="cpu")
+    code, _, err = run_cli(["eval", "ppl", str(copy), "--text", str(bundles.calib), "--ctx", "16",
+                            "--max-windows", "1"], capsys)
+    assert code == 4 and "does not match engine.json" in err and "Traceback" not in err, err
+
+
+def test_serve_refuses_a_block_size_the_bundle_was_not_compiled_for(bundles: Bundles) -> None:
+    import subprocess
+    import sys
+
+    engine = bundles.engine("w4a16")
+    assert json.loads((engine / "engine.json").read_text())["kv_cache"]["block_size"] == 16
+    proc = subprocess.run([sys.executable, "-m", "lmfoundry.cli", "serve", str(engine), "--block-size", "32",
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "compiled for --block-size 16" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_link_bundle_is_refused_with_the_fix(bundles: Bundles, tmp_path: Path) -> None:
     from lmfoundry.errors import UserError
 
