@@ -10,39 +10,22 @@ the default there too wherever they are built; elsewhere float32 is faster.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-ISAS = ("amx", "avx512", "avx2", "default")  # an ahead-of-time artifact's ISA key, richest first
+from lmfoundry.kernels.cpu.isa import ISAS, features, forced, isa, machine
+
+__all__ = ["ISAS", "cpu_features", "default_dtype", "describe", "isa", "machine", "native_bf16", "widened_bf16"]
 
 
-@lru_cache(maxsize=1)
 def cpu_features() -> dict[str, bool]:
-    """The feature flags PyTorch detected (cpuinfo), as booleans."""
-    try:
-        caps = torch._C._cpu._get_cpu_capability()
-    except AttributeError:  # older torch: only the dispatch level is known
-        level = torch.backends.cpu.get_cpu_capability().lower()
-        return {"avx512_f": level.startswith("avx512"), "avx2": level in ("avx2", "avx512")}
-    return {k: bool(v) for k, v in caps.items() if isinstance(v, bool)}
+    """The CPU's feature flags as booleans, less what a forced path (`LMFOUNDRY_CPU_ISA`, see
+    `lmfoundry.kernels.cpu.isa`) leaves out."""
+    return features()
 
 
 def native_bf16() -> bool:
     f = cpu_features()
     return f.get("avx512_bf16", False) or f.get("amx_bf16", False)
-
-
-def isa() -> str:
-    """The richest of ISAS this CPU runs (AMX needs its bf16 and int8 tiles)."""
-    f = cpu_features()
-    if f.get("amx_tile") and f.get("amx_bf16") and f.get("amx_int8"):
-        return "amx"
-    if f.get("avx512_f") and f.get("avx512_bw") and f.get("avx512_vl"):
-        return "avx512"
-    if f.get("avx2"):
-        return "avx2"
-    return "default"
 
 
 def widened_bf16() -> bool:
@@ -65,4 +48,19 @@ def describe() -> str:
     extra = [n for n in ("avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni") if cpu_features().get(n)]
     dtype = "bfloat16" if native_bf16() else \
         "bfloat16 (widened to float32 in the runtime's AVX2 kernels)" if widened_bf16() else "float32 (no native bf16)"
-    return f"cpu: {isa()} ({', '.join(extra) or 'no bf16/int8 dot-product units'}); --dtype auto -> {dtype}"
+    path = f"{isa()}, forced by LMFOUNDRY_CPU_ISA" if forced() else isa()
+    return f"cpu: {path} ({', '.join(extra) or 'no bf16/int8 dot-product units'}); --dtype auto -> {dtype}"
+
+
+if __name__ == "__main__":  # `python -m lmfoundry.runtime.cpu_isa`: the line CI prints before the tests
+    import sys
+
+    from lmfoundry.errors import UserError
+    from lmfoundry.kernels.cpu.isa import apply
+
+    try:
+        apply()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    print(f"{describe()}; {machine()}")

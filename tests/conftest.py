@@ -5,6 +5,9 @@
 - Triton runs kernels through its interpreter on machines without a GPU; the variable must be set
   before any kernel module is imported.
 - Nothing is downloaded from a model hub.
+- The CPU path: `LMFOUNDRY_CPU_ISA` (see `lmfoundry.kernels.cpu.isa`) is applied before torch runs
+  anything, and the run's first line says which path it took (`cpu: amx|avx512|avx2`), so that a
+  red run on another CPU reads as one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from lmfoundry.errors import UserError  # noqa: E402
+from lmfoundry.kernels.cpu.isa import apply as apply_cpu_isa  # noqa: E402
+
+try:
+    apply_cpu_isa()
+    _isa_refused: str | None = None
+except UserError as exc:  # said as a usage error once pytest can (pytest_configure)
+    _isa_refused = str(exc)
 try:
     import torch  # noqa: E402
 
@@ -35,4 +47,28 @@ if "torch" in globals():
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import pytest  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...`
+
+
+def pytest_configure(config) -> None:
+    if _isa_refused is not None:
+        raise pytest.UsageError(_isa_refused)
+
+
+def cpu_line() -> str:
+    from lmfoundry.runtime.cpu_isa import describe, machine
+
+    return f"{describe()}; {machine()}"
+
+
+def pytest_report_header(config) -> str:
+    return cpu_line()
+
+
+def pytest_sessionstart(session) -> None:
+    """`-q` (make test) hides the header: the CPU line is written anyway."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and session.config.get_verbosity() < 0:
+        reporter.write_line(cpu_line())

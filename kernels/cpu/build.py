@@ -11,6 +11,11 @@ compiler's version, the flags and this CPU's feature flags, so a server pays it 
 The objects link OpenMP through `-fopenmp`, which resolves to the libgomp.so.1 torch has already
 loaded, so our loops and torch's ops share one thread pool.
 
+A path forced with `LMFOUNDRY_CPU_ISA` (`isa.py`) adds flags that switch off the extensions above
+it (-mno-avx512f for avx2, -mno-amx-* below amx), so the kernels' `#if`s take that path's code, and
+every object reports the path it was compiled for (`compiled_isa.h`), checked against a forced one
+below the CPU's own.
+
 No compiler, a failed build or `LMFOUNDRY_NATIVE_KERNELS=0`: `load` returns None with the reason,
 and callers keep their PyTorch path.
 """
@@ -23,14 +28,18 @@ import os
 import shutil
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, TypeVar
+
+from lmfoundry.kernels.cpu import isa as cpu_isa
 
 T = TypeVar("T")
 
 HERE = Path(__file__).resolve().parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
 DISABLE_ENV = "LMFOUNDRY_NATIVE_KERNELS"
+PROBE = "compiled_isa.h"  # included in every kernel: `lmf_compiled_isa()`, the path it was compiled for
 
 
 class NativeUnavailable(RuntimeError):
@@ -57,13 +66,37 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+@lru_cache(maxsize=4)
+def _native_extensions(cc: str) -> frozenset[str]:
+    """The AVX-512 and AMX macros `cc -march=native` defines here."""
+    done = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
+                          timeout=60)
+    names = (line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
+    return frozenset(n for n in names if n.startswith(("__AVX512", "__AMX_")))
+
+
+def forced_flags(cc: str) -> tuple[str, ...]:
+    """The flags after -march=native that take the kernels down to the forced path: the extensions
+    above it that the compiler turns on here switched off (only those: a flag the compiler does
+    not know would fail the build)."""
+    path = cpu_isa.forced()
+    if path is None or path == "amx":
+        return ()
+    on = _native_extensions(cc)
+    flags = [f"-mno-{m.strip('_').lower().replace('_', '-')}" for m in sorted(on) if m.startswith("__AMX_")]
+    if path == "avx2" and "__AVX512F__" in on:
+        flags.append("-mno-avx512f")  # and with it every AVX-512 extension
+    return tuple(flags)
+
+
 def _build(name: str, cc: str) -> Path:
     from lmfoundry.resources import cache_dir
 
     source = HERE / f"{name}.c"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]  # what the sources include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, " ".join(FLAGS), _cpu_flags()])
+    flags = (*FLAGS, *forced_flags(cc))
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, " ".join(flags), _cpu_flags()])
                          .encode()).hexdigest()
     target = cache_dir() / "native" / f"{name}-{key[:16]}.so"
     if target.exists():
@@ -72,8 +105,8 @@ def _build(name: str, cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then an atomic rename: no half-written object
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, f"-I{HERE}", str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([cc, *flags, "-include", str(HERE / PROBE), f"-I{HERE}", str(source), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise NativeUnavailable(f"{cc} could not build {source.name}: {done.stderr.strip()[-400:]}")
         os.replace(tmp, target)
@@ -107,9 +140,18 @@ def _open(name: str) -> ctypes.CDLL:
     import torch  # noqa: F401  (torch's libgomp.so.1 must be loaded before ours resolves it)
 
     try:
-        return ctypes.CDLL(str(_build(name, cc)))
+        lib = ctypes.CDLL(str(_build(name, cc)))
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"{name}: {exc}") from None
+    path = cpu_isa.forced()
+    if path is not None and path != cpu_isa.supported()[0] and compiled_path(lib) != path:  # forced below the CPU's
+        raise NativeUnavailable(f"{name}: compiled for {compiled_path(lib)}, but {cpu_isa.ENV}={path}")
+    return lib
+
+
+def compiled_path(lib: ctypes.CDLL) -> str:
+    """The path (one of `isa.ISAS`) a built library was compiled for."""
+    return cpu_isa.ISAS[3 - int(lib.lmf_compiled_isa())]
 
 
 def load(name: str) -> ctypes.CDLL | None:

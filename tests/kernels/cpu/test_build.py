@@ -1,11 +1,14 @@
 """Building the CPU kernels: cached per machine, and a clear None (with the reason) where they
-cannot be built, leaving no half-written object behind."""
+cannot be built, leaving no half-written object behind; a path forced with `LMFOUNDRY_CPU_ISA`
+reaches every kernel's code, checked in what each object was compiled for."""
 
 from __future__ import annotations
 
 import pytest
 
-from lmfoundry.kernels.cpu import build
+from lmfoundry.kernels.cpu import build, isa
+
+KERNELS = sorted(p.stem for p in build.HERE.glob("*.c"))
 
 
 @pytest.fixture
@@ -48,3 +51,37 @@ def test_a_failed_build_leaves_nothing(fresh, monkeypatch, tmp_path) -> None:
     reason = build.unavailable_reason("paged_decode") or ""
     assert "could not build paged_decode.c" in reason and "no such flag" in reason
     assert not fresh.exists() or not any(fresh.iterdir())
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
+@pytest.mark.parametrize("path", isa.FORCEABLE)
+def test_a_forced_path_is_what_every_kernel_runs(path, monkeypatch) -> None:
+    """Each object reports the vector path its `#if`s compiled (`compiled_isa.h`): forced below the
+    CPU's own, the path asked for, built as an object of its own beside the native one; forced to
+    the CPU's own, the native object."""
+    if path not in isa.supported():
+        pytest.skip(f"this CPU has no {path} path")
+    monkeypatch.setattr(build, "_LOADED", {})
+    monkeypatch.setattr(build, "_BOUND", {})
+    monkeypatch.delenv(isa.ENV, raising=False)
+    cc = build.compiler()
+    assert cc is not None
+    native = {name: build._build(name, cc) for name in KERNELS}
+    monkeypatch.setenv(isa.ENV, path)
+    below = path != isa.supported()[0]
+    for name in KERNELS:
+        lib = build.load(name)
+        assert lib is not None, build.unavailable_reason(name)
+        assert (build._build(name, cc) == native[name]) != below, name
+        if below:
+            assert build.compiled_path(lib) == path, name
+
+
+def test_an_object_that_missed_the_forced_path_is_refused(fresh, monkeypatch) -> None:
+    here = isa.supported()
+    if build.compiler() is None or len(here) < 2:
+        pytest.skip("needs a C compiler and a CPU with more than one path")
+    monkeypatch.setenv(isa.ENV, here[-1])
+    monkeypatch.setattr(build, "forced_flags", lambda cc: ())  # as if the flags never reached the compiler
+    assert build.load("rope") is None
+    assert f"compiled for {here[0]}, but LMFOUNDRY_CPU_ISA={here[-1]}" in (build.unavailable_reason("rope") or "")

@@ -13,12 +13,11 @@ left alone.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from lmfoundry.kernels.cpu.build import unavailable_reason
+from lmfoundry.kernels.cpu.isa import features
 from lmfoundry.kernels.cpu.paged_decode import (
     MAX_PARTITION,
     load_paged_decode,
@@ -82,8 +81,7 @@ def test_bf16_weights_where_the_cpu_has_bf16_dot_products() -> None:
     """The kernel says which P it uses; bf16 only for bf16 attention on a whole number of 32-wide chunks."""
     assert kernel.p_dtype(torch.float32, 64) == torch.float32
     assert kernel.p_dtype(torch.bfloat16, 48) == torch.float32
-    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
-    expected = torch.bfloat16 if "avx512_bf16" in flags else torch.float32
+    expected = torch.bfloat16 if features().get("avx512_bf16") else torch.float32  # of the path taken
     assert kernel.p_dtype(torch.bfloat16, 64) == expected
 
 

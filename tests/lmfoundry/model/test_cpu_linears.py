@@ -134,6 +134,7 @@ def test_int4_layout_of_each_cpu_capability(capability: str) -> None:
     PyTorch wrote them under every capability (AVX-512, AVX2 and the portable kernel pack
     differently), so a W4A16 model is right on whichever CPU serves it."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}
+    env.pop("LMFOUNDRY_CPU_ISA", None)  # it would set ATEN_CPU_CAPABILITY itself
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "dequantized_weight_is or (within_the_bf16_bound and int4)"],
                          env=env, capture_output=True, text=True, timeout=600)
