@@ -15,7 +15,13 @@ would make the quantized artifact as large and as slow as the float model; these
 - `Int8PackLinear`: int8 codes [N, K] and per-channel scales for `_weight_int8pack_mm`; an
   asymmetric zero point is the exact correction y -= (zp * s) * sum_k x_k.
 
-Both eager kernels cost a fixed time per input row (a GEMV each), so from `DEQUANT_ROWS` rows on
+- `Int4GemmLinear`: at the serving swap, where the CPU has AVX-512 BF16, the int4pack module's codes
+  move into the layout of our C product (`lmfoundry.kernels.cpu.int4_gemm`), which decodes 16
+  channels' codes once per block of 8 rows instead of once per row; q/k/v and gate/up become one
+  product each. Above a crossover timed on the serving machine (`runtime.cpu_crossover`: on AMX
+  CPUs a long prompt chunk is faster as one dequantization plus an AMX GEMM) it dequantizes.
+
+PyTorch's eager kernels cost a fixed time per input row (a GEMV each), so from `DEQUANT_ROWS` rows on
 (prefill, perplexity windows) the layer is dequantized from the same packed codes into a transient
 bf16 matrix for one AMX/AVX512 GEMM instead; the crossover was measured on the 2-core dev box
 (benchmarks/cpu_packed.py prints both paths). Nothing dense is kept between calls. Traced for
@@ -37,6 +43,10 @@ from torch import nn
 
 from lmfoundry.kernels.cpu.bf16_fma_gemm import Bf16FmaGemm, load_bf16_fma_gemm
 from lmfoundry.kernels.cpu.bf16_gemv import Bf16Gemv, load_bf16_gemv
+from lmfoundry.kernels.cpu.int4_gemm import Int4Gemm, load_int4_gemm
+from lmfoundry.kernels.cpu.int4_gemm import dequantize as int4_dequantize
+from lmfoundry.kernels.cpu.int4_gemm import fits as int4_gemm_fits
+from lmfoundry.kernels.cpu.int4_gemm import pack as pack_int4
 from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.quantizers.base import QuantizedWeight
 
@@ -253,6 +263,145 @@ class Int8PackLinear(nn.Module):
     def extra_repr(self) -> str:
         zp = ", zero points" if self.zero_scaled is not None else ""
         return f"in={self.in_features}, out={self.out_features}, int8pack per-channel{zp}"
+
+
+class Int4GemmLinear(nn.Module):
+    """A 4-bit linear served by the C product `lmfoundry.kernels.cpu.int4_gemm` (CPUs with AVX-512
+    BF16): the codes of 16 output channels are decoded once per block of up to 8 input rows, so a
+    step of many rows reads the codes once per block instead of once per row (int4pack's kernel),
+    and no dense copy is kept. Every row's result is the same whatever the number of rows, so a
+    token computes alike in a prompt chunk and in a decode step.
+
+    Built from an `Int4PackLinear` (or several, concatenated along the outputs: q/k/v and gate/up,
+    whose parts `parts` hands back) at the serving-time swap (`prepack_int4_linears`); the traced
+    `compile --arch cpu` step keeps the int4pack op."""
+
+    perm: torch.Tensor | None
+    bias: torch.Tensor | None
+    # from this many rows a step dequantizes the codes and runs the CPU's GEMM (None: never); set by
+    # the runtime from a crossover measured on the serving machine (runtime.cpu_crossover)
+    dense_from: int | None = None
+
+    def __init__(self, linears: Sequence[Int4PackLinear], gemm: Int4Gemm) -> None:
+        super().__init__()
+        first = linears[0]
+        self.gemm = gemm
+        self.in_features, self.group = first.in_features, first.group
+        self.sizes = [lin.out_features for lin in linears]
+        self.out_features = sum(self.sizes)
+        codes, scale, zero = zip(*(_int4pack_codes(lin) for lin in linears), strict=True)
+        zeros = None if all(z is None for z in zero) else torch.cat(
+            [torch.zeros_like(s) if z is None else z for s, z in zip(scale, zero, strict=True)])
+        self.weight4 = pack_int4(torch.cat(codes), torch.cat(scale), zeros, self.group)
+        self.register_buffer("perm", first.perm)
+        biases = [lin.bias for lin in linears]
+        self.register_buffer("bias", None if first.bias is None else torch.cat(
+            [b if b is not None else torch.zeros(lin.out_features, dtype=COMPUTE_DTYPE)
+             for b, lin in zip(biases, linears, strict=True)]))
+
+    @staticmethod
+    def fits(linears: Sequence[nn.Module]) -> bool:
+        """Whether these linears can be one product: int4pack linears over one input (same size,
+        group and act-order permutation), each with a bias or none with one."""
+        if not linears or not all(isinstance(lin, Int4PackLinear) for lin in linears):
+            return False
+        first = linears[0]
+        assert isinstance(first, Int4PackLinear)
+        return all(int4_gemm_fits(lin.out_features, lin.in_features, lin.group)
+                   and (lin.in_features, lin.group, lin.bias is None) == (first.in_features, first.group,
+                                                                         first.bias is None)
+                   and (lin.perm is None) == (first.perm is None)
+                   and (lin.perm is None or torch.equal(lin.perm, first.perm))
+                   for lin in linears if isinstance(lin, Int4PackLinear))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape[:-1], x.dtype
+        rows = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            rows = rows.index_select(1, self.perm)
+        rows = rows.to(COMPUTE_DTYPE)
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        if self.dense_from is not None and rows.shape[0] >= self.dense_from:
+            out = torch.nn.functional.linear(rows, self.gemm.dequantize(self.weight4), self.bias)
+        else:
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            self.gemm(rows, self.weight4, self.bias, out)
+        return out.to(dtype).view(*shape, self.out_features)
+
+    @property
+    def shape(self) -> tuple[int, int, int, bool]:
+        """(out_features, in_features, group, asymmetric): what the crossover is measured for."""
+        return self.out_features, self.in_features, self.group, self.weight4.zero is not None
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each fused linear's output [..., out_i]: views of the one product."""
+        return self(x).split(self.sizes, dim=-1)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The bf16 weight [N, K] in the stored checkpoint's input order."""
+        w = int4_dequantize(self.weight4).to(COMPUTE_DTYPE)
+        return w if self.perm is None else w[:, torch.argsort(self.perm)].contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantized_weight()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # the packed weight is plain tensors outside the buffer registry: move them along
+        self.weight4.codes, self.weight4.scale = fn(self.weight4.codes), fn(self.weight4.scale)
+        if self.weight4.zero is not None:
+            self.weight4.zero = fn(self.weight4.zero)
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        act = ", act-order" if self.perm is not None else ""
+        fused = f", fused {self.sizes}" if len(self.sizes) > 1 else ""
+        return f"in={self.in_features}, out={self.out_features}, int4 C product g{self.group}{act}{fused}"
+
+
+def _int4pack_codes(lin: Int4PackLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(unsigned codes [N, K] in the linear's K order, scale [N, K/g], zero [N, K/g] or None for
+    symmetric codes) read back from PyTorch's int4pack layout (exact: bf16 scales widen exactly)."""
+    n, k = lin.out_features, lin.in_features
+    width, paired = int4_layout()
+    v = lin.packed.view(n // width, k, width // 2)
+    nibbles = torch.stack([v & 15, v >> 4], -1)  # [N/w, K, w/2, 2]
+    blocked = (nibbles if paired else nibbles.transpose(-1, -2)).reshape(n // width, k, width)
+    codes = blocked.permute(0, 2, 1).reshape(n, k)
+    scale = lin.scale_zeros[..., 0].t().float().contiguous()
+    zero = lin.scale_zeros[..., 1].t().float().contiguous()
+    return codes, scale, None if not bool(zero.any()) else zero
+
+
+def prepack_int4_linears(model: nn.Module, fuse: bool = False) -> int:
+    """Swap every `Int4PackLinear` of a CPU model for an `Int4GemmLinear` where the C product is
+    built (the runtime module swap for serving; the int4pack buffers are dropped); returns how
+    many. With `fuse`, q/k/v and gate/up become one product each where they fit
+    (`Int4GemmLinear.fits`), their linears left in place as parts. Nothing happens where the
+    product is not built (no AVX-512 BF16, no compiler, native kernels off)."""
+    gemm = load_int4_gemm()
+    if gemm is None:
+        return 0
+    swapped = 0
+    if fuse:
+        for parent in list(model.modules()):
+            for group, members in FUSED_LINEARS.items():
+                attr, names = group.rsplit(".", 1)[-1], [m.rsplit(".", 1)[-1] for m in members]
+                if not hasattr(parent, attr) or getattr(parent, attr) is not None:
+                    continue
+                linears = [getattr(parent, name, None) for name in names]
+                if not Int4GemmLinear.fits(linears):
+                    continue
+                whole = Int4GemmLinear(linears, gemm)  # type: ignore[arg-type]
+                setattr(parent, attr, whole)
+                for i, name in enumerate(names):
+                    setattr(parent, name, PrepackedPart(whole, i))  # type: ignore[arg-type]
+                swapped += len(names)
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if Int4GemmLinear.fits([child])]
+    for parent, name, child in swaps:
+        setattr(parent, name, Int4GemmLinear([child], gemm))  # type: ignore[list-item]
+    return swapped + len(swaps)
 
 
 def packed_linear(qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module | str:
