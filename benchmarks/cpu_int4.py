@@ -1,5 +1,5 @@
 """4-bit products of a serving step on CPU, per row count: the int4 C product (`kernels/cpu/int4_gemm.c`,
-what `Int4GemmLinear` runs) against PyTorch's int4pack kernel (what a W4A16 checkpoint ran before),
+what `CProductLinear` runs for 4-bit codes) against PyTorch's int4pack kernel (what a W4A16 checkpoint ran before),
 dequantize-then-GEMM (the other side of the crossover, `runtime/cpu_crossover.py`), and the float
 model's own product on the same weights in bf16 (oneDNN prepacked, `PrepackedLinear`: the baseline
 of "a quantized checkpoint is never slower than float").

@@ -5,7 +5,7 @@
 - Triton runs kernels through its interpreter on machines without a GPU; the variable must be set
   before any kernel module is imported.
 - Nothing is downloaded from a model hub.
-- 4-bit CPU linears run one product at every row count (no timed crossover).
+- Quantized CPU linears run one product at every row count (no timed crossover).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# 4-bit linears: the C product at every row count, not a crossover timed on whatever the test
+# quantized linears: the C product at every row count, not a crossover timed on whatever the test
 # machine is doing (tests/runtime/test_cpu_crossover.py covers the measured one)
-os.environ.setdefault("LMFOUNDRY_INT4_DENSE_ROWS", "never")
+os.environ.setdefault("LMFOUNDRY_CPU_DENSE_ROWS", "never")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

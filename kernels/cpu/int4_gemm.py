@@ -66,6 +66,17 @@ def reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torc
     return y.to(torch.bfloat16)
 
 
+def check_args(name: str, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Refuse what a C product cannot take: bf16 rows x [M, K] and out [M, N] with unit column
+    stride, and a contiguous bf16 bias [N] or None."""
+    m = x.shape[0]
+    if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[1] != k or out.shape != (m, n) \
+            or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype}, weight {n}x{k}, out {tuple(out.shape)} {out.dtype}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} {bias.dtype}, expected ({n},) bfloat16")
+
+
 class Int4Gemm:
     """The built product with its C signature; `__call__` checks what the C side cannot."""
 
@@ -85,17 +96,11 @@ class Int4Gemm:
                  threads: int | None = None) -> None:
         """out [M, N] = x [M, K] @ W^T + bias; bf16 activations, bias and output."""
         m, k = x.shape
-        n = w.out_features
-        if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or k != w.in_features or out.shape != (m, n) \
-                or x.stride(1) != 1 or out.stride(1) != 1:
-            raise ValueError(f"int4_gemm: x {tuple(x.shape)} {x.dtype}, weight {n}x{w.in_features}, "
-                             f"out {tuple(out.shape)} {out.dtype}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"int4_gemm: bias {tuple(bias.shape)} {bias.dtype}, expected ({n},) bfloat16")
+        check_args("int4_gemm", x, w.out_features, w.in_features, bias, out)
         xsum = torch.empty(m * (k // w.group) if w.zero is not None else 1, dtype=torch.float32)
         self._fn(x.data_ptr(), x.stride(0), w.codes.data_ptr(), w.scale.data_ptr(),
                  None if w.zero is None else w.zero.data_ptr(), None if bias is None else bias.data_ptr(),
-                 out.data_ptr(), out.stride(0), xsum.data_ptr(), m, n, k, w.group, threads or torch.get_num_threads())
+                 out.data_ptr(), out.stride(0), xsum.data_ptr(), m, w.out_features, k, w.group, threads or torch.get_num_threads())
 
 
     def dequantize(self, w: Int4Weight, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from lmfoundry.kernels.cpu.paged_decode import PagedDecode, load_paged_decode
 from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
 from lmfoundry.model.cpu_elementwise import swap_native_elementwise
-from lmfoundry.model.cpu_linears import Int4GemmLinear, can_prepack, prepack_dense_linears, prepack_int4_linears
+from lmfoundry.model.cpu_linears import CProductLinear, can_prepack, prepack_c_products, prepack_dense_linears
 from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention, PrefillBatch
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
@@ -70,17 +70,6 @@ def _table(blocks: list[int], width: int) -> list[int]:
     return list(blocks[:width]) + [0] * (width - min(len(blocks), width))
 
 
-def _set_int4_crossover(model: CausalLM) -> None:
-    """Give each 4-bit C product the rows from which this machine runs it faster dequantized
-    (measured once per shape and cached: runtime.cpu_crossover)."""
-    from lmfoundry.runtime.cpu_crossover import int4_dense_rows
-
-    linears = [m for m in model.modules() if isinstance(m, Int4GemmLinear)]
-    table = int4_dense_rows([m.shape for m in linears], linears[0].gemm)
-    for m in linears:
-        m.dense_from = table[m.shape]
-
-
 class ReferenceModelExecutor:
     """The reference `CausalLM` over the engine's `KVCacheLayers` (float, INT8 or FP8 storage)."""
 
@@ -92,8 +81,10 @@ class ReferenceModelExecutor:
             # serving-time module swap: oneDNN reorders each weight once; q/k/v and gate/up run as
             # one product each
             prepack_dense_linears(model, fuse=True)
-            if prepack_int4_linears(model, fuse=True):  # 4-bit codes: one decode per block of rows (C)
-                _set_int4_crossover(model)
+            if prepack_c_products(model, fuse=True):  # 4/8-bit codes: widened once per block of rows (C)
+                from lmfoundry.runtime.cpu_crossover import set_dense_rows
+
+                set_dense_rows([m for m in model.modules() if isinstance(m, CProductLinear)])
             swap_native_elementwise(model)  # RMSNorm, SiLU(gate) * up and rotary: one C pass each
         self.engine_config = config
         self.config = model.config
