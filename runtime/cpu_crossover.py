@@ -70,7 +70,7 @@ def _cache_file(shapes: list[Shape], threads: int) -> Path:
     from lmfoundry.kernels.cpu.build import HERE, _cpu_flags
     from lmfoundry.resources import cache_dir
 
-    sources = [(HERE / name).read_bytes() for name in ("int4_gemm.c", "int8_gemm.c")]
+    sources = [(HERE / name).read_bytes() for name in ("int4_gemm.c", "int8_gemm.c", "weight_only.h")]
     key = json.dumps([sorted(shapes), threads, torch.__version__, _cpu_flags(),
                       [hashlib.sha256(src).hexdigest() for src in sources]], sort_keys=True)
     return cache_dir() / "cpu-crossover" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"

@@ -25,8 +25,7 @@
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <omp.h>
+#include "weight_only.h"
 
 #define ROWS 8   /* rows sharing one decode of the codes; 2 x ROWS accumulators live in registers */
 #define CHUNK 64 /* rows of x a thread keeps in cache while it walks its tiles */
@@ -85,35 +84,20 @@ void lmf_int4_gemm(const uint16_t *x, int64_t x_stride, const uint8_t *codes, co
                    int threads) {
     const int nb = n / 16, groups = k / group, ppg = group / 2;
     const __m512i table = code_table();
-    if (zero) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int i = 0; i < m; i++)
-            for (int g = 0; g < groups; g++) {
-                float s = 0.0f;
-                for (int c = g * group; c < (g + 1) * group; c++) {
-                    const uint32_t bits = (uint32_t)x[i * x_stride + c] << 16;
-                    float v;
-                    memcpy(&v, &bits, 4);
-                    s += v;
-                }
-                xsum[i * groups + g] = s;
-            }
-    }
+    if (zero) row_group_sums(x, x_stride, m, k, group, xsum, threads);
     /* Each thread takes a contiguous share of the tiles and walks them chunk of rows by chunk of
      * rows: a chunk of x (CHUNK rows) stays in L2 while every tile of the share passes over it, and
      * a tile's codes stay in L1 across the chunk's row blocks. */
 #pragma omp parallel num_threads(threads)
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int b0 = (int)((int64_t)nb * t / nt), b1 = (int)((int64_t)nb * (t + 1) / nt);
+        int b0, b1;
+        tile_share(nb, &b0, &b1);
         for (int c0 = 0; c0 < m; c0 += CHUNK) {
             const int c1 = m - c0 < CHUNK ? m : c0 + CHUNK;
             for (int b = b0; b < b1; b++) {
                 const uint8_t *tile = codes + (int64_t)b * (k / 2) * 16;
                 const float *ts = scale + (int64_t)b * groups * 16, *tz = zero ? zero + (int64_t)b * groups * 16 : NULL;
-                uint32_t add_bits[16];
-                for (int j = 0; j < 16; j++) add_bits[j] = bias ? (uint32_t)bias[b * 16 + j] << 16 : 0u;
-                const __m512 add = _mm512_loadu_ps((const float *)add_bits);
+                const __m512 add = bias16(bias, b);
                 for (int r0 = c0; r0 < c1; r0 += ROWS) {
                     const int r = c1 - r0 < ROWS ? c1 - r0 : ROWS;
                     const uint16_t *xr = x + (int64_t)r0 * x_stride;

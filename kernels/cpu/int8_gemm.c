@@ -20,8 +20,7 @@
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <omp.h>
+#include "weight_only.h"
 
 #define ROWS 8   /* rows sharing one widening of the codes */
 #define CHUNK 64 /* rows of x a thread keeps in cache while it walks its tiles */
@@ -61,31 +60,17 @@ void lmf_int8_gemm(const uint16_t *x, int64_t x_stride, const int8_t *codes, con
                    const float *zero_scaled, const uint16_t *bias, uint16_t *y, int64_t y_stride, float *xsum, int m,
                    int n, int k, int threads) {
     const int nb = n / 16, pairs = k / 2;
-    if (zero_scaled) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int i = 0; i < m; i++) {
-            float s = 0.0f;
-            for (int c = 0; c < k; c++) {
-                const uint32_t bits = (uint32_t)x[i * x_stride + c] << 16;
-                float v;
-                memcpy(&v, &bits, 4);
-                s += v;
-            }
-            xsum[i] = s;
-        }
-    }
+    if (zero_scaled) row_group_sums(x, x_stride, m, k, k, xsum, threads);
 #pragma omp parallel num_threads(threads)
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int b0 = (int)((int64_t)nb * t / nt), b1 = (int)((int64_t)nb * (t + 1) / nt);
+        int b0, b1;
+        tile_share(nb, &b0, &b1);
         for (int c0 = 0; c0 < m; c0 += CHUNK) {
             const int c1 = m - c0 < CHUNK ? m : c0 + CHUNK;
             for (int b = b0; b < b1; b++) {
                 const int8_t *tile = codes + (int64_t)b * pairs * 32;
                 const float *ts = scale + b * 16, *tz = zero_scaled ? zero_scaled + b * 16 : NULL;
-                uint32_t add_bits[16];
-                for (int j = 0; j < 16; j++) add_bits[j] = bias ? (uint32_t)bias[b * 16 + j] << 16 : 0u;
-                const __m512 add = _mm512_loadu_ps((const float *)add_bits);
+                const __m512 add = bias16(bias, b);
                 for (int r0 = c0; r0 < c1; r0 += ROWS) {
                     const int r = c1 - r0 < ROWS ? c1 - r0 : ROWS;
                     const uint16_t *xr = x + (int64_t)r0 * x_stride;
