@@ -8,6 +8,7 @@
 - The CPU path: `LMFOUNDRY_CPU_ISA` (see `lmfoundry.kernels.cpu.isa`) is applied before torch runs
   anything, and the run's first line says which path it took (`cpu: amx|avx512|avx2`), so that a
   red run on another CPU reads as one.
+- Quantized CPU linears run one product at every row count (no timed crossover).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# quantized linears: the C product at every row count, not a crossover timed on whatever the test
+# machine is doing (tests/runtime/test_cpu_crossover.py covers the measured one)
+os.environ.setdefault("LMFOUNDRY_CPU_DENSE_ROWS", "never")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -15,7 +15,13 @@ would make the quantized artifact as large and as slow as the float model; these
 - `Int8PackLinear`: int8 codes [N, K] and per-channel scales for `_weight_int8pack_mm`; an
   asymmetric zero point is the exact correction y -= (zp * s) * sum_k x_k.
 
-Both eager kernels cost a fixed time per input row (a GEMV each), so from `DEQUANT_ROWS` rows on
+- `CProductLinear`: at the serving swap, where the CPU has AVX-512 BF16, both modules' codes move
+  into the layout of our C products (`lmfoundry.kernels.cpu.int4_gemm`, `int8_gemm`), which widen
+  16 channels' codes once per block of 8 rows instead of once per row; q/k/v and gate/up become one
+  product each. Above a crossover timed on the serving machine (`runtime.cpu_crossover`: on AMX
+  CPUs a long prompt chunk is faster as one dequantization plus an AMX GEMM) it dequantizes.
+
+PyTorch's eager kernels cost a fixed time per input row (a GEMV each), so from `DEQUANT_ROWS` rows on
 (prefill, perplexity windows) the layer is dequantized from the same packed codes into a transient
 bf16 matrix for one AMX/AVX512 GEMM instead; the crossover was measured on the 2-core dev box
 (benchmarks/cpu_packed.py prints both paths). Nothing dense is kept between calls. Traced for
@@ -37,6 +43,13 @@ from torch import nn
 
 from lmfoundry.kernels.cpu.bf16_fma_gemm import Bf16FmaGemm, load_bf16_fma_gemm
 from lmfoundry.kernels.cpu.bf16_gemv import Bf16Gemv, load_bf16_gemv
+from lmfoundry.kernels.cpu.int4_gemm import Int4Gemm, Int4Weight, load_int4_gemm
+from lmfoundry.kernels.cpu.int4_gemm import fits as int4_gemm_fits
+from lmfoundry.kernels.cpu.int4_gemm import pack as pack_int4
+from lmfoundry.kernels.cpu.int8_gemm import Int8Gemm, Int8Weight, load_int8_gemm
+from lmfoundry.kernels.cpu.int8_gemm import dequantize as int8_dequantize
+from lmfoundry.kernels.cpu.int8_gemm import fits as int8_gemm_fits
+from lmfoundry.kernels.cpu.int8_gemm import pack as pack_int8
 from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.quantizers.base import QuantizedWeight
 
@@ -253,6 +266,178 @@ class Int8PackLinear(nn.Module):
     def extra_repr(self) -> str:
         zp = ", zero points" if self.zero_scaled is not None else ""
         return f"in={self.in_features}, out={self.out_features}, int8pack per-channel{zp}"
+
+
+class CProductLinear(nn.Module):
+    """A weight-only quantized linear served by one of our C products (CPUs with AVX-512 BF16):
+    `int4_gemm` for 4-bit codes, `int8_gemm` for per-channel int8. PyTorch's int4pack / int8pack
+    kernels read the whole weight once per input row; ours widen 16 channels' codes to bf16 once per
+    block of 8 rows, so a step of many rows costs little more than a step of one, and no dense copy
+    is kept. Every row's result is the same whatever the number of rows, so a token computes alike
+    in a prompt chunk and in a decode step.
+
+    Built from `Int4PackLinear`s or `Int8PackLinear`s (one, or several concatenated along the
+    outputs: q/k/v and gate/up, whose parts `parts` hands back) at the serving-time swap
+    (`prepack_c_products`); the traced `compile --arch cpu` step keeps PyTorch's ops. From
+    `dense_from` rows on (set by the runtime from a crossover measured on the serving machine,
+    `runtime.cpu_crossover`; None: never) a step dequantizes and runs the CPU's own GEMM instead."""
+
+    perm: torch.Tensor | None
+    bias: torch.Tensor | None
+    dense_from: int | None = None
+
+    def __init__(self, linears: Sequence[Int4PackLinear | Int8PackLinear]) -> None:
+        super().__init__()
+        first = linears[0]
+        self.in_features: int = first.in_features
+        self.sizes: list[int] = [lin.out_features for lin in linears]
+        self.out_features = sum(self.sizes)
+        self.gemm: Int4Gemm | Int8Gemm
+        self.weight_c: Int4Weight | Int8Weight
+        fours = [lin for lin in linears if isinstance(lin, Int4PackLinear)]
+        eights = [lin for lin in linears if isinstance(lin, Int8PackLinear)]
+        perm = None
+        if fours:
+            gemm4 = load_int4_gemm()
+            assert gemm4 is not None and len(fours) == len(linears)
+            self.kind, self.group, self.gemm = "int4", fours[0].group, gemm4
+            codes, scale, zero = zip(*(_int4pack_codes(lin) for lin in fours), strict=True)
+            self.weight_c = pack_int4(torch.cat(codes), torch.cat(scale), _zeros_or_none(zero, scale), self.group)
+            perm = fours[0].perm
+        else:
+            gemm8 = load_int8_gemm()
+            assert gemm8 is not None and len(eights) == len(linears)
+            self.kind, self.group, self.gemm = "int8", self.in_features, gemm8
+            scales = [lin.scale.float() for lin in eights]
+            self.weight_c = pack_int8(torch.cat([lin.codes for lin in eights]), torch.cat(scales),
+                                      _zeros_or_none([lin.zero_scaled for lin in eights], scales))
+        self.register_buffer("perm", perm)
+        biases = [(lin.bias, lin.out_features) for lin in linears]
+        self.register_buffer("bias", None if first.bias is None else torch.cat(
+            [b if b is not None else torch.zeros(n, dtype=COMPUTE_DTYPE) for b, n in biases]))
+
+    @staticmethod
+    def fits(linears: Sequence[object]) -> bool:
+        """Whether these linears can be one C product: all int4pack over one input (same size, group
+        and act-order permutation) or all per-channel int8pack over one input, each with a bias or
+        none with one, and the product built here."""
+        fours = [lin for lin in linears if isinstance(lin, Int4PackLinear)]
+        eights = [lin for lin in linears if isinstance(lin, Int8PackLinear)]
+        if fours and len(fours) == len(linears):
+            a = fours[0]
+            return load_int4_gemm() is not None and all(
+                int4_gemm_fits(lin.out_features, lin.in_features, lin.group)
+                and (lin.in_features, lin.group, lin.bias is None) == (a.in_features, a.group, a.bias is None)
+                and (lin.perm is None if a.perm is None else lin.perm is not None and torch.equal(lin.perm, a.perm))
+                for lin in fours)
+        if eights and len(eights) == len(linears):
+            b = eights[0]
+            return load_int8_gemm() is not None and all(
+                int8_gemm_fits(lin.out_features, lin.in_features)
+                and (lin.in_features, lin.bias is None) == (b.in_features, b.bias is None) for lin in eights)
+        return False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape[:-1], x.dtype
+        rows = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            rows = rows.index_select(1, self.perm)
+        rows = rows.to(COMPUTE_DTYPE)
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        if self.dense_from is not None and rows.shape[0] >= self.dense_from:
+            out = F.linear(rows, self._dense_weight(), self.bias)
+        else:
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            self.gemm(rows, self.weight_c, self.bias, out)  # type: ignore[arg-type]
+        return out.to(dtype).view(*shape, self.out_features)
+
+    def _dense_weight(self) -> torch.Tensor:
+        """The bf16 weight [N, K] in the product's K order (transient: dropped after the step)."""
+        if isinstance(self.weight_c, Int4Weight):
+            return self.gemm.dequantize(self.weight_c)  # type: ignore[union-attr]
+        return int8_dequantize(self.weight_c).to(COMPUTE_DTYPE)
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each fused linear's output [..., out_i]: views of the one product."""
+        return self(x).split(self.sizes, dim=-1)
+
+    @property
+    def shape(self) -> tuple[str, int, int, int, bool]:
+        """(kind, out_features, in_features, group, asymmetric): what the crossover is measured for."""
+        zero = self.weight_c.zero if isinstance(self.weight_c, Int4Weight) else self.weight_c.zero_scaled
+        return self.kind, self.out_features, self.in_features, self.group, zero is not None
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The bf16 weight [N, K] in the stored checkpoint's input order."""
+        w = self._dense_weight()
+        return w if self.perm is None else w[:, torch.argsort(self.perm)].contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantized_weight()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # the packed weight is plain tensors outside the buffer registry: move them along
+        w = self.weight_c
+        for name in ("codes", "scale", "zero", "zero_scaled"):
+            if getattr(w, name, None) is not None:
+                setattr(w, name, fn(getattr(w, name)))
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        act = ", act-order" if self.perm is not None else ""
+        fused = f", fused {self.sizes}" if len(self.sizes) > 1 else ""
+        scheme = f"int4 g{self.group}" if self.kind == "int4" else "int8 per-channel"
+        return f"in={self.in_features}, out={self.out_features}, {scheme} C product{act}{fused}"
+
+
+def _zeros_or_none(zeros: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The fused linears' zero terms concatenated (zeros where a linear has none), or None when none has."""
+    if all(z is None for z in zeros):
+        return None
+    return torch.cat([torch.zeros_like(s) if z is None else z.float() for z, s in zip(zeros, like, strict=True)])
+
+
+def _int4pack_codes(lin: Int4PackLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(unsigned codes [N, K] in the linear's K order, scale [N, K/g], zero [N, K/g] or None for
+    symmetric codes) read back from PyTorch's int4pack layout (exact: bf16 scales widen exactly)."""
+    n, k = lin.out_features, lin.in_features
+    width, paired = int4_layout()
+    v = lin.packed.view(n // width, k, width // 2)
+    nibbles = torch.stack([v & 15, v >> 4], -1)  # [N/w, K, w/2, 2]
+    blocked = (nibbles if paired else nibbles.transpose(-1, -2)).reshape(n // width, k, width)
+    codes = blocked.permute(0, 2, 1).reshape(n, k)
+    scale = lin.scale_zeros[..., 0].t().float().contiguous()
+    zero = lin.scale_zeros[..., 1].t().float().contiguous()
+    return codes, scale, None if not bool(zero.any()) else zero
+
+
+def prepack_c_products(model: nn.Module, fuse: bool = False) -> int:
+    """Swap every `Int4PackLinear` / `Int8PackLinear` of a CPU model for a `CProductLinear` where
+    our C product is built (the runtime module swap for serving; PyTorch's packed buffers are
+    dropped); returns how many. With `fuse`, q/k/v and gate/up become one product each where they
+    fit (`CProductLinear.fits`), their linears left in place as parts. Nothing happens where the
+    products are not built (no AVX-512 BF16, no compiler, native kernels off)."""
+    swapped = 0
+    if fuse:
+        for parent in list(model.modules()):
+            for group, members in FUSED_LINEARS.items():
+                attr, names = group.rsplit(".", 1)[-1], [m.rsplit(".", 1)[-1] for m in members]
+                if not hasattr(parent, attr) or getattr(parent, attr) is not None:
+                    continue
+                linears = [getattr(parent, name, None) for name in names]
+                if not CProductLinear.fits(linears):
+                    continue
+                whole = CProductLinear(linears)  # type: ignore[arg-type]
+                setattr(parent, attr, whole)
+                for i, name in enumerate(names):
+                    setattr(parent, name, PrepackedPart(whole, i))  # type: ignore[arg-type]
+                swapped += len(names)
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, (Int4PackLinear, Int8PackLinear)) and CProductLinear.fits([child])]
+    for parent, name, child in swaps:
+        setattr(parent, name, CProductLinear([child]))
+    return swapped + len(swaps)
 
 
 def packed_linear(qw: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module | str:

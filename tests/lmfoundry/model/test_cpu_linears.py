@@ -20,8 +20,11 @@ import pytest
 import torch
 
 from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS, load_bf16_gemv
+from lmfoundry.kernels.cpu.int4_gemm import load_int4_gemm
+from lmfoundry.kernels.cpu.int8_gemm import load_int8_gemm
 from lmfoundry.model.cpu_linears import (
     DEQUANT_ROWS,
+    CProductLinear,
     FusedPrepackedLinear,
     Int4PackLinear,
     Int8PackLinear,
@@ -30,6 +33,7 @@ from lmfoundry.model.cpu_linears import (
     _onednn_bf16,
     can_prepack,
     packed_linear,
+    prepack_c_products,
     prepack_dense_linears,
 )
 from lmfoundry.model.linears import build_linear
@@ -447,3 +451,70 @@ def test_few_row_copies_only_where_memory_allows(monkeypatch, caplog) -> None:
         prepack_dense_linears(tight, fuse=True)
     assert all(m.gemv is None and m.blocked is None for m in tight.modules() if isinstance(m, PrepackedLinear))
     assert any("stay on oneDNN" in r.getMessage() for r in caplog.records)
+
+
+# ---- our C products (kernels/cpu/int4_gemm.c, int8_gemm.c) at the serving swap ---------------------
+needs_c_products = pytest.mark.skipif(load_int4_gemm() is None or load_int8_gemm() is None,
+                                      reason="no AVX-512 BF16 C products here")
+C_CASES = [(a, o) for a, o in CASES if a.num_bits <= 4 or a.strategy == "channel"]
+
+
+@needs_c_products
+@pytest.mark.parametrize("args,act_order", C_CASES, ids=[f"{a.describe()}{' act' if o else ''}" for a, o in C_CASES])
+@pytest.mark.parametrize("rows", [1, 7, 133])
+def test_c_product_linear_within_the_bf16_bound(args: QuantArgs, act_order: bool, rows: int) -> None:
+    """The same bound as PyTorch's packed modules: the C products read the codes and scales those
+    modules hold, and accumulate in fp32."""
+    n, k = 192, 512
+    qw = quantized(n, k, args, act_order)
+    bias = torch.randn(n)
+    packed = packed_linear(qw, bias)
+    module = CProductLinear([packed])
+    assert module.kind == ("int4" if args.num_bits <= 4 else "int8")
+    w, zs = reference_weight(qw)
+    x = torch.randn(3, rows, k)
+    y = module(x.bfloat16())
+    assert y.shape == (3, rows, n) and y.dtype == torch.bfloat16
+    x64 = x.double().reshape(-1, k)
+    ref = x64 @ w.t() + bias.double()
+    bound = 3 * U * (x64.abs() @ (w.abs() + zs).t() + bias.double().abs())
+    err = (y.double().reshape(-1, n) - ref).abs()
+    assert (err <= bound).all(), f"worst {(err / bound).max():.2f} of the bound"
+    assert ((module.dequantized_weight().double() - packed.dequantized_weight().double()).abs()
+            <= U * (w.abs() + zs)).all()
+
+
+@needs_c_products
+@pytest.mark.parametrize("args", [QuantArgs(4, "int", False, "group", 64), QuantArgs(8, "int", False, "channel", None)],
+                         ids=["int4", "int8"])
+def test_fused_c_product_is_each_linear_bit_for_bit(args: QuantArgs) -> None:
+    """q/k/v as one product: every output is the same sum as in its own linear's product."""
+    linears = [packed_linear(quantized(n, 256, args, seed=n), None) for n in (128, 64, 64)]
+    fused = CProductLinear(linears)
+    x = torch.randn(9, 256).bfloat16()
+    for part, lin in zip(fused.parts(x), linears, strict=True):
+        assert torch.equal(part, CProductLinear([lin])(x))
+
+
+@needs_c_products
+@pytest.mark.parametrize("bits", [4, 8])
+def test_c_product_swap_fuses_the_groups_and_drops_the_packed_codes(bits: int) -> None:
+    from lmfoundry.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+                                 "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "num_hidden_layers": 1, "vocab_size": 64, "head_dim": 64})
+    args = QuantArgs(4, "int", True, "group", 32) if bits == 4 else QuantArgs(8, "int", True, "channel", None)
+    mlp, attn = MLP(cfg).to(torch.bfloat16), Attention(cfg, 0).to(torch.bfloat16)
+    for parent in (mlp, attn):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, packed_linear(quantized(child.out_features, child.in_features, args), None))
+    x = torch.randn(5, 128).bfloat16()
+    before = mlp(x)
+    assert prepack_c_products(mlp, fuse=True) == 3 and prepack_c_products(attn, fuse=True) == 4
+    assert isinstance(mlp.gate_up_proj, CProductLinear) and isinstance(attn.qkv_proj, CProductLinear)
+    assert isinstance(mlp.down_proj, CProductLinear) and isinstance(attn.o_proj, CProductLinear)
+    assert not any(isinstance(m, (Int4PackLinear, Int8PackLinear)) for m in (*mlp.modules(), *attn.modules()))
+    after = mlp(x)  # the same codes and scales, summed in another order: a few bf16 steps at most
+    assert ((after.double() - before.double()).abs() <= 4 * U * before.double().abs().max()).all()

@@ -1,0 +1,86 @@
+"""The crossover of the quantized C products (`runtime/cpu_crossover.py`): measured once per shape
+and cached, the override, and the dense path it switches to computing what the C product computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmfoundry.kernels.cpu.int4_gemm import load_int4_gemm
+from lmfoundry.model.cpu_linears import CProductLinear, packed_linear
+from lmfoundry.quantizers.base import QuantizedWeight
+from lmfoundry.quantizers.scheme import QuantArgs
+from lmfoundry.runtime import cpu_crossover
+
+pytestmark = pytest.mark.skipif(load_int4_gemm() is None, reason="no AVX-512 BF16 C product here")
+
+
+def c_product(n: int, k: int, bits: int = 4, seed: int = 3) -> CProductLinear:
+    gen = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        args = QuantArgs(4, "int", False, "group", 64)
+        q = torch.randint(-8, 8, (n, k), generator=gen)
+        scale = torch.rand(n, k // 64, generator=gen) * 0.05 + 0.01
+        zp = torch.randint(-2, 3, (n, k // 64), generator=gen)
+    else:
+        args = QuantArgs(8, "int", True, "channel", None)
+        q = torch.randint(-127, 128, (n, k), generator=gen)
+        scale, zp = torch.rand(n, 1, generator=gen) * 0.01 + 0.001, None
+    return CProductLinear([packed_linear(QuantizedWeight(q, scale, zp, args), None)])
+
+
+def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_crossover.ENV, raising=False)
+    calls = []
+
+    def measure(linear, rows=cpu_crossover.CANDIDATE_ROWS):
+        calls.append(linear.shape)
+        return 256 if linear.kind == "int4" else None
+
+    monkeypatch.setattr(cpu_crossover, "measure", measure)
+    linears = [c_product(64, 256), c_product(64, 256, seed=4), c_product(32, 128, bits=8)]
+    table = cpu_crossover.set_dense_rows(linears)
+    assert table == {("int4", 64, 256, 64, True): 256, ("int8", 32, 128, 128, False): None}
+    assert [lin.dense_from for lin in linears] == [256, 256, None]
+    assert len(calls) == 2  # one measurement per shape
+    assert len(list((tmp_path / "cpu-crossover").glob("*.json"))) == 1
+    fresh = [c_product(64, 256), c_product(32, 128, bits=8)]
+    assert cpu_crossover.set_dense_rows(fresh) == table and fresh[0].dense_from == 256
+    assert len(calls) == 2  # the second start read the cache
+
+
+def test_the_override(monkeypatch) -> None:
+    linear = c_product(64, 256)
+    monkeypatch.setenv(cpu_crossover.ENV, "300")
+    cpu_crossover.set_dense_rows([linear])
+    assert linear.dense_from == 300
+    monkeypatch.setenv(cpu_crossover.ENV, "never")
+    cpu_crossover.set_dense_rows([linear])
+    assert linear.dense_from is None
+    monkeypatch.setenv(cpu_crossover.ENV, "soon")
+    with pytest.raises(ValueError, match="expected `never` or a number"):
+        cpu_crossover.set_dense_rows([linear])
+
+
+def test_measure_answers_a_candidate_or_never() -> None:
+    linear = c_product(64, 256)
+    assert cpu_crossover.measure(linear, rows=(64, 128)) in (None, 64, 128)
+    assert linear.dense_from is None  # left as it was
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_dense_path_computes_what_the_c_product_does(bits) -> None:
+    """Dequantized weight (each element rounded once to bf16) times x in the CPU's GEMM against the
+    C product on the same codes: both accumulate in fp32; they differ by the rounding of each
+    weight to bf16 (u = 2^-8 relative) and the summation order."""
+    module = c_product(128, 256, bits)
+    x = torch.randn(70, 256).bfloat16()
+    c_out = module(x)
+    module.dense_from = 64
+    dense = module(x)
+    w = module.dequantized_weight().double()
+    bound = 3 * 2.0**-8 * (x.double().abs() @ w.abs().t()) + 1e-30
+    assert ((dense.double() - c_out.double()).abs() <= bound).all()
+    module.dense_from = 71
+    assert torch.equal(module(x), c_out)  # below the crossover: the C product
