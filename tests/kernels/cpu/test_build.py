@@ -85,3 +85,19 @@ def test_an_object_that_missed_the_forced_path_is_refused(fresh, monkeypatch) ->
     monkeypatch.setattr(build, "forced_flags", lambda cc: ())  # as if the flags never reached the compiler
     assert build.load("rope") is None
     assert f"compiled for {here[0]}, but LMFOUNDRY_CPU_ISA={here[-1]}" in (build.unavailable_reason("rope") or "")
+
+
+# The kernel tests skip where a product is not built (no AVX-512 BF16, say); a source that stops
+# compiling would skip them everywhere. So: on a CPU path that has what a kernel needs, it must build.
+NEEDS_BF16_DOT = ("bf16_gemv", "int4_gemm", "int8_gemm")
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
+@pytest.mark.parametrize("name", NEEDS_BF16_DOT)
+def test_every_product_builds_where_the_cpu_path_has_bf16_dot_products(name) -> None:
+    from lmfoundry.kernels.cpu import isa
+
+    if not isa.features().get("avx512_bf16"):
+        pytest.skip(f"the {isa.isa()} path has no AVX-512 BF16")
+    assert build.unavailable_reason(name) is None
+    assert getattr(build.load(name), f"lmf_{name}_supported")() == 1
