@@ -42,14 +42,13 @@ class EngineCore:
     def apply(self, command: tuple) -> Delivery:
         """("add", EngineRequest), ("abort", request_id) or ("embed", request_id, prompts); what the
         caller must be told."""
-        if command[0] == "embed":
+        if command[0] == "embed":  # scheduled with the other requests, a step's budget at a time
             _, request_id, prompts = command
             try:
-                vectors = self.engine.embed(prompts)
+                self.engine.add_embedding(request_id, prompts)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                return [(request_id, RequestFailed(f"embedding failed: {exc}"))]
-            return [(request_id, EmbeddingResult(request_id, vectors, sum(len(p) for p in prompts)))]
-        if command[0] == "add":
+                return [(request_id, RequestFailed(f"the engine refused the request: {exc}"))]
+        elif command[0] == "add":
             request: EngineRequest = command[1]
             try:
                 self.engine.add(request)
@@ -76,6 +75,7 @@ class EngineCore:
                 out.append((ev.request_id, RequestFailed(f"the request failed in the engine: {ev.error}")))
             else:
                 out.append((ev.request_id, ev))
+        out += [(result.request_id, result) for result in self.engine.take_embeddings()]
         return out
 
 

@@ -75,6 +75,10 @@ MAX_N = 8
 # Enough for any prompt that fits a long context as text or token ids; larger bodies get 413.
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 PREP_THREADS = 4  # parse + chat template + tokenize, off the event loop
+# /v1/embeddings: OpenAI's limits on one request (more is a 400). The engine schedules the inputs a
+# step's token budget at a time, so these bound a request's memory and duration, not its stalls.
+MAX_EMBEDDING_INPUTS = 2048
+MAX_EMBEDDING_TOKENS = 300_000
 
 T = TypeVar("T")
 
@@ -271,9 +275,16 @@ class OpenAIServer:
         if req.dimensions is not None and req.dimensions != hidden:
             raise APIError(400, f"dimensions must be this model's {hidden} (embeddings are not truncated)",
                            param="dimensions")
-        prompts = [self._encode(p) for p in req.inputs()]
+        inputs = req.inputs()
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"input has {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} a request",
+                           param="input")
+        prompts = [self._encode(p) for p in inputs]
         if not prompts:
             raise APIError(400, "input must not be empty", param="input")
+        if (total := sum(len(ids) for ids in prompts)) > MAX_EMBEDDING_TOKENS:
+            raise APIError(400, f"input has {total} tokens in all; at most {MAX_EMBEDDING_TOKENS} a request",
+                           param="input")
         for ids in prompts:
             try:
                 self.validator.check_ids(ids)
