@@ -64,13 +64,14 @@ def toy_config(**overrides: Any) -> ModelConfig:
     return ModelConfig.from_dict(cfg)
 
 
-def save_toy_checkpoint(folder: str | Path, seed: int = 0) -> Path:
-    """Write a toy model and its tokenizer as a Hugging Face folder (config.json, safetensors)."""
+def save_toy_checkpoint(folder: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a toy model (config `overrides` make it larger) and its tokenizer as a Hugging Face
+    folder (config.json, safetensors)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model = toy_model(seed)
+    model = toy_model(seed, **overrides)
     raw = dict(model.config.raw, architectures=["LlamaForCausalLM"], torch_dtype="float32")
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))

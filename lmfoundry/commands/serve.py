@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,12 @@ from lmfoundry.runtime.dtypes import DTYPES
 # against 2048); 2048 is vLLM's default, for GPUs, whose units need many more rows to be busy.
 CPU_STEP_TOKENS = 1024
 GPU_STEP_TOKENS = 2048
+# Stopping (docs/reliability.md): --shutdown-timeout for the requests in flight, then two response
+# graces (background.RESPONSE_GRACE_SECONDS) and the engine's own stop: ENGINE_STOP_SECONDS for it
+# to read the shutdown between steps, core_client.TERM_GRACE_SECONDS after SIGTERM to its group.
+DEFAULT_SHUTDOWN_TIMEOUT = 15.0  # with STOP_BOUND_SECONDS: within Kubernetes' default 30 s grace period
+ENGINE_STOP_SECONDS = 5.0
+STOP_BOUND_SECONDS = 15.0  # documented: serve exits within --shutdown-timeout + this
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine import EngineInfo
@@ -64,7 +72,7 @@ def _compiled_step_bundle(model: str, device: str, block_size: int | None) -> st
 
 def _check_server_options(port: int, max_model_len: int | None, max_waiting: int, kv_cache_gb: float,
                           threads: int | None, max_request_mb: float, timeout_read: float,
-                          timeout_keep_alive: float) -> None:
+                          timeout_keep_alive: float, shutdown_timeout: float) -> None:
     """Refuse out-of-range options in one line before loading the model (--kv-cache-gb 0 used to
     run with one block, --max-waiting -5 shrank the running capacity, nan reached the allocator)."""
     if not 0 <= port <= 65535:
@@ -79,6 +87,8 @@ def _check_server_options(port: int, max_model_len: int | None, max_waiting: int
                         ("--timeout-read", timeout_read), ("--timeout-keep-alive", timeout_keep_alive)):
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"{name} must be a positive number, got {value}")
+    if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
+        raise UserError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout}")
 
 
 def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_gb: float) -> None:
@@ -165,6 +175,11 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
                    "and then its body (else HTTP 408).")
 @click.option("--timeout-keep-alive", type=float, default=5.0, show_default=True,
               help="Seconds an idle keep-alive connection stays open.")
+@click.option("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, show_default=True,
+              help="Seconds the requests in flight may still run after SIGINT or SIGTERM (new requests get HTTP 503 "
+                   "at once); those left then fail with 503, or a final error event in a stream. A second signal "
+                   f"ends them at once. serve exits within this + {STOP_BOUND_SECONDS:g} s, with the engine process, "
+                   "its tensor-parallel ranks and its temporary folders gone.")
 @click.option("--skip-verify", is_flag=True,
               help="Do not check the checkpoint's files against the sha256 in its lmfoundry.json before loading "
                    "(engine bundles are always checked against engine.json).")
@@ -175,16 +190,17 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
           kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, compile_step: bool,
           enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
-          ngram_max: int, threads: int | None, tp: int, tp_backend: str, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
-          skip_verify: bool, log_level: str) -> None:
+          ngram_max: int, threads: int | None, tp: int, tp_backend: str, max_request_mb: float, timeout_read: float,
+          timeout_keep_alive: float, shutdown_timeout: float, skip_verify: bool, log_level: str) -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device.
 
     The engine runs in a process of its own (it loads MODEL and steps with --threads); this one
     serves HTTP, tokenizes and detokenizes. If the engine process dies, requests in flight get
-    HTTP 503 and serve exits with code 1."""
+    HTTP 503 and serve exits with code 1. SIGINT or SIGTERM stops it with a bounded drain
+    (--shutdown-timeout), then exit code 0."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
-                          timeout_keep_alive)
+                          timeout_keep_alive, shutdown_timeout)
     from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
     from lmfoundry.runtime.engine.core import EngineSpec, freeze_heap
@@ -252,39 +268,63 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
     engine_spec = EngineSpec(LLMEngine.from_pretrained, (model, run_dtype, config),
                              {"device": device, "draft_model": draft_model})
-    engine = EngineCoreClient(engine_spec, on_death=on_engine_death)  # loads the model in the engine process
+    # While the model loads, SIGTERM leaves like Ctrl-C does: through the client's cleanup, which
+    # stops the engine process (its default action would end this process and orphan it). Signal
+    # handlers belong to the main thread (serve called from another one keeps the process's own).
+    in_main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    if in_main:
+        signal.signal(signal.SIGTERM, _terminate)
     try:
-        _note_capped_context(engine.info, max_model_len, kv_cache_gb)
-        name = served_model_name or os.path.basename(os.path.normpath(model))
-        app = create_app(engine, name, api_key=api_key, aliases=(model,),
-                         max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read)
-        server = _server_class(host, api_key)(uvicorn_config(app, host, port, log_level, read_timeout=timeout_read,
-                                                             keep_alive=timeout_keep_alive,
-                                                             timeout_graceful_shutdown=5))
-        if died:
-            server.should_exit = True
-        freeze_heap()
-        # uvicorn in this thread: the first SIGINT/SIGTERM stops accepting and drains the requests
-        # in flight (up to the graceful timeout), a second one forces the exit.
-        server.run()
+        engine = EngineCoreClient(engine_spec, on_death=on_engine_death)  # loads the model in the engine process
+        try:
+            _note_capped_context(engine.info, max_model_len, kv_cache_gb)
+            name = served_model_name or os.path.basename(os.path.normpath(model))
+            app = create_app(engine, name, api_key=api_key, aliases=(model,),
+                             max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read)
+            http = uvicorn_config(app, host, port, log_level, read_timeout=timeout_read, keep_alive=timeout_keep_alive)
+            server = _server_class(host, api_key)(http, app.state.server.drain, shutdown_timeout)
+            if died:
+                server.should_exit = True
+            freeze_heap()
+            # uvicorn in this thread: the first SIGINT/SIGTERM stops accepting and drains the requests in
+            # flight (GracefulServer), a second one fails them at once.
+            server.run()
+        finally:
+            for sig in handlers:  # the engine's stop below is bounded; a signal must not cut it short
+                signal.signal(sig, signal.SIG_IGN)
+            engine.shutdown(ENGINE_STOP_SECONDS)
     finally:
-        engine.shutdown()
-    if died:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if died and not (server.stop_signal is not None and died[0] == 128 + signal.SIGTERM):
+        # (an engine that left on SIGTERM while serve stopped too got it from a service manager)
         raise UserError(f"the engine process died (exit code {died[0]}); the requests in flight got HTTP 503",
                         exit_code=1)
     if not server.started:
         raise UserError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
 
 
-def _server_class(host: str, api_key: str | None) -> Any:
-    """uvicorn's Server, printing the URL once it listens (port 0 is resolved by then)."""
-    import uvicorn
+def _terminate(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
-    class Server(uvicorn.Server):
+
+def _server_class(host: str, api_key: str | None) -> Any:
+    """The server with its bounded drain (`GracefulServer`), printing the URL once it listens
+    (port 0 is resolved by then) and a line when it starts to stop."""
+    from lmfoundry.runtime.server.background import GracefulServer
+
+    class Server(GracefulServer):
         async def startup(self, sockets=None) -> None:  # type: ignore[override]
             await super().startup(sockets)
             if self.started:
                 bound = self.servers[0].sockets[0].getsockname()
                 _print_url(host, bound[1], api_key)
+
+        async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
+            if self.started:
+                click.echo(f"stopping: new requests get HTTP 503; the requests in flight have up to "
+                           f"{self.shutdown_timeout:g} s to finish (signal again to end them now)", err=True)
+            await super().shutdown(sockets)
 
     return Server

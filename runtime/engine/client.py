@@ -35,6 +35,10 @@ class EngineDead(RuntimeError):
     """The engine stopped (its process died): every request in flight fails, new ones get HTTP 503."""
 
 
+class ShuttingDown(EngineDead):
+    """The server is stopping and did not finish this request within its drain time (HTTP 503)."""
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """A request validated at the API boundary (`RequestValidator`); the engine adds it as it is."""
@@ -177,11 +181,21 @@ class EngineClient(abc.ABC):
             except RuntimeError:  # the caller's event loop is closed
                 pass
 
-    def fail_all(self, exc: BaseException) -> None:
-        """Fail every request in flight with `exc` (the engine is gone)."""
+    def fail_all(self, exc: BaseException) -> list[str]:
+        """Fail every request in flight with `exc` (the engine is gone); returns their ids."""
         with self._lock:
             ids = list(self._streams)
         self.deliver((request_id, exc) for request_id in ids)
+        return ids
+
+    def stop_all(self, exc: BaseException) -> int:
+        """Fail every request in flight with `exc` and abort it in the engine (a server that stops
+        before they finish); returns how many there were."""
+        ids = self.fail_all(exc)
+        if self.is_alive:
+            for request_id in ids:
+                self._send(("abort", request_id))
+        return len(ids)
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -42,14 +42,13 @@ class EngineCore:
     def apply(self, command: tuple) -> Delivery:
         """("add", EngineRequest), ("abort", request_id) or ("embed", request_id, prompts); what the
         caller must be told."""
-        if command[0] == "embed":
+        if command[0] == "embed":  # scheduled with the other requests, a step's budget at a time
             _, request_id, prompts = command
             try:
-                vectors = self.engine.embed(prompts)
+                self.engine.add_embedding(request_id, prompts)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                return [(request_id, RequestFailed(f"embedding failed: {exc}"))]
-            return [(request_id, EmbeddingResult(request_id, vectors, sum(len(p) for p in prompts)))]
-        if command[0] == "add":
+                return [(request_id, RequestFailed(f"the engine refused the request: {exc}"))]
+        elif command[0] == "add":
             request: EngineRequest = command[1]
             try:
                 self.engine.add(request)
@@ -76,6 +75,7 @@ class EngineCore:
                 out.append((ev.request_id, RequestFailed(f"the request failed in the engine: {ev.error}")))
             else:
                 out.append((ev.request_id, ev))
+        out += [(result.request_id, result) for result in self.engine.take_embeddings()]
         return out
 
 
@@ -93,20 +93,41 @@ class EngineSpec:
 
 
 def main(folder: str) -> None:
-    """The engine process of an
-    `EngineCoreClient`, which wrote FOLDER/spec.pickle (its sys.path, its pid, then the EngineSpec) and
-    binds the two sockets there."""
+    """The engine process of an `EngineCoreClient`, which wrote FOLDER/spec.pickle (its sys.path,
+    its pid, whether it started this process from its main thread, then the EngineSpec) and binds
+    the two sockets there."""
     import pickle
 
     with open(f"{folder}/spec.pickle", "rb") as f:
-        sys_path, parent_pid = pickle.load(f)  # sys.path first: the spec may name a module only it finds
+        sys_path, parent_pid, from_main_thread = pickle.load(f)  # sys.path first: the spec may need it
         sys.path.extend(p for p in sys_path if p not in sys.path)  # added after ours: never shadows them
         spec = pickle.load(f)
-    run_engine_core(spec, f"ipc://{folder}/commands", f"ipc://{folder}/outputs", parent_pid)
-    if os.getppid() != parent_pid:  # the API process died without cleaning up: its folder is ours to remove
+    try:
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        if from_main_thread:
+            exit_with_parent(parent_pid)
+        run_engine_core(spec, f"ipc://{folder}/commands", f"ipc://{folder}/outputs", parent_pid)
+    finally:
+        # Whatever ended the engine, its sockets are closed: the folder goes with it (the API process
+        # removes it too; if that process was killed, nobody else would).
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Have the kernel send this process SIGTERM when the thread that started it ends (Linux's
+    PR_SET_PDEATHSIG), so that a killed API process takes the engine along even in the middle of
+    a long step; send it now if the parent is already gone. Elsewhere the engine's own checks of
+    its parent (`PARENT_CHECK_MS`) remain."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, parent_pid: int) -> None:
@@ -173,6 +194,9 @@ def freeze_heap() -> None:
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:
+    """Leave through the cleanup, once: a killed multi-threaded parent can send the parent-death
+    signal again for each of its threads, and a second SystemExit would cut the cleanup short."""
+    signal.signal(signum, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -10,8 +10,13 @@ process.
 
 If the engine process dies, every request in flight fails with `EngineDead` (HTTP 503), the
 client reports not alive (/health 503) and calls `on_death`, which `serve` uses to stop with a
-non-zero exit code. If the API process dies, the engine process notices within a second and
-exits.
+non-zero exit code. If the API process dies, the engine process is sent SIGTERM by the kernel
+(started from the main thread: Linux's parent-death signal) or notices within a second, and exits.
+
+The engine process leads a process group of its own, which its tensor-parallel ranks join: a
+Ctrl-C or a SIGTERM to `serve`'s group reaches `serve` alone, which decides when the engine stops
+(after draining), and `shutdown` can stop the engine and every rank in one signal when the
+engine does not leave by itself.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +40,7 @@ from lmfoundry.runtime.engine.core import EngineSpec
 log = logging.getLogger(__name__)
 
 POLL_MS = 1000  # the receiver thread looks at the engine process at least this often
+TERM_GRACE_SECONDS = 2.0  # after SIGTERM, the engine's group gets this long before SIGKILL
 # `python -c` puts the working directory first on sys.path; started from a checkout's root, its
 # `kernels/` folder would shadow Hugging Face's `kernels` package, which transformers imports.
 ENGINE_MAIN = (
@@ -54,6 +61,7 @@ class EngineCoreClient(EngineClient):
         self._dir = tempfile.mkdtemp(prefix="lmfoundry-engine-")  # mode 0700: this user's sockets only
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # queue every command: a send fails only with no engine (`_send`)
         self._commands.bind(f"ipc://{self._dir}/commands")
         self._outputs = self._ctx.socket(zmq.PULL)
         self._outputs.bind(f"ipc://{self._dir}/outputs")
@@ -65,9 +73,12 @@ class EngineCoreClient(EngineClient):
         # A fresh interpreter, not a fork (this process holds threads and OpenMP pools) and not
         # multiprocessing's spawn (which re-runs the caller's main script in the child).
         with open(f"{self._dir}/spec.pickle", "wb") as f:
-            pickle.dump((sys.path, os.getpid()), f)  # first: the spec may name a module only this path finds
+            # first: the spec may name a module only this path finds; the parent-death signal is tied
+            # to the starting thread, so the engine asks for it only when that is the main thread
+            pickle.dump((sys.path, os.getpid(), threading.current_thread() is threading.main_thread()), f)
             pickle.dump(spec, f)
-        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir])
+        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir],
+                                        start_new_session=True)
         self._exited = _exit_fd(self.process.pid)
         try:
             info, tokenizer, stats = self._handshake(start_timeout)
@@ -114,9 +125,16 @@ class EngineCoreClient(EngineClient):
                 raise UserError(f"the engine process did not start within {timeout:g} s")
 
     def _send(self, command: tuple) -> None:
+        """Queue a command without blocking. With no engine connected (it has exited, and the
+        receiver is about to fail every request in flight), a blocking send would wait forever."""
+        import zmq
+
         with self._send_lock:
             if not self._closing:
-                self._commands.send_pyobj(command)
+                try:
+                    self._commands.send_pyobj(command, zmq.NOBLOCK)
+                except zmq.Again:
+                    log.info("the engine process is not connected; %r dropped", command[0])
 
     def _receive(self) -> None:
         import zmq
@@ -155,23 +173,36 @@ class EngineCoreClient(EngineClient):
             self._on_death(code)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine process to exit (the requests still in it are dropped), wait for it,
-        and release the sockets; kill it if it does not go."""
+        """Ask the engine process to exit (the requests still in it are dropped) and wait up to
+        `timeout` seconds (it reads the request between steps); then stop its process group (see
+        `_close`). Releases the sockets and the private folder."""
         if self._alive:
             self._send(("shutdown",))
         self._close(kill=False, timeout=timeout)
 
     def _close(self, kill: bool, timeout: float = 10.0) -> None:
+        """Stop the engine process: wait `timeout` seconds for it to leave (unless `kill`), then
+        SIGTERM its group (the engine and its ranks leave through their cleanup, freeing shared
+        memory), SIGKILL after TERM_GRACE_SECONDS, and SIGKILL what is left of the group once it
+        is gone (ranks, multiprocessing's resource tracker): nothing it started outlives it."""
         with self._send_lock:
             self._closing = True
-        if not kill:
+        running = self.process.poll() is None  # only a group just stopped is signalled: its id is not reused yet
+        if running and not kill:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("the engine process did not exit within %g s; killing it", timeout)
+                log.warning("the engine process did not stop within %g s; terminating it", timeout)
         if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(5)
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(TERM_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine process did not stop within %g s of SIGTERM; killing it", TERM_GRACE_SECONDS)
+                self._signal_group(signal.SIGKILL)
+                self.process.wait(5)
+        if running:
+            self._signal_group(signal.SIGKILL)
         self._alive = False
         receiver = getattr(self, "_receiver", None)
         if receiver is not None and receiver is not threading.current_thread():
@@ -183,6 +214,12 @@ class EngineCoreClient(EngineClient):
             os.close(self._exited)
             self._exited = None
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):  # the group is gone already
+            pass
 
 
 def _exit_fd(pid: int) -> int | None:

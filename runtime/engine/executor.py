@@ -62,7 +62,7 @@ class ModelExecutor(Protocol):
 
     def kv_bytes_per_token(self) -> int: ...
     def allocate(self, num_blocks: int) -> None: ...
-    def forward(self, step: StepInputs) -> torch.Tensor: ...
+    def forward(self, step: StepInputs) -> torch.Tensor: ...  # final-norm hidden states, one row per token
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -234,10 +234,6 @@ class ReferenceModelExecutor:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden).float()
-
-    def prompt_hidden(self, ids: list[int]) -> torch.Tensor:
-        """Final-norm hidden states of one whole prompt, outside the paged cache (embeddings)."""
-        return self.model.hidden_states(torch.tensor([ids], dtype=torch.long))[0]
 
 
 class KernelModelExecutor:

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from lmfoundry.runtime.engine.grammar_checks import probe_matcher, unproductive
+
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher, LLTokenizer
     from llguidance._lib import JsonCompileOptions
@@ -195,6 +197,8 @@ class GrammarCompiler:
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"unsupported or invalid {what}: {matcher.get_error()}")
+        if (why := probe_matcher(matcher)) is not None:
+            raise ValueError(f"the {what} cannot be decoded: {why}")
         return matcher
 
     def _initial(self, constraint: Constraint | dict[str, Any]) -> LLMatcher:
@@ -222,6 +226,8 @@ class GrammarCompiler:
                 return hit
         # Compiled outside the lock: a large schema takes a while, and the engine thread must not
         # wait for it to make matchers of cached schemas (two threads may compile the same schema).
+        if (why := unproductive(kind, source)) is not None:
+            raise ValueError(f"unsupported {'JSON schema' if kind == 'json' else 'grammar'}: {why}")
         compiled = self._compile(kind, text)
         with self._lock:
             self._compiled[key] = compiled
@@ -231,8 +237,9 @@ class GrammarCompiler:
 
     def check(self, constraint: Constraint | dict[str, Any]) -> None:
         """Raise ValueError (a 400 at the server) for a constraint that cannot constrain decoding:
-        a schema that is not a JSON object, invalid, or uses keywords llguidance cannot enforce; a
-        regular expression or grammar that does not compile."""
+        a schema that is not a JSON object, invalid, uses keywords llguidance cannot enforce, or has
+        no finite instance; a regular expression or grammar that does not compile, or that fails its
+        first step (grammar_checks.py)."""
         self._initial(constraint)
 
     def matcher(self, constraint: Constraint | dict[str, Any]) -> GrammarMatcher:

@@ -30,10 +30,11 @@ from lmfoundry.model.config import ModelConfig
 from lmfoundry.runtime.engine.block_manager import BlockManager
 from lmfoundry.runtime.engine.client import EngineDead, EngineInfo, EngineRequest
 from lmfoundry.runtime.engine.detokenizer import Detokenizer
+from lmfoundry.runtime.engine.embedding import EmbeddingJob
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
 from lmfoundry.runtime.engine.model_runner import ModelRunner
-from lmfoundry.runtime.engine.outputs import CompletionOutput, RequestOutput, StepEvent
+from lmfoundry.runtime.engine.outputs import CompletionOutput, EmbeddingResult, RequestOutput, StepEvent
 from lmfoundry.runtime.engine.sampler import Sampler
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.scheduler import Scheduler
@@ -98,6 +99,8 @@ class LLMEngine:
         self.validator = RequestValidator(self.info, tokenizer, self.grammars)
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, list[Sequence]] = {}
+        self._embeddings: dict[str, EmbeddingJob] = {}  # embedding requests, in arrival order
+        self._pooled: list[EmbeddingResult] = []  # finished embedding requests, until taken
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -172,9 +175,40 @@ class LLMEngine:
         self.num_prompt_tokens_total += len(request.prompt_ids)
         self.num_requests_total += 1
 
+    def add_embedding(self, request_id: str, prompts: list[list[int]], arrival_time: float | None = None) -> None:
+        """Add an embedding request of validated prompts (embedding.py): its inputs are scheduled
+        like prefills, under the step budget, as earlier ones finish; `take_embeddings` hands out its
+        result once every input is pooled."""
+        if request_id in self._requests or request_id in self._embeddings:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompts:
+            raise ValueError("an embedding request needs at least one input")
+        self._embeddings[request_id] = EmbeddingJob(request_id, prompts,
+                                                    time.monotonic() if arrival_time is None else arrival_time)
+
+    def take_embeddings(self) -> list[EmbeddingResult]:
+        """The embedding requests finished since the last call."""
+        done, self._pooled = self._pooled, []
+        return done
+
+    def _feed_embeddings(self) -> None:
+        for job in self._embeddings.values():
+            for seq in job.feed(self.config.max_num_batched_tokens, self.config.max_num_seqs):
+                self.scheduler.add(seq)
+
+    def _pool(self, pooled: list[tuple[Sequence, list[float]]]) -> None:
+        for seq, vector in pooled:
+            self.scheduler.finish(seq, "stop")
+            job = self._embeddings[seq.request_id]
+            job.pooled(seq, vector)
+            if job.finished:
+                del self._embeddings[seq.request_id]
+                self._pooled.append(job.result())
+
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it was not running."""
-        seqs = self._requests.pop(request_id, None)
+        job = self._embeddings.pop(request_id, None)
+        seqs = job.active if job is not None else self._requests.pop(request_id, None)
         if seqs is None:
             return False
         for seq in seqs:
@@ -186,13 +220,13 @@ class LLMEngine:
 
     def abort_all(self) -> list[str]:
         """Abort every request (after an internal error); returns their ids."""
-        ids = list(self._requests)
+        ids = [*self._requests, *self._embeddings]
         for request_id in ids:
             self.abort(request_id)
         return ids
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests or self._embeddings)
 
     @property
     def num_unfinished_seqs(self) -> int:
@@ -209,6 +243,7 @@ class LLMEngine:
         sequence can get several tokens in a step, still in one event."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
+        self._feed_embeddings()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -226,6 +261,7 @@ class LLMEngine:
             for pos, lp in result.prompt_logprobs.get(seq.seq_id, ()):
                 assert seq.prompt_logprobs is not None  # the runner scores prompts only of requests that ask
                 seq.prompt_logprobs[pos] = lp
+        self._pool(result.pooled)
         if result.logits is None:
             return []
         first = {seq.seq_id: seq.num_output_tokens == 0 for seq in result.sample_seqs}
@@ -259,7 +295,8 @@ class LLMEngine:
         """Finish every sequence of a request with finish_reason "error" and free its blocks. The
         event is returned even if the request already left `_requests` (an `_accept_token` that raised
         after finishing it), since its caller has not been told it ended."""
-        seqs = self._requests.pop(request_id, [])
+        job = self._embeddings.pop(request_id, None)
+        seqs = list(job.active) if job is not None else self._requests.pop(request_id, [])
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "error")
@@ -398,19 +435,18 @@ class LLMEngine:
         return scores
 
     def embed(self, prompts: list[list[int]]) -> list[list[float]]:
-        """Each prompt's embedding: the final-norm hidden state of its last token, L2-normalized
-        (vLLM's default pooling for decoder models). A forward over the prompt alone, outside the
-        paged cache, run between steps."""
-        executor = self.runner.executor
-        if not hasattr(executor, "prompt_hidden"):
-            raise ValueError("embeddings need the PyTorch engine (a checkpoint folder or an --arch cpu bundle); "
-                             "this engine runs compiled GPU kernels")
-        out = []
-        with torch.inference_mode():
-            for ids in prompts:
-                hidden = executor.prompt_hidden(ids)[-1].float()
-                out.append(torch.nn.functional.normalize(hidden, dim=-1).tolist())
-        return out
+        """Each prompt's embedding (offline): the final-norm hidden state of its last token,
+        L2-normalized (vLLM's default pooling for decoder models), computed by the scheduled path
+        the server's /v1/embeddings takes (`add_embedding`)."""
+        request_id = f"embed-{next(self._ids)}"
+        self.add_embedding(request_id, prompts)
+        results: dict[str, EmbeddingResult] = {}
+        while request_id not in results:
+            for ev in self.step():
+                if ev.request_id == request_id and ev.error is not None:
+                    raise RuntimeError(f"request {request_id} failed: {ev.error}") from ev.error
+            results.update((r.request_id, r) for r in self.take_embeddings())
+        return results[request_id].embeddings
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager

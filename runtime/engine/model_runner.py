@@ -1,4 +1,5 @@
-"""Runs one scheduled batch through the model: flat ragged inputs, paged attention, logits.
+"""Runs one scheduled batch through the model: flat ragged inputs, paged attention, logits (and
+the pooled last hidden state of embedding inputs, embedding.py).
 
 The runner owns what both executors share: the KV capacity (blocks that fit the memory budget),
 the flat step inputs (decode rows first, then prefill chunks) and which rows need logits. Only the
@@ -33,6 +34,8 @@ class StepResult:
     logits: torch.Tensor | None  # [sum(num_rows), vocab] float32
     num_rows: list[int] = field(default_factory=list)  # logits rows per sample seq: 1 + its drafts
     prompt_logprobs: dict[int, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)  # seq_id -> (position, lp)
+    # Embedding inputs whose prompt is complete, with their pooled vector (unit length).
+    pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -85,16 +88,26 @@ class ModelRunner:
         hidden = self.executor.forward(step)
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
+        pool_seqs: list[Sequence] = []
+        pool_rows: list[int] = []
         result = StepResult([], None)
         for (seq, n), row in zip(ordered, step.offsets, strict=True):
             drafts = len(seq.draft_token_ids)
-            if seq.num_computed_tokens + n == len(seq) + drafts:
+            if seq.pooling:
+                if seq.num_computed_tokens + n == len(seq):
+                    pool_seqs.append(seq)
+                    pool_rows.append(row + n - 1)
+            elif seq.num_computed_tokens + n == len(seq) + drafts:
                 sample_seqs.append(seq)
                 sample_rows.extend(range(row + n - 1 - drafts, row + n))
                 result.num_rows.append(1 + drafts)
             if seq.prompt_logprobs is not None:
                 self._prompt_logprobs(seq, hidden[row : row + n], seq.num_computed_tokens, result)
         result.sample_seqs = sample_seqs
+        if pool_rows:
+            rows = hidden.index_select(0, torch.tensor(pool_rows, device=hidden.device)).float()
+            vectors = torch.nn.functional.normalize(rows, dim=-1).cpu().tolist()
+            result.pooled = list(zip(pool_seqs, vectors, strict=True))
         if sample_rows:
             rows = torch.tensor(sample_rows, device=hidden.device)
             result.logits = self.executor.logits(hidden.index_select(0, rows))

@@ -327,6 +327,3 @@ class TensorParallelExecutor:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.sharded.run(self.local, "executor", "logits", hidden.contiguous())
-
-    def prompt_hidden(self, ids: list[int]) -> torch.Tensor:
-        return self.sharded.run(self.local, "executor", "prompt_hidden", ids)

@@ -103,6 +103,9 @@ class Sequence:
         # params.json_schema is set). The sampler masks the logits with it and advances it with
         # each chosen token; preemption keeps the tokens, so the state stays valid across recompute.
         self.grammar: GrammarMatcher | None = None
+        # An embedding input (embedding.py): run as a prompt only; once it is all computed, its last
+        # hidden state is pooled into the request's result and the sequence finishes, never sampled.
+        self.pooling = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

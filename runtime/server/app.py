@@ -9,9 +9,14 @@ through the server and needs no local copy of the tokenizer. Errors use OpenAI's
 wrong API key, 404 for an unknown model, 408 for a body that does not arrive in time, 413 for a
 body over the size limit, 415 for a POST that is not application/json, 429 when the waiting queue
 is full, 500 when the engine fails the request (the others keep running), 503 once the engine
-process has died.
+process has died or while the server stops.
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
 aborted, which frees its KV blocks.
+
+Stopping (`drain`, called by background.GracefulServer on SIGINT/SIGTERM): new requests get 503
+and /health 503 at once; the requests in the engine may finish for up to the drain time, then
+every one left fails with 503 (or, in a stream already under way, a final error event before
+`data: [DONE]`) and is aborted in the engine.
 
 The event loop only moves bytes: the body is read with a size limit and a deadline
 (request_body.py, which also holds the error type), then parsing,
@@ -45,6 +50,7 @@ from lmfoundry.runtime.engine.client import (
     EngineRequest,
     QueueFull,
     RequestStream,
+    ShuttingDown,
     merge_events,
 )
 from lmfoundry.runtime.engine.output_processor import detokenize
@@ -75,6 +81,10 @@ MAX_N = 8
 # Enough for any prompt that fits a long context as text or token ids; larger bodies get 413.
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 PREP_THREADS = 4  # parse + chat template + tokenize, off the event loop
+# /v1/embeddings: OpenAI's limits on one request (more is a 400). The engine schedules the inputs a
+# step's token budget at a time, so these bound a request's memory and duration, not its stalls.
+MAX_EMBEDDING_INPUTS = 2048
+MAX_EMBEDDING_TOKENS = 300_000
 
 T = TypeVar("T")
 
@@ -98,6 +108,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine.stats, model_name, self.max_model_len)
         self.created = int(time.time())
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
+        self.draining = False
 
     async def _body(self, request: Request) -> bytes:
         require_json(request)
@@ -155,10 +166,28 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 
+    def _admit(self) -> None:
+        """Refuse new work while the server stops (see `drain`)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; send the request to another instance",
+                           type_="server_error", code="server_shutting_down")
+
+    async def drain(self, timeout: float, forced: Callable[[], bool] = lambda: False) -> int:
+        """Stop admitting requests (503 from now on), let those in the engine finish for up to
+        `timeout` seconds (or until `forced()`), then fail the rest with an error their clients see
+        and abort them in the engine; returns how many were failed."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.engine.num_unfinished_seqs and time.monotonic() < deadline and not forced():
+            await asyncio.sleep(0.05)
+        return self.engine.stop_all(ShuttingDown(
+            f"the server is shutting down and the request did not finish within its {timeout:g} s drain"))
+
     def _submit(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
                 start: float) -> AsyncIterator[tuple[int, StepEvent]]:
         """Enqueue every prompt as its own engine request (all or none); return their events as
         (prompt index, event), interleaved."""
+        self._admit()
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
@@ -271,9 +300,16 @@ class OpenAIServer:
         if req.dimensions is not None and req.dimensions != hidden:
             raise APIError(400, f"dimensions must be this model's {hidden} (embeddings are not truncated)",
                            param="dimensions")
-        prompts = [self._encode(p) for p in req.inputs()]
+        inputs = req.inputs()
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"input has {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} a request",
+                           param="input")
+        prompts = [self._encode(p) for p in inputs]
         if not prompts:
             raise APIError(400, "input must not be empty", param="input")
+        if (total := sum(len(ids) for ids in prompts)) > MAX_EMBEDDING_TOKENS:
+            raise APIError(400, f"input has {total} tokens in all; at most {MAX_EMBEDDING_TOKENS} a request",
+                           param="input")
         for ids in prompts:
             try:
                 self.validator.check_ids(ids)
@@ -287,6 +323,7 @@ class OpenAIServer:
     async def embeddings(self, request: Request) -> Response:
         req, prompts = await self._off_loop(self._prepare_embedding, await self._body(request))
         rid = f"embd-{uuid.uuid4().hex}"
+        self._admit()
         try:
             stream = self.engine.embed(rid, prompts)
         except QueueFull as exc:
@@ -316,7 +353,8 @@ class OpenAIServer:
                 async for chunk in chunks:
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
-                err = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}
+                code = "server_shutting_down" if isinstance(exc, ShuttingDown) else None
+                err = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
                 yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -497,8 +535,8 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
 
     @app.get("/health")
     async def health() -> Response:
-        alive = engine.is_alive
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        status = "engine stopped" if not engine.is_alive else "shutting down" if server.draining else "ok"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from lmfoundry.runtime.engine.client import EngineDead
+from lmfoundry.runtime.engine.client import EngineDead, ShuttingDown
 
 
 class APIError(Exception):
@@ -37,6 +37,8 @@ class ClientGone(Exception):
 
 
 def engine_dead(exc: EngineDead) -> APIError:
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc), type_="server_error", code="server_shutting_down")
     return APIError(503, f"the engine is not running: {exc}", type_="server_error", code="engine_unavailable")
 
 

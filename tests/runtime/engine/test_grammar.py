@@ -275,3 +275,83 @@ def test_one_constraint_a_request_and_what_it_names() -> None:
         SamplingParams(json_schema={"type": "object"}, regex="a+").validate()
     with pytest.raises(ValueError, match="regex must be a string"):
         SamplingParams(regex=5).validate()  # type: ignore[arg-type]
+
+
+GRAMMAR_WITH_TERMINALS = 'start: "ID-" DIGIT DIGIT DIGIT ("." WORD)?\nDIGIT: /[0-9]/\nWORD: /[a-z]{2,5}/'
+
+
+# Issue 46: schemas with no finite instance. llguidance compiles them and allows their first
+# tokens; decoding then failed a few tokens in ("Too many items (limit 50000)"), as a 500.
+UNPRODUCTIVE = {
+    "required self": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+    "nonempty children": {"$defs": {"node": {"type": "object", "required": ["kids"], "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "minItems": 1}}}}, "$ref": "#/$defs/node"},
+    "first item": {"type": "array", "prefixItems": [{"$ref": "#"}], "minItems": 1},
+    "every branch": {"anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/definitions/b"}],
+                     "$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}},
+                     "definitions": {"b": {"type": "array", "items": {"$ref": "#/definitions/b"}, "minItems": 2}}},
+    "bare self": {"$ref": "#"},
+}
+# Recursive schemas that can end: served, and every finished output validates.
+RECURSIVE = {
+    "tree": {"$defs": {"node": {"type": "object", "required": ["v"], "additionalProperties": False, "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}}}, "$ref": "#/$defs/node"},
+    "list or null": {"definitions": {"cell": {"type": ["object", "null"], "required": ["next"],
+                                              "additionalProperties": False,
+                                              "properties": {"next": {"$ref": "#/definitions/cell"}}}},
+                     "$ref": "#/definitions/cell"},
+    "one good branch": {"anyOf": [{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"],
+                                   "additionalProperties": False}, {"type": "boolean"}]},
+}
+
+
+@pytest.mark.parametrize("schema", UNPRODUCTIVE.values(), ids=UNPRODUCTIVE.keys())
+def test_schemas_without_a_finite_instance_are_refused_up_front(schema: dict, monkeypatch) -> None:
+    engine = toy_engine()
+    with pytest.raises(ValueError, match="no finite instance"):
+        engine.check_request([1, 2], SamplingParams(json_schema=schema))
+    # What the check spares: past it, decoding cannot finish (the grammar fails the request within a
+    # few tokens), unless the first-step probe already sees it.
+    monkeypatch.setattr("lmfoundry.runtime.engine.grammar.unproductive", lambda kind, source: None)
+    try:
+        engine.check_request([1, 2], SamplingParams(json_schema=schema))
+    except ValueError as exc:
+        assert "cannot be decoded" in str(exc)
+        return
+    engine.add_request("r", [1, 2], SamplingParams(max_tokens=64, temperature=1.0, seed=0, json_schema=schema))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    assert events[-1].error is not None and "Too many items" in str(events[-1].error)
+
+
+@pytest.mark.parametrize("schema", RECURSIVE.values(), ids=RECURSIVE.keys())
+def test_recursive_schemas_that_can_end_are_served(schema: dict) -> None:
+    outputs = generate(toy_engine(), schema, [0.0, 1.0], range(3))
+    assert any(out.finish_reason == "stop" for out in outputs)
+    for out in outputs:
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize("grammar", ['start: a\na: "x" a', 'start: a | b\na: "x" a\nb: "y" b',
+                                     'start: x{2,3} "e"\nx: "q" x', '// c\nstart: "a" b\n    | b "c"\nb: b'])
+def test_lark_grammars_without_a_finite_output_are_refused_up_front(grammar: str) -> None:
+    with pytest.raises(ValueError, match="no finite output"):
+        compiler().check(("lark", grammar))
+
+
+@pytest.mark.parametrize("grammar", ['start: a\na: "x" a | "y"', 'start: x~0..2 "e"\nx: "q" x',
+                                     'start: list\nlist: "[" [list ("," list)*] "]"', GRAMMAR_WITH_TERMINALS])
+def test_lark_grammars_that_can_end_compile(grammar: str) -> None:
+    compiler().check(("lark", grammar))
+
+
+def test_the_first_step_probe_refuses_what_cannot_start_or_never_ends() -> None:
+    """The probe behind the static checks: a regular expression that matches nothing, and (the
+    static check bypassed) a grammar whose forced output runs on forever."""
+    with pytest.raises(ValueError, match="allows no output"):
+        compiler().check(("regex", "[^\\s\\S]"))
+    with pytest.raises(ValueError, match="never ends"):
+        compiler()._compile("lark", 'start: a\na: "x" a')

@@ -422,3 +422,16 @@ def test_gpu_bundle_on_cpu_serves_the_packed_reference_model(bundles: Bundles, s
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+
+
+def test_embeddings_through_the_kernels(bundles: Bundles) -> None:
+    """/v1/embeddings on a bundle: the pooled final-norm hidden states of the bundle's ops agree
+    with the reference executor's (bf16 rounding apart), chunked under a small step budget."""
+    ref_model, tok = load_model(bundles.checkpoint("w4a16"), dtype=torch.bfloat16)
+    kmodel, _ = load_bundle(bundles.engine("w4a16"), "cpu", interpret=False)
+    prompts = [*PROMPTS, list(range(1, 150))]  # the last one in three chunks
+    want = torch.tensor(_engine(ref_model, tok).embed(prompts))
+    got = torch.tensor(_engine(kmodel, tok).embed(prompts))
+    assert kmodel.kernels.stats["reference"] > 0  # the bundle's ops ran
+    cosine = (want * got).sum(dim=-1)  # unit vectors
+    assert cosine.min() > 0.9995, cosine  # the pre-norm residual would score about 0.995 here

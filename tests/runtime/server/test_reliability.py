@@ -286,6 +286,8 @@ BAD_OPTIONS = [
     (["--max-request-mb", "0"], "--max-request-mb"),
     (["--timeout-read", "-1"], "--timeout-read"),
     (["--timeout-keep-alive", "inf"], "--timeout-keep-alive"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout"),
 ]
 
 

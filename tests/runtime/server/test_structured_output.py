@@ -259,11 +259,14 @@ def _schema_format(schema) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
 
+# A recursive $ref without an end: llguidance compiles it, decoding failed a few tokens in (HTTP 500).
+ENDLESS = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
 BAD = [
     ({"response_format": _schema_format({"type": "nonsense"})}, "response_format"),
     ({"response_format": _schema_format({"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}})},
      "response_format"),
     ({"response_format": _schema_format({"not": {"type": "string"}})}, "response_format"),
+    ({"response_format": _schema_format(ENDLESS)}, "response_format"),  # no finite instance (issue 46)
     ({"response_format": _schema_format({"type": "integer", "minimum": "zero"})}, "response_format"),
     ({"response_format": _schema_format([1, 2])}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
@@ -397,6 +400,8 @@ def test_vllm_guided_regex_choice_and_grammar_constrain_the_output(server, body:
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"guided_json": PERSON, "response_format": PERSON_FORMAT}, "both constrain"),
+    ({"guided_json": ENDLESS}, "no finite instance"),
+    ({"guided_grammar": 'start: a\na: "x" a'}, "no finite output"),
 ])
 def test_vllm_fields_we_do_not_implement_are_refused_by_name(server, body: dict, name: str) -> None:
     r = chat(server.url, **body)
