@@ -5,12 +5,22 @@
 - Triton runs kernels through its interpreter on machines without a GPU; the variable must be set
   before any kernel module is imported.
 - Nothing is downloaded from a model hub.
+- Imports never come from the checkout's root: `python -m pytest` puts the working directory first
+  on sys.path, where the bare `lmfoundry/` folder (no stage subpackages) and `kernels/` (which
+  shadows Hugging Face's `kernels`, imported by transformers) would win over the installed
+  packages. The root is dropped from this process's path before anything imports them, and
+  PYTHONSAFEPATH=1 keeps it off the path of every Python process a test starts.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -31,8 +41,5 @@ if not _cuda:
     patch_interpreter()
 if "torch" in globals():
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...`

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from lmfoundry.child_python import child_env, importable_path
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.client import EngineClient, EngineDead
 from lmfoundry.runtime.engine.core import EngineSpec
@@ -65,9 +66,11 @@ class EngineCoreClient(EngineClient):
         # A fresh interpreter, not a fork (this process holds threads and OpenMP pools) and not
         # multiprocessing's spawn (which re-runs the caller's main script in the child).
         with open(f"{self._dir}/spec.pickle", "wb") as f:
-            pickle.dump((sys.path, os.getpid()), f)  # first: the spec may name a module only this path finds
+            # first: the spec may name a module only this path finds (less any checkout root, whose
+            # bare lmfoundry/ and kernels/ folders would shadow installed packages there)
+            pickle.dump((importable_path(sys.path), os.getpid()), f)
             pickle.dump(spec, f)
-        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir])
+        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir], env=child_env())
         self._exited = _exit_fd(self.process.pid)
         try:
             info, tokenizer, stats = self._handshake(start_timeout)
