@@ -27,8 +27,10 @@ demo: venv
 	$(BIN)/lmfoundry inspect $(DEMO_OUT)
 	OMP_NUM_THREADS=$(OMP) $(BIN)/lmfoundry eval ppl smollm2-135m $(DEMO_OUT) --max-windows $(PPL_WINDOWS)
 
+# PYTHONSAFEPATH=1: neither pytest nor any Python process a test starts gets the checkout root on
+# sys.path, where its bare lmfoundry/ and kernels/ folders would shadow the installed packages.
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q
 
 # Static checks; CI runs them before the tests. Settings are in pyproject.toml ([tool.ruff],
 # [tool.mypy]). mypy needs the installed layout (lmfoundry.quantizers = quantizers/, ...): a tree
@@ -45,11 +47,11 @@ lint: venv
 
 # real-model tests that take minutes in total (CI runs this tier after `make test`)
 test-integration: venv
-	OMP_NUM_THREADS=$(OMP) $(BIN)/python -m pytest -q -m "slow and not heavy"
+	OMP_NUM_THREADS=$(OMP) PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q -m "slow and not heavy"
 
 # every slow test, including the real-model eval-gate runs (about an hour on 2 cores)
 test-slow: venv
-	OMP_NUM_THREADS=$(OMP) $(BIN)/python -m pytest -q -m slow
+	OMP_NUM_THREADS=$(OMP) PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q -m slow
 
 clean:
 	rm -rf demo-out build *.egg-info

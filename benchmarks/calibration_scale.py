@@ -9,6 +9,10 @@ decoder layer. The ratio measured / predicted is the doctor's error. With a GPU,
 
     python benchmarks/calibration_scale.py --workdir /big/disk [--methods rtn,gptq] [--layers 32]
         [--devices cpu[,cuda]] [--out benchmarks/results/calibration_scale_8b.md]
+
+`--tokenizer DIR` copies DIR's tokenizer files into the source (default: the default model's,
+fetched once); `--preset tiny` runs the same path on a small Llama (what the GPU lease's offline
+test runs on CPU).
 """
 
 from __future__ import annotations
@@ -27,14 +31,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layerwise_memory import write_random_llama  # noqa: E402
 
+from lmfoundry.child_python import python_command  # noqa: E402
+
 LLAMA3_8B = dict(hidden=4096, intermediate=14336, vocab=128256, kv_heads=8, rope_theta=500000.0)
+PRESETS = {"llama3-8b": LLAMA3_8B, "tiny": dict(hidden=256, intermediate=512, vocab=49152, kv_heads=1, rope_theta=1e4)}
 
 
-def make_model(folder: Path, layers: int) -> float:
+def make_model(folder: Path, layers: int, shape: dict = LLAMA3_8B, tokenizer: Path | None = None) -> float:
     """Write the checkpoint unless a complete one is there; returns its size in GiB."""
     if not (folder / "config.json").is_file():
-        write_random_llama(folder, layers, LLAMA3_8B["hidden"], LLAMA3_8B["intermediate"], LLAMA3_8B["vocab"],
-                           kv_heads=LLAMA3_8B["kv_heads"], dtype=torch.bfloat16, rope_theta=LLAMA3_8B["rope_theta"])
+        write_random_llama(folder, layers, shape["hidden"], shape["intermediate"], shape["vocab"],
+                           kv_heads=shape["kv_heads"], dtype=torch.bfloat16, rope_theta=shape["rope_theta"],
+                           tokenizer=tokenizer)
     return sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**30
 
 
@@ -49,9 +57,9 @@ def predicted_bytes(model: Path, method: str, num_samples: int, seq_len: int) ->
 
 
 def quantize(model: Path, out: Path, method: str, num_samples: int, seq_len: int, device: str) -> dict:
-    cmd = [sys.executable, "-m", "lmfoundry.cli", "quantize", str(model), "-o", str(out), "--overwrite", "--quiet",
-           "--method", method, "--scheme", "w4a16", "--group-size", "128", "--num-samples", str(num_samples),
-           "--seq-len", str(seq_len), "--device", device]
+    cmd = python_command("lmfoundry.cli", "quantize", str(model), "-o", str(out), "--overwrite", "--quiet",
+                         "--method", method, "--scheme", "w4a16", "--group-size", "128", "--num-samples",
+                         str(num_samples), "--seq-len", str(seq_len), "--device", device)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -75,11 +83,14 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--out", default=None, help="write the table (and a .json beside it) here")
+    ap.add_argument("--preset", choices=list(PRESETS), default="llama3-8b")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="folder with tokenizer.json + tokenizer_config.json")
     a = ap.parse_args()
     work = Path(a.workdir)
-    model = work / f"llama3-8b-shape-{a.layers}L"
+    model = work / f"{a.preset}-shape-{a.layers}L"
     t0 = time.time()
-    size = make_model(model, a.layers)
+    shape = PRESETS[a.preset]
+    size = make_model(model, a.layers, shape, a.tokenizer)
     print(f"source: {model} ({size:.2f} GiB bf16, written or found in {time.time() - t0:.0f} s)", file=sys.stderr)
     rows = []
     for method in a.methods.split(","):
@@ -93,8 +104,9 @@ def main() -> None:
             rows.append(row)
     gib = 2**30
     lines = [
-        f"Source: random Llama-3-8B shape ({a.layers} layers, hidden 4096, intermediate 14336, 32/8 heads, "
-        f"vocab 128256), bf16, {size:.2f} GiB in one shard per layer. W4A16 g128, calibration "
+        f"Source: random {a.preset} shape ({a.layers} layers, hidden {shape['hidden']}, intermediate "
+        f"{shape['intermediate']}, {shape['hidden'] // 128}/{shape['kv_heads']} heads, vocab {shape['vocab']}), bf16, "
+        f"{size:.2f} GiB in one shard per layer. W4A16 g128, calibration "
         f"{a.num_samples} x {a.seq_len} tokens. Baseline = the quantize process's RSS after start-up imports; "
         "peak = its VmHWM (host memory, also on --device cuda). Predicted = `lmfoundry doctor`'s estimate of "
         f"what the pipeline adds to the baseline. Machine: {os.cpu_count()} cores; the load average says how "
@@ -114,7 +126,8 @@ def main() -> None:
     if a.out:
         out = Path(a.out)
         out.write_text(f"# Calibration at scale (benchmarks/calibration_scale.py)\n\n{table}\n")
-        out.with_suffix(".json").write_text(json.dumps({"rows": rows, "source_gib": size}, indent=1))
+        out.with_suffix(".json").write_text(json.dumps({"rows": rows, "source_gib": size, "preset": a.preset,
+                                                        "layers": a.layers, "shape": shape}, indent=1))
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def run_all(args, cap: int, ceil: dict) -> list[dict]:
         label = f"{kernel} {types} {sem} {shape}"
         try:
             ex = harness.build(kernel, types, sem, bench_shape(kernel, shape, check_rows(kernel)), "cuda")
-            harness.run_and_check(ex, jit, acc_unit(kernel, cap))
+            harness.run_and_check(ex, jit, acc_unit(kernel, cap, jit.config_for(ex.call)))
             status = "ok"
         except Exception as exc:  # noqa: BLE001 - a wrong result or a toolchain error: report, go on
             status, failures = f"FAIL {type(exc).__name__}: {str(exc)[:400]}", failures + 1
@@ -254,7 +254,8 @@ def verify_engine(path: str, cap: int) -> bool:
         try:
             ex = harness.build(e["kernel"], e["types"], e["semantics"], shape, "cuda")
             before = dict(ks.stats)
-            harness.run_and_check(ex, ks.executor, acc_unit(e["kernel"], cap))
+            runs_on = ks.executor.find(ex.call)  # the cubin that runs it: its tiles bound the check
+            harness.run_and_check(ex, ks.executor, acc_unit(e["kernel"], cap, runs_on.config if runs_on else None))
             used = {k: ks.stats.get(k, 0) - before.get(k, 0) for k in ("cubin", "jit")}
             status = "ok" if used == {"cubin": 1, "jit": 0} else f"not from the cubin: {used}"
             ms = time_ms(ex, ks.executor)

@@ -134,7 +134,7 @@ def gemm8_peer(call):
     return (lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)), (lambda r: r)
 
 
-def gemm8_check(ex, executor, acc_u: float) -> None:
+def gemm8_check(ex, executor, acc_u) -> None:
     """Ours and the peer (its output mapped to ours) against the reference, under the same bound:
     the peer passing is what makes the time ratio a like-for-like one."""
     import dataclasses
@@ -168,7 +168,8 @@ def gemm8_section(args, cap: int, ceil: dict) -> list[dict]:
         for m, n, k, square in plan:
             if (n, k) not in checked:
                 try:
-                    gemm8_check(gemm8_example(kernel, 37, n, k, "cuda"), jit, acc_unit(kernel, cap))
+                    ex = gemm8_example(kernel, 37, n, k, "cuda")
+                    gemm8_check(ex, jit, acc_unit(kernel, cap, jit.config_for(ex.call)))
                     checked[(n, k)] = "ok"
                 except Exception as exc:  # noqa: BLE001 - report, keep timing
                     checked[(n, k)] = f"FAIL {type(exc).__name__}: {str(exc)[:300]}"

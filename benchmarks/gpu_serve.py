@@ -15,15 +15,19 @@ One prepared script for a lent GPU (budget: well under 8 minutes on an H100/H200
    executor with CUDA graphs, without graphs, the same model dense in torch eager bf16 (the
    reference `CausalLM` with a contiguous KV cache), and that torch model under torch.compile;
    plus resident weight bytes (W4A16 vs dense bf16);
-5. optionally (`--serve`) starts `lmfoundry serve BUNDLE --device cuda` and runs `lmfoundry bench`.
-Prints a markdown table (and writes it with --out). Runs from a checkout without installing lmfoundry.
+5. optionally (`--serve`) starts `lmfoundry serve BUNDLE --device cuda` and runs `lmfoundry bench`
+   (benchmarks/gpu_http.py).
+Prints a markdown table (and writes it with --out); `--json FILE` gets the same figures as data,
+rewritten after each part so a run cut short keeps what it measured (the JIT count first).
+`--tokenizer DIR` puts DIR's tokenizer in the checkpoint (the vocabulary grows to cover it), which
+`serve` needs; `--keep DIR` builds the bundle in DIR and leaves it there (the GPU lease's HTTP step
+serves it). Runs from a checkout without installing lmfoundry.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,14 +53,28 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def write_models(root: Path, p: dict, group: int = 128, seed: int = 0) -> tuple[Path, Path]:
-    """(W4A16 folder, dense bf16 folder) with the same effective weights."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_vocab(folder: Path) -> int:
+    """Token ids the tokenizer in `folder` can produce (added tokens included), rounded up to 64."""
+    from transformers import AutoTokenizer
+
+    return -(-len(AutoTokenizer.from_pretrained(str(folder))) // 64) * 64
+
+
+def write_models(root: Path, p: dict, group: int = 128, seed: int = 0,
+                 tokenizer: Path | None = None) -> tuple[Path, Path]:
+    """(W4A16 folder, dense bf16 folder) with the same effective weights; with `tokenizer`, both
+    hold its files and the vocabulary covers it."""
     from safetensors.torch import save_file
 
     from lmfoundry.kernels.w4a16 import dequantize
 
     gen = torch.Generator().manual_seed(seed)
     h, i, nl, hq, hkv, v, d = p["hidden"], p["inter"], p["layers"], p["heads"], p["kv"], p["vocab"], 64
+    if tokenizer is not None:
+        v = max(v, tokenizer_vocab(tokenizer))
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "intermediate_size": i,
            "num_attention_heads": hq, "num_key_value_heads": hkv, "head_dim": d, "num_hidden_layers": nl,
            "vocab_size": v, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
@@ -90,6 +108,9 @@ def write_models(root: Path, p: dict, group: int = 128, seed: int = 0) -> tuple[
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps({**cfg, **extra}, indent=1))
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        for f in TOKENIZER_FILES if tokenizer is not None else ():
+            if (tokenizer / f).is_file():
+                (folder / f).write_bytes((tokenizer / f).read_bytes())
         out.append(folder)
     return out[0], out[1]
 
@@ -188,6 +209,15 @@ def check_tokens(bundle: Path, tokens: int = 8) -> tuple[bool, dict]:
     return outs[0] == outs[1], dict(model.kernels.stats)
 
 
+def build_bundle(preset: str, root: Path, arch: str, tokenizer: Path | None = None,
+                 bundle_dir: Path | None = None) -> tuple[Path, Path]:
+    """(bundle, dense bf16 folder): the random W4A16 checkpoint of `preset` compiled for `arch`."""
+    from lmfoundry.compile.bundle import build_engine
+
+    quant, dense = write_models(root, PRESETS[preset], tokenizer=tokenizer)
+    return build_engine(quant, [arch], bundle_dir or root / "engine", progress=False).output, dense
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="1b")
@@ -195,22 +225,34 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--serve", action="store_true", help="also run `lmfoundry bench` against `serve --device cuda`")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="folder whose tokenizer the checkpoint gets")
+    ap.add_argument("--keep", type=Path, default=None, help="build the bundle in this folder and keep it")
     ap.add_argument("--out", help="write the markdown table here")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (after each part)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    from lmfoundry.compile.bundle import build_engine
 
     cap = torch.cuda.get_device_capability()
     arch = {(8, 0): "ampere", (8, 9): "ada", (9, 0): "hopper"}.get(cap, "hopper")
     lines = [f"# gpu_serve: {torch.cuda.get_device_name()} ({arch}), preset {args.preset}, torch {torch.__version__}", ""]
+    record: dict = {"gpu": torch.cuda.get_device_name(), "arch": arch, "preset": args.preset,
+                    "torch": torch.__version__, "decode": []}
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(record, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        quant, dense = write_models(root, PRESETS[args.preset])
-        bundle = build_engine(quant, [arch], root / "engine", progress=False).output
-        lines.append(f"- checkpoint + bundle built in {time.perf_counter() - t0:.1f} s")
+        bundle, dense = build_bundle(args.preset, root, arch, args.tokenizer, args.keep)
+        record["bundle"] = str(bundle)
+        record["build_s"] = time.perf_counter() - t0
+        lines.append(f"- checkpoint + bundle built in {record['build_s']:.1f} s")
         same, stats = check_tokens(bundle)
+        record.update(tokens_equal=same, check_kernel_calls=stats, jit_calls=stats.get("jit", 0))
+        save()
         lines.append(f"- greedy tokens CUDA vs CPU kernel references: {'equal' if same else 'DIFFER'}; "
                      f"kernel calls {stats} (JIT calls must be 0)")
         from lmfoundry.runtime.loader import load_bundle
@@ -220,6 +262,7 @@ def main() -> None:
         dense_bytes = sum(p.numel() * p.element_size() for n, p in ref.named_parameters() if "layers." in n)
         packed = kmodel.weight_bytes() - sum(t.numel() * t.element_size() for t in
                                              (kmodel.embed, kmodel.final_norm, kmodel.lm_head.dense))
+        record.update(w4a16_decoder_bytes=packed, dense_decoder_bytes=dense_bytes)
         lines.append(f"- decoder weights resident: W4A16 {packed / 2**20:.1f} MiB vs dense bf16 "
                      f"{dense_bytes / 2**20:.1f} MiB = {packed / dense_bytes:.3f} x")
         del kmodel, ref
@@ -227,24 +270,25 @@ def main() -> None:
                   "graphs / eager torch | graphs / compile |", "|---|---|---|---|---|---|---|"]
         for b in (int(x) for x in args.batches.split(",")):
             g, gstats = engine_decode_tok_s(bundle, b, args.prompt, args.new, True)
-            e, _ = engine_decode_tok_s(bundle, b, args.prompt, args.new, False)
-            te = torch_decode_tok_s(dense, b, args.prompt, args.new, False)
-            tc = torch_decode_tok_s(dense, b, args.prompt, args.new, True)
+            e, estats = engine_decode_tok_s(bundle, b, args.prompt, args.new, False)
+            record["jit_calls"] += gstats.get("jit", 0) + estats.get("jit", 0)
+            row = {"batch": b, "graphs_tok_s": g, "eager_tok_s": e, "graphs_kernel_calls": gstats,
+                   "eager_kernel_calls": estats}
+            record["decode"].append(row)
+            save()
+            row["torch_eager_tok_s"] = te = torch_decode_tok_s(dense, b, args.prompt, args.new, False)
+            save()
+            row["torch_compile_tok_s"] = tc = torch_decode_tok_s(dense, b, args.prompt, args.new, True)
+            save()
             lines.append(f"| {b} | {g:.0f} | {e:.0f} | {te:.0f} | {tc:.0f} | {g / te:.2f} | {g / tc:.2f} |")
             print(lines[-1], gstats, flush=True)
         if args.serve:
-            proc = subprocess.Popen([sys.executable, "-m", "lmfoundry.cli", "serve", str(bundle), "--device", "cuda",
-                                     "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            try:
-                sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-                from helpers import wait_for_url
+            from gpu_http import serve_and_bench
 
-                url = wait_for_url(proc, timeout=300).rsplit("/v1", 1)[0]
-                bench = subprocess.run([sys.executable, "-m", "lmfoundry.cli", "bench", url, "--concurrency",
-                                        "1,16,64", "-o", str(root / "bench.json")], capture_output=True, text=True)
-                lines += ["", "```", bench.stdout.strip(), "```"]
-            finally:
-                proc.terminate()
+            result = serve_and_bench(bundle, "cuda", [1, 16, 64], root / "bench.json")
+            record["http"] = result
+            save()
+            lines += ["", "```", json.dumps(result["levels"], indent=1), "```"]
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")

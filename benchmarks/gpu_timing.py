@@ -153,6 +153,15 @@ def ceilings(cap: int) -> dict[str, float]:
     return out
 
 
-def acc_unit(kernel: str, cap: int) -> float:
-    # Tensor cores may truncate while accumulating; Hopper's fp8 wgmma keeps ~14 bits per K tile.
-    return 2.0**-13 if kernel == "fp8_gemm" else 2.0**-22
+def acc_unit(kernel: str, cap: int, config=None):
+    """How `kernel` accumulates on this GPU with tile `config` (the checks' `acc_u`). Tensor cores
+    may truncate while accumulating: 2^-22 for the fp16/bf16 MMAs; the FP8 GEMM sums each BLOCK_K
+    tile in the tensor core's coarser unit and the tiles in fp32 (`scaled_mm.fp8_accumulation`),
+    which is bounded at any K where one 2^-13 unit over the whole K is not (K >= 2^13)."""
+    if kernel == "fp8_gemm":
+        from lmfoundry.kernels.scaled_mm import fp8_accumulation
+
+        if config is None:
+            raise ValueError("fp8_gemm's accumulation depends on its tile config (BLOCK_K, SPLIT_K)")
+        return fp8_accumulation(config)
+    return 2.0**-22

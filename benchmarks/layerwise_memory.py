@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,12 +21,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from lmfoundry.child_python import python_command
+
 
 def write_random_llama(folder: Path, layers: int, hidden: int, intermediate: int, vocab: int,
                        kv_heads: int | None = None, dtype: torch.dtype = torch.float32,
-                       rope_theta: float = 10000.0) -> int:
+                       rope_theta: float = 10000.0, tokenizer: Path | None = None) -> int:
     """Write the checkpoint one layer per shard (so the writer itself stays at one layer); returns
-    the total tensor bytes. `kv_heads` < hidden/128 gives grouped-query attention (Llama-3)."""
+    the total tensor bytes. `kv_heads` < hidden/128 gives grouped-query attention (Llama-3).
+    `tokenizer`: a folder whose tokenizer files are copied (default: the default model's, which
+    may be fetched once; a machine with no network passes a copy)."""
     heads = hidden // 128
     kv_heads = kv_heads or heads
     cfg = {
@@ -74,11 +77,12 @@ def write_random_llama(folder: Path, layers: int, hidden: int, intermediate: int
                                                                       "weight_map": weight_map}))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     # a tokenizer: borrow the default model's (same vocab size is not required for RTN)
-    from lmfoundry.checkpoint.sources import resolve_model
+    if tokenizer is None:
+        from lmfoundry.checkpoint.sources import resolve_model
 
-    src = resolve_model("smollm2-135m")
+        tokenizer = resolve_model("smollm2-135m")
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / f).write_bytes((src / f).read_bytes())
+        (folder / f).write_bytes((tokenizer / f).read_bytes())
     return total
 
 
@@ -90,8 +94,9 @@ def measure(layers: int = 8, hidden: int = 2048, intermediate: int = 5632, vocab
     size = write_random_llama(src, layers, hidden, intermediate, vocab)
     write_s = time.time() - t0
     out = workdir / "quantized"
-    cmd = [sys.executable, "-m", "lmfoundry.cli", "quantize", str(src), "-o", str(out), "--overwrite", "--quiet",
-           "--method", method, "--scheme", "w4a16", "--group-size", "128", "--num-samples", "4", "--seq-len", "128"]
+    cmd = python_command("lmfoundry.cli", "quantize", str(src), "-o", str(out), "--overwrite", "--quiet",
+                         "--method", method, "--scheme", "w4a16", "--group-size", "128", "--num-samples", "4",
+                         "--seq-len", "128")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

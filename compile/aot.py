@@ -2,23 +2,27 @@
 
 Why subprocesses with an explicit environment rather than multiprocessing: the workers must start
 with `TRITON_INTERPRET` unset, line info disabled (byte-reproducible cubins) and a private Triton
-cache — properties of the process environment, not of a function call.
+cache — properties of the process environment, not of a function call. They import the installed
+lmfoundry whatever the working directory (`lmfoundry.child_python`): from a checkout's root, `-m`
+alone would import its bare `lmfoundry/` folder, which has no `compile` subpackage.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from lmfoundry.child_python import child_env, python_command
+
+WORKER = python_command("lmfoundry.compile.worker")
+
 
 def worker_env(cache_dir: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    env = child_env()
     env.pop("TRITON_INTERPRET", None)
     env["TRITON_DISABLE_LINE_INFO"] = "1"
     env["TRITON_CACHE_DIR"] = str(cache_dir)
@@ -46,7 +50,7 @@ def run_jobs(
     log = open(log_path, "a")
 
     def serve() -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "lmfoundry.compile.worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen(WORKER, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, text=True, env=worker_env(cache_dir))
         assert proc.stdin is not None and proc.stdout is not None  # both are pipes
         try:

@@ -61,7 +61,7 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
 
     from lmfoundry.compile import sass
     from lmfoundry.kernels import registry
-    from lmfoundry.kernels.spec import TileConfig
+    from lmfoundry.kernels.spec import DIVISIBILITY, TileConfig
 
     t0 = time.perf_counter()
     kd = registry.kernel(job["kernel"])
@@ -73,7 +73,7 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     attrs = {}
     for i, p in enumerate(kd.params):
         if p.is_pointer or p.name in aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            attrs[(i,)] = [["tt.divisibility", DIVISIBILITY]]
     src = triton.compiler.ASTSource(kd.fn, signature, constexprs, attrs)
     cap = int(job["capability"])
     compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32),
@@ -93,8 +93,10 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     params = []
     for p, pp in zip(kd.params, pparams, strict=False):  # the declared ones, not Triton's trailing extras
         t = p.resolve(types)
+        assumed = p.is_pointer or p.name in aligned
         params.append({"name": p.name, "type": t, "ctype": "ptr" if p.is_pointer else _ARG_CTYPE[t],
-                       "ptx": pp["ptx"], "assume_multiple_of_16": p.is_pointer or p.name in aligned})
+                       "ptx": pp["ptx"], "assume_multiple_of_16": assumed,
+                       "divisibility": DIVISIBILITY if assumed else 1})
     versions = _versions()
     meta = {
         "format": "lmfoundry-kernel/1",

@@ -6,9 +6,16 @@ Model: a result rounded to a format with unit roundoff u is within u·|x| of the
 format with unit roundoff u_acc is within γ_n·Σ|a_i·b_i| of the exact sum, γ_n = n·u/(1 - n·u),
 whatever the summation order. A kernel and its reference each round once to the output format and
 each accumulate in fp32, so their difference is bounded by twice each term.
+
+γ_n exists only while n·u < 1: a whole K-term sum in a coarse accumulator has no bound at all past
+K = 1/u (2^13 for 2^-13). A kernel that sums tiles of K in the coarse unit and adds the tile sums in
+fp32 (`TiledAccumulation`, the FP8 GEMM on Hopper) is bounded at any K by `dot_gamma`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -33,18 +40,54 @@ def gamma(n: int, u: float = U32) -> float:
     return n * u / (1.0 - n * u)
 
 
-def dot_bound(
-    ref: torch.Tensor, abs_products: torch.Tensor, k: int, out_dtype: torch.dtype, acc_u: float = U32
-) -> torch.Tensor:
-    """Bound on |kernel - reference| for an fp32-accumulated dot product rounded to out_dtype.
+@dataclass(frozen=True)
+class TiledAccumulation:
+    """A K-term dot product summed tile by tile: each tile of `tile_k` products is summed from zero
+    with unit roundoff `tile_u` (the tensor core's own accumulation), and each tile sum is added to
+    an accumulator of unit roundoff `acc_u` (an fp32 register); `splits` split-K partial sums are
+    then added together at `acc_u` too. What a kernel's accumulation is comes from the kernel
+    (`scaled_mm.fp8_accumulation`)."""
 
-    `abs_products` is Σ_k |a_k b_k| per output element (computed in float64); `acc_u` is the
-    accumulator's unit roundoff (tensor-core accumulation on a GPU may be coarser than fp32
-    round-to-nearest — pass it explicitly there).
+    tile_k: int
+    tile_u: float
+    acc_u: float = U32
+    splits: int = 1
+
+
+# How a dot product accumulates: one unit roundoff for the whole sum, or tile by tile.
+Accumulation = Union[float, TiledAccumulation]
+
+
+def dot_gamma(k: int, acc: Accumulation = U32, extra: int = 0) -> float:
+    """θ with |computed - exact| <= θ·Σ|a_i b_i| for a k-term dot product accumulated as `acc`
+    says, followed by `extra` more roundings at the accumulator's precision (epilogue operations).
+
+    Tiled: a tile of n <= tile_k terms summed from zero carries γ_n(tile_u) per term; the tile sums
+    (and the split sums and the extra operations) form a chain of ceil(k / tile_k) + splits + extra
+    roundings at acc_u, which perturbs each tile sum by γ_chain(acc_u) of its computed value, itself
+    within (1 + γ_n(tile_u))·Σ|terms of the tile|. Defined at every k whose tile count keeps the
+    fp32 chain below 1/acc_u, unlike γ_k(tile_u)."""
+    if not isinstance(acc, TiledAccumulation):
+        return gamma(k + extra, acc)
+    per_tile = gamma(min(k, acc.tile_k), acc.tile_u)
+    chain = -(-k // acc.tile_k) + acc.splits + extra
+    return per_tile + gamma(chain, acc.acc_u) * (1 + per_tile)
+
+
+def dot_bound(
+    ref: torch.Tensor, abs_products: torch.Tensor, k: int, out_dtype: torch.dtype, acc_u: Accumulation = U32,
+    extra: int = 2,
+) -> torch.Tensor:
+    """Bound on |kernel - reference| for an accumulated dot product rounded to out_dtype.
+
+    `abs_products` is Σ_k |a_k b_k| per output element (computed in float64); `acc_u` is how the
+    kernel accumulates: a unit roundoff (fp32 round-to-nearest by default; tensor-core accumulation
+    on a GPU may be coarser, pass it explicitly there) or a `TiledAccumulation`. `extra`: roundings
+    after the sum (the default 2 covers the accumulator's start and a conversion).
     """
     u_out = unit_roundoff(out_dtype)
     tiny = torch.finfo(out_dtype).tiny
-    return 2 * u_out * ref.double().abs() + 2 * gamma(k + 2, acc_u) * abs_products.double() + 2 * tiny
+    return 2 * u_out * ref.double().abs() + 2 * dot_gamma(k, acc_u, extra) * abs_products.double() + 2 * tiny
 
 
 def assert_within(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, what: str = "") -> None:
@@ -179,7 +222,7 @@ def exact_weight_bound(
     offset_abs: torch.Tensor,
     out_dtype: torch.dtype,
     weight_u: float,
-    acc_u: float = U32,
+    acc_u: Accumulation = U32,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bound on |kernel - reference| for a weight-only GEMM whose kernel multiplies exact integer
@@ -202,6 +245,6 @@ def exact_weight_bound(
         mag = mag + bias.double().abs()
     offs = xa @ offset_abs.double().t()
     u_out = unit_roundoff(out_dtype)
-    ref_side = weight_u * mag + gamma(k + 2, acc_u) * (1 + weight_u) * mag
-    kernel_side = gamma(k + 32, acc_u) * (mag + 2 * offs)
+    ref_side = weight_u * mag + dot_gamma(k, acc_u, 2) * (1 + weight_u) * mag
+    kernel_side = dot_gamma(k, acc_u, 32) * (mag + 2 * offs)
     return 2 * u_out * ref.double().abs() + ref_side + kernel_side + 2 * torch.finfo(out_dtype).tiny

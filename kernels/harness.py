@@ -40,7 +40,7 @@ class Example:
     outputs: tuple[str, ...]
     bytes: int
     flops: int
-    check: Callable[[KernelCall, KernelCall, float], None]  # (ran, reference, accumulation unit roundoff)
+    check: Callable[[KernelCall, KernelCall, error_bounds.Accumulation], None]  # (ran, reference, accumulation)
     notes: dict[str, Any] = field(default_factory=dict)
 
     def clone(self) -> KernelCall:
@@ -90,7 +90,7 @@ def _w4a16(kernel, types, sem, shape, device, gen) -> Example:
     call = w4a16.make_call(x.to(device), w_dev, out)
     if call.kernel.name != kernel:
         raise ValueError(f"{kernel} does not serve M={m} (the op picks {call.kernel.name})")
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         abs_products = x.double().abs() @ w.dequantize().to(act).double().abs().t()
         if bias is not None:
             abs_products = abs_products + bias.double().abs()
@@ -118,7 +118,7 @@ def _w4a16_tiled(kernel, types, sem, shape, device, gen) -> Example:
     out = error_bounds.poisoned((m, n), act, device)
     call = w4a16_tiled.make_tiled_call(x.to(device), tiled.to(device), out)
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         exact, offset, weight_u = w4a16_tiled.tiled_error_terms(tiled, act)
         out_ref = ref.args["out_ptr"].cpu()
         error_bounds.assert_written(ran.args["out_ptr"], kernel)
@@ -147,13 +147,17 @@ def _scaled(kernel, types, sem, shape, device, gen) -> Example:
     call = scaled_mm.make_call(registry.kernel(kernel), a.to(device), a_s.to(device), b.to(device), b_s.to(device),
                                None if bias is None else bias.to(device), out,
                                a_per_token=sem["A_PER_TOKEN"], b_per_channel=sem["B_PER_CHANNEL"])
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         abs_products = (a.double().abs() @ b.double().abs().t()) * a_s.double().reshape(-1, 1) * b_s.double().reshape(1, -1)
         if bias is not None:
             abs_products = abs_products + bias.double().abs()
         out_ref = ref.args["out_ptr"].cpu()
         error_bounds.assert_written(ran.args["out_ptr"], kernel)
-        bound = error_bounds.dot_bound(out_ref, abs_products, k + 2, out_dt, acc_u if types["a"] != "i8" else error_bounds.U32)
+        # int8 sums are exact (int32); fp8 ones as `acc_u` says (`scaled_mm.fp8_accumulation` on a
+        # GPU). extra=4: dot_bound's usual 2 plus the epilogue's two scale products (the bias is in
+        # abs_products).
+        acc = acc_u if types["a"] != "i8" else error_bounds.U32
+        bound = error_bounds.dot_bound(out_ref, abs_products, k, out_dt, acc, extra=4)
         error_bounds.assert_within(ran.args["out_ptr"].cpu(), out_ref, bound, kernel)
 
     return Example(call, ("out_ptr",), _nbytes(a, b, a_s, b_s, bias, out), 2 * m * n * k, check)
@@ -182,7 +186,7 @@ def _norm(kernel, types, sem, shape, device, gen) -> Example:
     call = calls[0]
     outputs = tuple(n for n in ("out_ptr", "res_out_ptr", "scale_ptr") if
                     (n == "out_ptr") or (n == "res_out_ptr" and res is not None) or (n == "scale_ptr" and scale_out is not None))
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         h_ref, _, res_ref = norm_quant.reference(x, w, 1e-6, res, norm_quant.QUANT_NONE)
         src = x if res_ref is None else res_ref  # res_ref: the residual sum, when there is a residual
         h_err = error_bounds.rmsnorm_bound(src, w, h_ref, 1e-6) if w is not None else torch.zeros_like(h_ref, dtype=torch.float64)
@@ -208,7 +212,7 @@ def _silu(kernel, types, sem, shape, device, gen) -> Example:
     out = error_bounds.poisoned((rows, inter), act, device)
     call = KernelCall(activation.KERNEL, {"x_ptr": x.to(device), "out_ptr": out, "INTER": inter,
                                           "stride_x": 2 * inter, "stride_o": inter}, dict(types), {}, {"M": rows, "I": inter})
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         g, u = x.double().chunk(2, dim=-1)
         exact = torch.nn.functional.silu(g) * u
         out_ref = ref.args["out_ptr"].cpu()
@@ -236,7 +240,7 @@ def _rotary(kernel, types, sem, shape, device, gen) -> Example:
 
     rotary.apply_rotary(q, k, pos.to(device), cos.to(device), sin.to(device), q_out, k_out, executor=Capture())
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         for name, x in (("q_out_ptr", q), ("k_out_ptr", k)):
             error_bounds.assert_written(ran.args[name], kernel)
             out_ref = ref.args[name].cpu()
@@ -296,7 +300,7 @@ def _store(kernel, types, sem, shape, device, gen) -> Example:
     paged_kv.store_kv(k.to(device), v.to(device), empty, slots.to(device), executor=Capture())
     written = slots.long()
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         for name, src, scale in (("key_cache_ptr", k, cache.k_scale), ("value_cache_ptr", v, cache.v_scale)):
             got = ran.args[name].cpu().view(-1, hkv, d)[written]
             error_bounds.assert_written(got, kernel)
@@ -355,7 +359,7 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
         return _decode_split(kernel, {**shape, "Hq": hq}, act, cache, table, ctx, lens, gen, device)
     kv_bytes = 2 * sum(lens) * hkv * d * cdt.itemsize
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         error_bounds.assert_written(ran.args["out_ptr"], kernel)
         out_ref = ref.args["out_ptr"].cpu()
         bound = error_bounds.attention_bound(q, cache, table, cu, ctx, out_ref, sm, p_dtype)
@@ -392,7 +396,7 @@ def _decode_check(kernel: str, q, cache, table, ctx, splits: int, outputs: tuple
     exact = paged_attention.reference(q, cache, table, cu, ctx, sm)
     bound = error_bounds.attention_bound(q, cache, table, cu, ctx, exact, sm, q.dtype, p_split=True, splits=splits)
 
-    def check(ran: KernelCall, ref: KernelCall, acc_u: float = error_bounds.U32) -> None:
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         for name in outputs:
             error_bounds.assert_written(ran.args[name], f"{kernel}.{name}")
         if outputs == _PARTIALS:
@@ -449,7 +453,7 @@ def build(kernel: str, types: dict[str, str], semantics: dict[str, Any], shape: 
     return BUILDERS[kernel](kernel, types, semantics, shape, device, gen)
 
 
-def run_and_check(ex: Example, executor: Executor, acc_u: float = error_bounds.U32) -> KernelCall:
+def run_and_check(ex: Example, executor: Executor, acc_u: error_bounds.Accumulation = error_bounds.U32) -> KernelCall:
     """Run `ex` with `executor` and with the reference on copies; raise if outside the bounds.
     Returns the reference's call (its outputs), for checking another implementation against it."""
     ran = ex.clone()

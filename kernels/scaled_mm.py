@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from lmfoundry.kernels import splitk
+from lmfoundry.kernels.error_bounds import U32, TiledAccumulation
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, TileConfig, triton_type
 
 if TYPE_CHECKING:
@@ -127,6 +128,21 @@ def default_config(shape: Mapping[str, int]) -> TileConfig:
     m = shape.get("M", 64)
     return TileConfig.make(num_warps=4, num_stages=2, BLOCK_M=64 if m > 16 else 16, BLOCK_N=64, BLOCK_K=64,
                            SPLIT_K=1, SWAP_AB=0)
+
+
+# Hopper's fp8 wgmma keeps about 14 significant bits while it accumulates (DeepSeek-V3 report, §3.3.2):
+# truncating, that is a unit roundoff of 2^-13 inside the tensor core, whatever the fp32 declared
+# for its accumulator registers.
+FP8_MMA_U = 2.0**-13
+
+
+def fp8_accumulation(config: TileConfig) -> TiledAccumulation:
+    """How the kernel sums an fp8 dot product with this tile config: every `tl.dot` above passes
+    `max_num_imprecise_acc=BLOCK_K`, so the tensor core sums one BLOCK_K tile from zero in its own
+    precision and Triton adds that tile sum to the fp32 accumulator (`acc`); split-K partials meet
+    in fp32 (`splitk.serial_split_k`). On Ada (mma.sync, no wgmma) each 32-wide instruction is
+    added in fp32, a finer promotion than this bound assumes."""
+    return TiledAccumulation(tile_k=config["BLOCK_K"], tile_u=FP8_MMA_U, acc_u=U32, splits=config["SPLIT_K"])
 
 
 def reference(

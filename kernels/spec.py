@@ -42,6 +42,12 @@ def triton_type(dtype: Any) -> str:
         raise TypeError(f"no Triton kernel type for dtype {name}") from None
 
 
+# What an AOT build may assume: every pointer a multiple of DIVISIBILITY bytes, every `aligned`
+# integer a multiple of DIVISIBILITY (Triton's `tt.divisibility`, its own JIT default for pointers).
+# Each kernel's JSON records it per parameter; the runtime's metadata buffers are laid out to it.
+DIVISIBILITY = 16
+
+
 @dataclass(frozen=True)
 class Param:
     """One runtime kernel parameter, in launch order.

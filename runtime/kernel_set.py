@@ -27,7 +27,7 @@ import torch
 from lmfoundry.errors import UserError
 from lmfoundry.kernels import tiles
 from lmfoundry.kernels.dispatch import Executor, JitExecutor, ReferenceExecutor
-from lmfoundry.kernels.spec import KernelCall, TileConfig, Variant, compile_grid_rule
+from lmfoundry.kernels.spec import DIVISIBILITY, KernelCall, TileConfig, Variant, compile_grid_rule
 from lmfoundry.runtime.bundle_manifest import read_manifest, verify
 
 log = logging.getLogger("lmfoundry.engine")
@@ -86,6 +86,14 @@ def current_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def divisibility(param: dict[str, Any]) -> int:
+    """What the cubin assumed of a parameter, as its kernel JSON records it (bytes for a pointer):
+    `divisibility`, or for bundles that only flag it, the one value builds have used."""
+    if "divisibility" in param:
+        return int(param["divisibility"])
+    return DIVISIBILITY if param["assume_multiple_of_16"] else 1
+
+
 class ShippedKernel:
     """One cubin with its launch metadata; loaded into the driver on first use."""
 
@@ -129,12 +137,13 @@ class ShippedKernel:
         if self.unusable:
             return self.unusable
         for p in self.meta["params"]:
-            if not p["assume_multiple_of_16"]:
+            divisor = divisibility(p)
+            if divisor == 1:
                 continue
             value = call.args[p["name"]]
             v = value.data_ptr() if p["ctype"] == "ptr" else int(value)
-            if v % 16:
-                return f"{p['name']}={'0x%x' % v if p['ctype'] == 'ptr' else v} is not a multiple of 16"
+            if v % divisor:
+                return f"{p['name']}={'0x%x' % v if p['ctype'] == 'ptr' else v} is not a multiple of {divisor}"
         return None
 
     def load(self) -> None:

@@ -9,12 +9,22 @@
   anything, and the run's first line says which path it took (`cpu: amx|avx512|avx2`), so that a
   red run on another CPU reads as one.
 - Quantized CPU linears run one product at every row count (no timed crossover).
+- Imports never come from the checkout's root: `python -m pytest` puts the working directory first
+  on sys.path, where the bare `lmfoundry/` folder (no stage subpackages) and `kernels/` (which
+  shadows Hugging Face's `kernels`, imported by transformers) would win over the installed
+  packages. The root is dropped from this process's path before anything imports them, and
+  PYTHONSAFEPATH=1 keeps it off the path of every Python process a test starts.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # quantized linears: the C product at every row count, not a crossover timed on whatever the test
 # machine is doing (tests/runtime/test_cpu_crossover.py covers the measured one)
@@ -47,9 +57,6 @@ if not _cuda:
     patch_interpreter()
 if "torch" in globals():
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 

@@ -328,6 +328,88 @@ def engine_outside_the_package(**config: Any) -> Any:
     return toy_engine(seed=2, **config)
 
 
+def copy_checkout(dst: Path) -> Path:
+    """A plain copy of this checkout at `dst`: the files a fresh clone has plus uncommitted ones
+    (git), else the tree minus build output."""
+    import shutil
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        listing = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo,
+                                 capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(repo, dst, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "__pycache__", "build", "dist", "*.egg-info", "demo-out"))
+        return dst
+    for rel in filter(None, listing):
+        src = repo / rel
+        if src.is_file():  # a deleted, not yet committed file is still listed
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    return dst
+
+
+def site_entry_owners() -> dict[str, set[str]]:
+    """Each site-packages entry (a package folder, a module file, a .libs or .dist-info folder) ->
+    the names of the installed distributions whose files it holds."""
+    from importlib import metadata
+
+    owners: dict[str, set[str]] = {}
+    for dist in metadata.distributions():
+        for f in dist.files or []:
+            owners.setdefault(f.parts[0], set()).add(dist.metadata["Name"])
+    return owners
+
+
+def linked_venv(root: Path, keep: Any) -> Path:
+    """A new venv at root/venv, without pip of its own, that reaches this venv's installed packages
+    through a .pth file naming root/deps, a folder of links to the site-packages entries that
+    `keep(entry name, names of the distributions whose files it holds)` accepts; .pth files (an
+    editable install's finder) are never linked."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    owners = site_entry_owners()
+    venv, deps = root / "venv", root / "deps"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    deps.mkdir()
+    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for entry in Path(site).iterdir():
+            if entry.name.endswith(".pth") or (deps / entry.name).exists() or not keep(entry.name, owners.get(entry.name, set())):
+                continue
+            (deps / entry.name).symlink_to(entry)
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    Path(purelib, "project-venv-deps.pth").write_text(f"{deps}\n")
+    return venv
+
+
+def plant_checkout(folder: Path) -> Path:
+    """A folder laid out like lmfoundry's source checkout root whose `lmfoundry/` and `kernels/`
+    fail on import: a process that imports either from its working directory says so."""
+    for name in ("lmfoundry", "kernels"):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "__init__.py").write_text(
+            f"raise ImportError('{name} imported from the checkout at ' + __file__)\n")
+    (folder / "pyproject.toml").write_text("[project]\nname = 'lmfoundry'\n")
+    return folder
+
+
+def engine_off_the_checkout(**config: Any) -> Any:
+    """An engine factory that refuses to build in a process whose sys.path holds a checkout root
+    (or the working directory, ''): there the checkout's `kernels/` would shadow Hugging Face's."""
+    import sys
+
+    from lmfoundry.child_python import is_checkout_root
+
+    bad = [p for p in sys.path if p == "" or is_checkout_root(p)]
+    if bad:
+        raise RuntimeError(f"the engine process imports from {bad}")
+    return engine_outside_the_package(**config)
+
+
 def correlated_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
     """Calibration-like inputs [n, cols]: correlated columns with outlier channels."""
     g = torch.Generator().manual_seed(seed)

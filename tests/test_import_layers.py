@@ -14,8 +14,9 @@ FOLDERS = {"lmfoundry": "lmfoundry", "lmfoundry.quantizers": "quantizers", "lmfo
            "lmfoundry.evals": "evals", "lmfoundry.recipes": "recipes"}
 # (layer, module prefixes), earliest first: the longest matching prefix decides
 LAYERS = [
-    (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.outputs", "lmfoundry.resources", "lmfoundry.gpus", "lmfoundry.recipe",
-         "lmfoundry.checkpoint.headers", "lmfoundry.recipes")),
+    (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.outputs", "lmfoundry.resources",
+         "lmfoundry.gpus", "lmfoundry.recipe", "lmfoundry.checkpoint.headers", "lmfoundry.recipes",
+         "lmfoundry.child_python")),
     (2, ("lmfoundry.kernels",)),
     (3, ("lmfoundry.model", "lmfoundry.quantizers.scheme", "lmfoundry.quantizers.qmath", "lmfoundry.quantizers.base")),
     (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.checkpoint")),

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from lmfoundry.child_python import child_env, importable_path
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.client import EngineClient, EngineDead
 from lmfoundry.runtime.engine.core import EngineSpec
@@ -73,11 +74,14 @@ class EngineCoreClient(EngineClient):
         # A fresh interpreter, not a fork (this process holds threads and OpenMP pools) and not
         # multiprocessing's spawn (which re-runs the caller's main script in the child).
         with open(f"{self._dir}/spec.pickle", "wb") as f:
-            # first: the spec may name a module only this path finds; the parent-death signal is tied
-            # to the starting thread, so the engine asks for it only when that is the main thread
-            pickle.dump((sys.path, os.getpid(), threading.current_thread() is threading.main_thread()), f)
+            # first: the spec may name a module only this path finds (less any checkout root, whose
+            # bare lmfoundry/ and kernels/ folders would shadow installed packages there); the
+            # parent-death signal is tied to the starting thread, so the engine asks for it only when
+            # that is the main thread
+            pickle.dump((importable_path(sys.path), os.getpid(), threading.current_thread() is threading.main_thread()),
+                        f)
             pickle.dump(spec, f)
-        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir],
+        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir], env=child_env(),
                                         start_new_session=True)
         self._exited = _exit_fd(self.process.pid)
         try:

@@ -19,6 +19,7 @@ import torch
 
 from lmfoundry.kernels.cpu.paged_decode import PagedDecode, load_paged_decode
 from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
+from lmfoundry.kernels.spec import DIVISIBILITY
 from lmfoundry.model.cpu_elementwise import swap_native_elementwise
 from lmfoundry.model.cpu_linears import CProductLinear, can_prepack, prepack_c_products, prepack_dense_linears
 from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention, PrefillBatch
@@ -68,6 +69,35 @@ class ModelExecutor(Protocol):
 
 def _table(blocks: list[int], width: int) -> list[int]:
     return list(blocks[:width]) + [0] * (width - min(len(blocks), width))
+
+
+# A bundle's cubins were built assuming every pointer DIVISIBILITY-byte aligned (`kernels.spec`);
+# the step's metadata travels as one int32 buffer whose parts the kernels take as slices, so each
+# part starts at a multiple of this many int32s. A slice at another offset makes the launcher fall
+# back to Triton JIT for that call.
+ALIGN_INT32 = DIVISIBILITY // 4
+
+
+def packed_starts(lengths: list[int]) -> list[int]:
+    """Where each part of a packed int32 buffer starts (aligned), and at the end its length."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + -(-n // ALIGN_INT32) * ALIGN_INT32)
+    return starts
+
+
+def pack_int32(parts: list[list[int]]) -> torch.Tensor:
+    """The parts in one int32 tensor, each at its `packed_starts` offset (zeros between)."""
+    starts = packed_starts([len(p) for p in parts])
+    flat = [0] * starts[-1]
+    for p, at in zip(parts, starts, strict=False):
+        flat[at : at + len(p)] = p
+    return torch.tensor(flat, dtype=torch.int32)
+
+
+def packed_views(buf: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """The parts of a `pack_int32` buffer (on any device) as views."""
+    return [buf[at : at + n] for at, n in zip(packed_starts(lengths), lengths, strict=False)]
 
 
 class ReferenceModelExecutor:
@@ -238,7 +268,8 @@ class ReferenceModelExecutor:
 
 class KernelModelExecutor:
     """An engine bundle's kernels (see `kernel_model.py`). Step metadata goes to the device as one
-    int32 buffer (one host-to-device copy per step), sliced into ids, positions, slots, tables."""
+    int32 buffer (one host-to-device copy per step), sliced into ids, positions, slots, tables, each
+    slice aligned as the cubins assume (`pack_int32`)."""
 
     name = "kernels"
 
@@ -279,14 +310,10 @@ class KernelModelExecutor:
                                   [c + 1 for c, _, _ in dec], [x for _, _, t in dec for x in _table(t, dec_width)],
                                   cu if pre else [], [c + n for c, n, _ in pre],
                                   [x for _, _, t in pre for x in _table(t, pre_width)]]
-        flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
+        flat = pack_int32(parts)
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
-        views, at = [], 0
-        for p in parts:
-            views.append(flat[at : at + len(p)])
-            at += len(p)
-        ids, positions, slots, dec_lens, dec_tab, cu_t, pre_lens, pre_tab = views
+        ids, positions, slots, dec_lens, dec_tab, cu_t, pre_lens, pre_tab = packed_views(flat, [len(p) for p in parts])
         attn = AttentionInputs(
             slots=slots, num_decode=nd,
             decode_tables=dec_tab.view(len(dec), dec_width) if dec else None, decode_lens=dec_lens if dec else None,
@@ -330,18 +357,11 @@ class DecodeGraphs:
         self.failed = ""
 
     def _host(self, step: StepInputs, bucket: int) -> torch.Tensor:
-        bs, b = step.block_size, len(step.items)
-        pad = bucket - b
-        rows = [_table(t, self.width) for _, _, t in step.items] + [[0] * self.width] * pad
-        flat = (step.ids + [0] * pad) + (step.positions + [0] * pad) + (step.slots + [-1] * pad) \
-            + ([c + 1 for c, _, _ in step.items] + [1] * pad) + [x for r in rows for x in r]
-        assert bs == self.executor.engine_config.block_size
-        return torch.tensor(flat, dtype=torch.int32).pin_memory()
+        assert step.block_size == self.executor.engine_config.block_size
+        return graph_inputs(step, bucket, self.width).pin_memory()
 
     def _views(self, buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
-        ids, pos, slots, lens = (buf[i * bucket : (i + 1) * bucket] for i in range(4))
-        table = buf[4 * bucket :].view(bucket, self.width)
-        return ids, pos, AttentionInputs(slots, bucket, table, lens, None, None, None, 0)
+        return graph_views(buf, bucket, self.width)
 
     def _capture(self, step: StepInputs, bucket: int) -> None:
         ex = self.executor
@@ -376,6 +396,22 @@ class DecodeGraphs:
         buf.copy_(self._host(step, bucket), non_blocking=True)
         graph.replay()
         return hidden[:b]
+
+
+def graph_inputs(step: StepInputs, bucket: int, width: int) -> torch.Tensor:
+    """A decode-only step's metadata padded to `bucket` rows (a CUDA graph's static buffer, on the
+    host): ids, positions, slots, context lengths, then `bucket` block-table rows of `width`.
+    Padding rows write no cache slot (-1) and attend to one token."""
+    pad = bucket - len(step.items)
+    rows = [_table(t, width) for _, _, t in step.items] + [[0] * width] * pad
+    return pack_int32([step.ids + [0] * pad, step.positions + [0] * pad, step.slots + [-1] * pad,
+                       [c + 1 for c, _, _ in step.items] + [1] * pad, [x for r in rows for x in r]])
+
+
+def graph_views(buf: torch.Tensor, bucket: int, width: int) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
+    """(ids, positions, attention inputs) as views of a `graph_inputs` buffer (on the device)."""
+    ids, pos, slots, lens, table = packed_views(buf, [bucket] * 4 + [bucket * width])
+    return ids, pos, AttentionInputs(slots, bucket, table.view(bucket, width), lens, None, None, None, 0)
 
 
 def make_executor(model: Any, config: EngineConfig) -> ModelExecutor:

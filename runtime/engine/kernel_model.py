@@ -323,9 +323,11 @@ def _scheme_gemm(name: str, tensors: dict[str, torch.Tensor], scheme: Any, in_fe
         a = scheme.input_activations
         if a is None:
             raise UserError(f"{name}: {fmt} without input activations has no kernel in the bundle")
+        # the weight scale stays in its stored dtype: compile built the GEMM for that type (`bscale`),
+        # and a float32 copy would be another variant, run by Triton JIT instead of the cubin
         scale = tensors["weight_scale"].reshape(-1)
         input_scale = None if a.dynamic else dev(tensors["input_scale"].float().reshape(1))
-        scaled = ScaledLinear(dev(tensors["weight"]), dev(scale.float()), input_scale, bias)
+        scaled = ScaledLinear(dev(tensors["weight"]), dev(scale), input_scale, bias)
         return Gemm(name, scaled=scaled, quant_dtype=QUANT_DTYPE[fmt])
     raise UserError(f"{name}: stored format {fmt!r} has no kernel")
 

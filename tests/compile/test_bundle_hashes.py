@@ -8,7 +8,9 @@ cubins; two things differed, each for a reason of its own: the PTX of `paged_dec
 split and unsplit decode kernels became one body, 9ac0d6d; its cubins did not change), and the
 header of the repacked weights, whose safetensors metadata came out in a per-process hash order
 (now one key: `test_build.py::test_bundles_are_byte_reproducible_across_processes`). A deliberate
-change of the bundle format or of a kernel updates this table and says so in its commit.
+change of the bundle format or of a kernel updates this table and says so in its commit: each
+kernel's launch metadata (.json) now records the divisibility it assumed of every parameter
+(`divisibility`, issue #43); its cubins and PTX did not change.
 
 The bytes are the same on every CPU (issue #50), so the table holds for every CPU path: the kernels
 are Triton and ptxas output for GPU architectures, and the weights are copied and repacked with
@@ -35,11 +37,11 @@ CASES = {
 EXPECTED = {
     "w4a16-g32-asym-actorder": {
         "weights": "9ad83e1c6ad6b01ca3e62bdfde1c36db689b81afa7188bda8109288c3184fe67",
-        "kernels": "f44410beb0158e06e3e2fd808889a3035772d34cdb93e846bb0737991cd1f12e",
+        "kernels": "ec9db81e9ae9cdec0cc099fd8c049d17634b633b15e4440378816d11095c0248",
     },
     "w8a8-static-kv-int8": {
         "weights": "e034fbafdf79f9b2c4d48b899ba271dde7f05ff772444fd631d80af7b1080036",
-        "kernels": "c359daf11a8e02e3fb8ae453cc154696f8bb9926689f621e2eb88b9445a2f62e",
+        "kernels": "e07dac968ca35944d43a07eec7462627808dd12c939952e606bbbf36a13620fc",
     },
 }
 

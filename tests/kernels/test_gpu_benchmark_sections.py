@@ -78,3 +78,20 @@ def test_prefill_cases_count_causal_pairs(attention):
                             {"B": case["B"], "ctx": n, "q_len": n, "uniform": 1}, "cpu")
         assert ex.flops == harness.causal_attention_flops([n] * case["B"], [n] * case["B"], 32, 128)
         assert ex.flops == 4 * 128 * 32 * case["B"] * n * (n + 1) // 2
+
+
+def test_fp8_checks_have_a_bound_at_every_planned_shape(matmul):
+    """The lease checked FP8 at K = 8192..28672 with one 2^-13 unit over all of K, where γ_K does
+    not exist (`gamma undefined`); every planned shape now gets the kernel's own tiled bound, for
+    every tile bucket the Hopper table gives it (SPLIT_K sized per shape)."""
+    from lmfoundry.kernels import tiles
+    from lmfoundry.kernels.error_bounds import dot_gamma
+
+    gpu_timing = gpu_kernels_benchmark().gpu_timing
+    shapes = [(sq, sq) for sq in matmul.GEMM8_SQUARE] + list(matmul.W4A16_LLM_SHAPES)
+    assert max(k for _, k in shapes) == 28672
+    for n, k in shapes:
+        for _, _, config in tiles.buckets(90, "fp8_gemm", {"N": n, "K": k}):
+            assert dot_gamma(k, gpu_timing.acc_unit("fp8_gemm", 90, config), 4) < 0.02, (n, k, config)
+    with pytest.raises(ValueError, match="tile config"):
+        gpu_timing.acc_unit("fp8_gemm", 90)

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import tiny_model_folder, write_text
+from helpers import copy_checkout, linked_venv, tiny_model_folder, write_text
 
 from lmfoundry.errors import UserError
 from lmfoundry.recipe import UNREAD_SECTIONS, Recipe, builtin_recipes, resolve_recipe_path
@@ -99,41 +97,13 @@ def _run(cmd: list[str], timeout: int, **kw) -> subprocess.CompletedProcess:
     return proc
 
 
-def _copy_sources(dst: Path) -> None:
-    """The files a fresh clone has, plus uncommitted ones (git), else the tree minus build output."""
-    try:
-        listing = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                                 capture_output=True, check=True).stdout.decode().split("\0")
-    except (OSError, subprocess.CalledProcessError):
-        shutil.copytree(REPO, dst, ignore=shutil.ignore_patterns(
-            ".git", ".venv", "__pycache__", "build", "dist", "*.egg-info", "demo-out"))
-        return
-    for rel in filter(None, listing):
-        src = REPO / rel
-        if src.is_file():  # a deleted, not yet committed file is still listed
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / rel)
-
-
 def _fresh_venv(root: Path, wheel: Path) -> Path:
     """A new venv holding only the wheel; the project venv's installed dependencies (torch, ...)
     are reachable through a .pth file pointing at a folder of links to them, lmfoundry's own
     editable install (its .pth finder and dist-info) left out."""
-    venv = root / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=120)
-    python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "--quiet",
-          "--disable-pip-version-check", wheel], timeout=120)
-    deps = root / "deps"
-    deps.mkdir()
-    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        for entry in Path(site).iterdir():
-            name = entry.name.lower()
-            if name.startswith(("lmfoundry", "__editable__")) or name.endswith(".pth") or (deps / entry.name).exists():
-                continue
-            (deps / entry.name).symlink_to(entry)
-    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60).stdout.strip()
-    Path(purelib, "project-venv-deps.pth").write_text(f"{deps}\n")
+    venv = linked_venv(root, lambda name, owners: not name.lower().startswith(("lmfoundry", "__editable__")))
+    _run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", "--no-index",
+          "--quiet", "--disable-pip-version-check", wheel], timeout=120)
     return venv
 
 
@@ -141,7 +111,7 @@ def _fresh_venv(root: Path, wheel: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_wheel_quantizes_with_a_builtin_recipe_from_a_clean_venv(tmp_path):
     src, dist, work = tmp_path / "src", tmp_path / "dist", tmp_path / "work"
-    _copy_sources(src)
+    copy_checkout(src)
     # --no-isolation: the build backend (setuptools) comes from this venv instead of a download.
     _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, src], timeout=300)
     (wheel,) = dist.glob("lmfoundry-*.whl")
