@@ -35,7 +35,7 @@ CASES = {
 EXPECTED = {
     "w4a16-g32-asym-actorder": {
         "weights": "9ad83e1c6ad6b01ca3e62bdfde1c36db689b81afa7188bda8109288c3184fe67",
-        "kernels": "f44410beb0158e06e3e2fd808889a3035772d34cdb93e846bb0737991cd1f12e",
+        "kernels": "f4710e48bd02e87f0631b66be4ab2230d62cf81e8fb43fd94da58e73b4aa365b",
     },
     "w8a8-static-kv-int8": {
         "weights": "e034fbafdf79f9b2c4d48b899ba271dde7f05ff772444fd631d80af7b1080036",
