@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/gpu_lease.sh wheels   # here, with pip: cp312 wheels of what the GPU image lacks -> .whl/
 #   bash benchmarks/gpu_lease.sh run      # there (device tool: carry [".whl"], timeout_s 600)
+#   bash benchmarks/gpu_lease.sh tiles    # there, a call of its own: the tile sweep alone (below)
 #
 # Steps (each under its own timeout, skipped when the budget is spent; a failure does not stop the next):
 #   1. kernels      benchmarks/gpu_kernels.py --graph: tiled W4A16 on 8B/70B layers vs cuBLAS bf16,
@@ -14,6 +15,10 @@
 #   3. serve        benchmarks/gpu_serve.py: an engine bundle's cubins end to end, tokens vs CPU references,
 #                   decode tok/s with/without CUDA graphs vs torch eager and torch.compile
 # BUDGET_S (default 570) caps the whole run; the files in $OUT (7, within the tool's 8) are the record.
+# `tiles` runs one step instead (its own call: $OUT would hold more than 8 files after `run`'s):
+#   tiles       benchmarks/tile_sweep.py: compile/tune.py's w4a16_tiled candidates on the 8B/70B layers,
+#               checked and graph-timed; the winners as $OUT/tiles.patch of kernels/tiles.py's MEASURED
+#               tables (apply through a reviewed commit), every timing in $OUT/tiles.json (issue 44)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,8 +50,8 @@ print(dst)
     ls -la .whl
     exit 0
 fi
-if [ "${1:-}" != "run" ]; then
-    sed -n '2,15p' "$0"
+if [ "${1:-}" != "run" ] && [ "${1:-}" != "tiles" ]; then
+    sed -n '2,21p' "$0"
     exit 2
 fi
 
@@ -84,6 +89,12 @@ fi
   python3 -c "import compressed_tensors; print('compressed-tensors', compressed_tensors.__version__)"; } 2>&1 \
     | tee "$OUT/lease.log"
 
+if [ "$1" = "tiles" ]; then
+    step tiles $((${BUDGET_S:-570} - 30)) python3 benchmarks/tile_sweep.py --budget-s $((${BUDGET_S:-570} - 90)) \
+        --out "$OUT/tiles.patch" --json "$OUT/tiles.json"
+    echo "lease done in ${SECONDS} s" | tee -a "$OUT/lease.log"
+    exit 0
+fi
 step kernels 330 python3 benchmarks/gpu_kernels.py --graph \
     --only w4a16_llm,w4a16_tiled,paged_decode,gemm8,prefill --json "$OUT/kernels.json"
 step calibration 110 python3 benchmarks/calibration_scale.py --workdir /tmp/scale8b --devices cuda \

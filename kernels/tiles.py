@@ -17,6 +17,11 @@ SMs (`lmfoundry.gpus.SM_COUNT`) — at decode a 4096-wide layer has only 32 tile
 132 SMs. A weight-only decode GEMM streams its weight and nothing else, so one program per SM
 cannot keep enough loads in flight: `w4a16_tiled` asks for at least `MIN_WAVES` programs per SM
 (tests/compile/test_decode_sass.py checks the grid, and that the SM can hold them all at once).
+
+`MEASURED_BUCKETS` and `MEASURED_SPLITS` hold what a GPU measured (`compile/tune.py`'s sweep, run
+by `benchmarks/gpu_lease.sh tiles`): per kernel, arch and bucket a config that replaces the table's,
+and per shape and bucket a SPLIT_K that replaces the model's. The sweep writes them as a patch,
+applied through a reviewed commit, never at run time.
 """
 
 from __future__ import annotations
@@ -88,7 +93,8 @@ def tiled_cfg(bm: int, bn: int, warps: int, stages: int) -> TileConfig:
 # buckets up to 32 rows take 64-row weight tiles (still one warpgroup's wgmma): twice the n-tiles of
 # 128 rows, so half the splits reach MIN_WAVES and each tile's serial hand-over chain is half as
 # long, and about half the registers of a 128-row tile (cuobjdump, Triton 3.7, sm_90a), so several
-# programs share an SM. Untimed: no GPU was available when these were set (`--tune` measures).
+# programs share an SM. Untimed: no GPU was available when these were set (`MEASURED_BUCKETS` and
+# `--tune` replace them by measurement).
 GEMM_TABLES["w4a16_tiled"] = {
     80: [(16, tiled_cfg(16, 64, 4, 4)), (32, tiled_cfg(32, 64, 4, 4)), (64, tiled_cfg(64, 64, 4, 4)),
          (256, tiled_cfg(64, 64, 4, 3)), (UNBOUNDED, tiled_cfg(128, 128, 8, 3))],
@@ -108,7 +114,7 @@ MIN_WAVES = 2
 # What one serial hand-over of a tile's partial (`kernels.splitk`: a counter round trip through L2,
 # the partial stored and loaded back) costs, in K iterations of one program: `scaled_mm`'s long
 # compute-bound iterations hide it; a `w4a16_tiled` iteration streams one 4-8 KiB panel, a fraction
-# of an L2 round trip. Estimates, not measurements.
+# of an L2 round trip. Estimates, not measurements: `MEASURED_SPLITS` replaces the split they give.
 HANDOVER_ITERS = {"w4a16_tiled": 4.0}
 HANDOVER_DEFAULT = 0.25
 
@@ -132,6 +138,12 @@ def _split_k(capability: int, n: int, k_iters: int, config: TileConfig, max_rows
     return min(splits, key=lambda s: -(-tiles * s // sms) * (-(-k_iters // s) + 2) + handover * (s - 1))
 
 
+def shape_key(kernel: str, shape: Mapping[str, int], max_rows: int) -> tuple[int, ...]:
+    """A static shape and bucket as `MEASURED_SPLITS` names them: the kernel's
+    `static_shape` values in order, then the bucket's upper row bound."""
+    return (*(int(shape.get(k, 0)) for k in registry.kernel(kernel).static_shape), max_rows)
+
+
 def k_iterations(kernel: str, config: TileConfig, shape: Mapping[str, int]) -> int:
     """Iterations of a split-K kernel's K loop: panels (or groups, when longer) for `w4a16_tiled`,
     BLOCK_K tiles for `scaled_mm`."""
@@ -152,13 +164,22 @@ def model_split(capability: int, kernel: str, config: TileConfig, shape: Mapping
 
 def _fit_split(capability: int, kernel: str, config: TileConfig, shape: Mapping[str, int], max_rows: int
                ) -> TileConfig:
-    """A split-K kernel's table entry with SPLIT_K sized for this shape and bucket (`model_split`)."""
+    """A split-K kernel's table entry with SPLIT_K sized for this shape and bucket: measured where
+    `MEASURED_SPLITS` has it, else the model's (`model_split`)."""
     d = dict(config.constexprs)
     if kernel != "w4a16_tiled":
         d["BLOCK_N"] = max(16, min(d["BLOCK_N"], next_pow2(shape["N"])))
         config = TileConfig.make(num_warps=config.num_warps, num_stages=config.num_stages, **d)
-    d["SPLIT_K"] = model_split(capability, kernel, config, shape, max_rows)
+    split = MEASURED_SPLITS.get(kernel, {}).get(table_arch(capability), {}).get(shape_key(kernel, shape, max_rows))
+    d["SPLIT_K"] = split if split is not None else model_split(capability, kernel, config, shape, max_rows)
     return TileConfig.make(num_warps=config.num_warps, num_stages=config.num_stages, **d)
+
+
+# BEGIN MEASURED (written by compile/tune.py's `tiles_patch`; change it through a reviewed commit)
+# kernel -> arch -> {bucket's max_rows: config}, and kernel -> arch -> {shape_key: SPLIT_K}
+MEASURED_BUCKETS: dict[str, dict[int, dict[int, TileConfig]]] = {}
+MEASURED_SPLITS: dict[str, dict[int, dict[tuple[int, ...], int]]] = {}
+# END MEASURED
 
 
 ATTENTION_TABLE: dict[str, dict[int, TileConfig]] = {
@@ -233,8 +254,10 @@ def buckets(capability: int, kernel: str, shape: Mapping[str, int]) -> list[tupl
         if table is None:
             raise KeyError(f"{kernel} has no tile table for sm_{capability}")
         first, last = ROW_RANGE.get(kernel, (1, UNBOUNDED))
+        measured = MEASURED_BUCKETS.get(kernel, {}).get(arch, {})
         out, lo = [], 1
         for hi, config in table:
+            config = measured.get(hi, config)
             a, b = max(lo, first), min(hi, last)
             if a <= b:
                 fitted = (_fit_split(capability, kernel, config, shape, b) if "SPLIT_K" in dict(config.constexprs)
