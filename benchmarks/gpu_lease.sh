@@ -25,6 +25,10 @@
 # caps the run: kernels alone may take most of it, so a 15-minute lease that wants the record runs
 # `STEPS=calibration,serve,http` first. LEASE_DEVICE=cpu runs the same path on CPU at toy sizes, the
 # GPU-only scripts reduced to their imports (tests/benchmarks/test_gpu_lease.py, network blocked).
+# `tiles` (= STEPS=tiles, a call of its own: not in the default STEPS) runs benchmarks/tile_sweep.py:
+# compile/tune.py's w4a16_tiled candidates on the 8B/70B layers, checked and graph-timed; the winners
+# as $OUT/tiles.patch of kernels/tiles.py's MEASURED tables (apply through a reviewed commit), every
+# timing in $OUT/tiles.json (issue 44).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,8 +53,8 @@ if [ "${1:-}" = "wheels" ]; then
     ls -la "$WHEELHOUSE"
     exit 0
 fi
-if [ "${1:-}" != "run" ]; then
-    sed -n '2,27p' "$0"
+if [ "${1:-}" != "run" ] && [ "${1:-}" != "tiles" ]; then
+    sed -n '2,31p' "$0"
     exit 2
 fi
 
@@ -58,6 +62,7 @@ OUT=${OUT:-/tmp/gpu-lease}
 WORK=${WORK:-/tmp/gpu-lease-work}
 DEVICE=${LEASE_DEVICE:-cuda}
 STEPS=${STEPS:-kernels,calibration,serve,http}
+[ "${1:-}" = "tiles" ] && STEPS=tiles
 mkdir -p "$OUT" "$WORK"
 # nothing is fetched there: a step that tries says so instead of hanging on a dead network
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PIP_NO_INDEX=1
@@ -144,6 +149,14 @@ if want http; then
     step http 120 python3 benchmarks/gpu_http.py --bundle "$WORK/bundle" --device "$DEVICE" --preset "$SERVE_PRESET" \
         --tokenizer "$WHEELHOUSE/tokenizer" --concurrency "${LEASE_CONCURRENCY:-1,16,64}" \
         --max-tokens "${LEASE_MAX_TOKENS:-64}" --out "$OUT/bench.json"
+fi
+if want tiles; then
+    if [ "$DEVICE" = cuda ]; then
+        step tiles $((${BUDGET_S:-570} - 45)) python3 benchmarks/tile_sweep.py --budget-s $((${BUDGET_S:-570} - 90)) \
+            --out "$OUT/tiles.patch" --json "$OUT/tiles.json"
+    else
+        step tiles 60 python3 benchmarks/tile_sweep.py --help
+    fi
 fi
 python3 benchmarks/gpu_lease_report.py "$OUT" | tail -n 40
 echo "lease done in ${SECONDS} s" | tee -a "$OUT/lease.log"

@@ -298,11 +298,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
     """Compile the kernels and write the whole bundle into `out` (a fresh staging folder).
     `triton_cache`: a Triton cache folder to reuse (default: a fresh one); `source`: the
     manifest's source record (default: `src`'s)."""
-    jobs = []
-    for i, spec in enumerate(plan.specs):
-        jobs.append({"id": i, "key": spec.key(), "capability": spec.capability, "sm": spec.sm, "kernel": spec.kernel,
-                     "types": spec.types, "semantics": spec.semantics, "config": spec.config.as_dict(),
-                     "aligned": spec.aligned, "out_dir": str(out / "kernels" / spec.sm)})
+    jobs = [spec.job(i, str(out / "kernels" / spec.sm)) for i, spec in enumerate(plan.specs)]
     log(f"{len(jobs)} kernel specializations for {', '.join(SM_NAME[c] for c in caps)}")
     if ck.config.kernel_context_limit < ck.config.max_position_embeddings:
         log(f"note: {ck.config.model_type} attends through a sliding window of {ck.config.kernel_context_limit} "

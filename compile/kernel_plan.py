@@ -87,6 +87,21 @@ class Spec:
         kd = registry.kernel(self.kernel)
         return kd.expect_sass(self.capability, self.config, self.types, self.semantics)
 
+    def job(self, index: int, out_dir: str) -> dict[str, Any]:
+        """The compile worker's job for this specialization (`compile.worker`), files into out_dir."""
+        return {"id": index, "key": self.key(), "capability": self.capability, "sm": self.sm, "kernel": self.kernel,
+                "types": self.types, "semantics": self.semantics, "config": self.config.as_dict(),
+                "aligned": self.aligned, "out_dir": out_dir}
+
+
+def aligned_params(kernel: str, shapes: list[dict[str, int]]) -> list[str]:
+    """The integer params an AOT build of `kernel` may assume to be multiples of 16: those every
+    covered shape gives such a value (`KernelDef.shape_ints`)."""
+    kd = registry.kernel(kernel)
+    ints = [kd.shape_ints(s) for s in shapes]
+    return [p.name for p in kd.params if p.aligned and not p.is_pointer
+            and all(isinstance(i.get(p.name), int) and i[p.name] % 16 == 0 for i in ints)]
+
 
 @dataclass
 class Plan:
@@ -303,15 +318,12 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
                 spec = specs.setdefault(sig, Spec(cap, kernel, dict(types), dict(semantics), config))
                 cover = next((c for c in spec.covers if c["shape"] == static_shape and c["rows"] == [lo, hi]), None)
                 if cover is None:
-                    cover = {"shape": static_shape, "rows": [lo, hi], "used_by": [], "_ints": kd.shape_ints(shape)}
+                    cover = {"shape": static_shape, "rows": [lo, hi], "used_by": [], "_shape": shape}
                     spec.covers.append(cover)
                 if used_by not in cover["used_by"]:
                     cover["used_by"].append(used_by)
     for spec in specs.values():
-        kd = registry.kernel(spec.kernel)
-        ints = [c.pop("_ints") for c in spec.covers]
-        spec.aligned = [p.name for p in kd.params if p.aligned and not p.is_pointer
-                        and all(isinstance(i.get(p.name), int) and i[p.name] % 16 == 0 for i in ints)]
+        spec.aligned = aligned_params(spec.kernel, [c.pop("_shape") for c in spec.covers])
     fold = _act_order_fold(ck, fusions)
     return Plan(list(capabilities), ck.dtype, kv_type, block_size,
                 list(fusions.values()) + norm_fusions + ([fold] if fold is not None else []), gemms,

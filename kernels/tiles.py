@@ -14,7 +14,14 @@ is the MMA's M side, so on Hopper BLOCK_N >= 64 with 4 warps gives wgmma even fo
 Its SPLIT_K (and that of the INT8/FP8 `scaled_mm` GEMMs) is not in the table: for buckets of at
 most `SPLIT_MAX_M` rows it is chosen per shape (`_split_k`) so that n-tiles x splits fill the arch's
 SMs (`lmfoundry.gpus.SM_COUNT`) — at decode a 4096-wide layer has only 32 tiles of 128 rows for
-132 SMs.
+132 SMs. A weight-only decode GEMM streams its weight and nothing else, so one program per SM
+cannot keep enough loads in flight: `w4a16_tiled` asks for at least `MIN_WAVES` programs per SM
+(tests/compile/test_decode_sass.py checks the grid, and that the SM can hold them all at once).
+
+`MEASURED_BUCKETS` and `MEASURED_SPLITS` hold what a GPU measured (`compile/tune.py`'s sweep, run
+by `benchmarks/gpu_lease.sh tiles`): per kernel, arch and bucket a config that replaces the table's,
+and per shape and bucket a SPLIT_K that replaces the model's. The sweep writes them as a patch,
+applied through a reviewed commit, never at run time.
 """
 
 from __future__ import annotations
@@ -81,56 +88,98 @@ def tiled_cfg(bm: int, bn: int, warps: int, stages: int) -> TileConfig:
 
 
 # A stage holds one weight panel (BLOCK_N x 16 words: 8 KiB at 128 rows) and the x slices of its
-# planes (BLOCK_M x 128 k x 2 bytes): 8 KiB at BLOCK_M 16, 40 KiB at 128 rows by 128 tokens. Small M
-# is memory-bound: deep pipelines (4 stages) and split-K; large M takes 128x128 tiles. Register
-# counts (cuobjdump -res-usage, Triton 3.7, sm_90a): 116-130 at BLOCK_M 16-64, 216-255 at 128x128
-# with 8 warps, no spills. Untimed: no GPU was available when these were set (`--tune` measures).
+# planes (BLOCK_M x 128 k x 2 bytes): 4 KiB at BLOCK_M 16, 32 KiB at 128 rows by 128 tokens. Small M
+# is memory-bound: deep pipelines (4 stages) and split-K; large M takes 128x128 tiles. Hopper's
+# buckets up to 32 rows take 64-row weight tiles (still one warpgroup's wgmma): twice the n-tiles of
+# 128 rows, so half the splits reach MIN_WAVES and each tile's serial hand-over chain is half as
+# long, and about half the registers of a 128-row tile (cuobjdump, Triton 3.7, sm_90a), so several
+# programs share an SM. Untimed: no GPU was available when these were set (`MEASURED_BUCKETS` and
+# `--tune` replace them by measurement).
 GEMM_TABLES["w4a16_tiled"] = {
     80: [(16, tiled_cfg(16, 64, 4, 4)), (32, tiled_cfg(32, 64, 4, 4)), (64, tiled_cfg(64, 64, 4, 4)),
          (256, tiled_cfg(64, 64, 4, 3)), (UNBOUNDED, tiled_cfg(128, 128, 8, 3))],
     # 100 KiB of shared memory: fewer stages
     89: [(16, tiled_cfg(16, 64, 4, 3)), (32, tiled_cfg(32, 64, 4, 3)), (64, tiled_cfg(64, 64, 4, 3)),
          (256, tiled_cfg(64, 64, 4, 2)), (UNBOUNDED, tiled_cfg(128, 128, 8, 2))],
-    90: [(16, tiled_cfg(16, 128, 4, 4)), (32, tiled_cfg(32, 128, 4, 4)), (64, tiled_cfg(64, 64, 4, 4)),
+    90: [(16, tiled_cfg(16, 64, 4, 4)), (32, tiled_cfg(32, 64, 4, 4)), (64, tiled_cfg(64, 64, 4, 4)),
          (256, tiled_cfg(64, 64, 4, 4)), (UNBOUNDED, tiled_cfg(128, 128, 8, 3))],
 }
 
 MAX_SPLIT_K = 16
 SPLIT_MAX_M = w4a16_tiled.SPLIT_MAX_M  # = kernels.splitk.SPLIT_MAX_M: rows up to which ops pass a split-K workspace
+# Programs per SM a weight-only decode GEMM asks for (`w4a16_tiled`, buckets up to SPLIT_MAX_M rows):
+# at one program per SM an SM has one CTA's few warps and its pipeline's few panels in flight, far
+# from what streaming HBM at full rate takes.
+MIN_WAVES = 2
+# What one serial hand-over of a tile's partial (`kernels.splitk`: a counter round trip through L2,
+# the partial stored and loaded back) costs, in K iterations of one program: `scaled_mm`'s long
+# compute-bound iterations hide it; a `w4a16_tiled` iteration streams one 4-8 KiB panel, a fraction
+# of an L2 round trip. Estimates, not measurements: `MEASURED_SPLITS` replaces the split they give.
+HANDOVER_ITERS = {"w4a16_tiled": 4.0}
+HANDOVER_DEFAULT = 0.25
 
 
-def _split_k(capability: int, n: int, k_iters: int, config: TileConfig, max_rows: int) -> int:
+def _split_k(capability: int, n: int, k_iters: int, config: TileConfig, max_rows: int,
+             handover: float = HANDOVER_DEFAULT, min_programs: int = 0) -> int:
     """SPLIT_K for a GEMM bucket of at most `max_rows` rows whose K loop has `k_iters` iterations:
     the split minimizing waves x (iterations per split + 2), the +2 standing for pipeline fill and
-    the epilogue, plus a quarter iteration per serial partial-sum hand-over. One wave of
-    tiles x splits programs fills the arch's SMs once. 1 above SPLIT_MAX_M rows (no workspace)."""
+    the epilogue, plus `handover` iterations per serial partial-sum hand-over, among the splits
+    that give at least `min_programs` programs (all splits when none does). One wave of tiles x
+    splits programs fills the arch's SMs once. 1 above SPLIT_MAX_M rows (no workspace)."""
     if max_rows > SPLIT_MAX_M:
         return 1
     sms = SM_COUNT.get(table_arch(capability), 0)
     if not sms:
         return 1
     tiles = -(-max_rows // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
-    best, best_cost = 1, float("inf")
-    for s in range(1, min(MAX_SPLIT_K, k_iters) + 1):
-        cost = -(-tiles * s // sms) * (-(-k_iters // s) + 2) + 0.25 * (s - 1)
-        if cost < best_cost:
-            best, best_cost = s, cost
-    return best
+    splits = range(1, min(MAX_SPLIT_K, k_iters) + 1)
+    if any(tiles * s >= min_programs for s in splits):
+        splits = range(-(-min_programs // tiles) if min_programs else 1, splits.stop)
+    return min(splits, key=lambda s: -(-tiles * s // sms) * (-(-k_iters // s) + 2) + handover * (s - 1))
+
+
+def shape_key(kernel: str, shape: Mapping[str, int], max_rows: int) -> tuple[int, ...]:
+    """A static shape and bucket as `MEASURED_SPLITS` names them: the kernel's
+    `static_shape` values in order, then the bucket's upper row bound."""
+    return (*(int(shape.get(k, 0)) for k in registry.kernel(kernel).static_shape), max_rows)
+
+
+def k_iterations(kernel: str, config: TileConfig, shape: Mapping[str, int]) -> int:
+    """Iterations of a split-K kernel's K loop: panels (or groups, when longer) for `w4a16_tiled`,
+    BLOCK_K tiles for `scaled_mm`."""
+    if kernel == "w4a16_tiled":
+        unit = max(tiled_layout.panel_k(shape["bits"]), shape.get("group", 0))
+    else:
+        unit = config["BLOCK_K"]
+    return -(-shape["K"] // unit)
+
+
+def model_split(capability: int, kernel: str, config: TileConfig, shape: Mapping[str, int], max_rows: int) -> int:
+    """The SPLIT_K `_split_k`'s model gives a split-K kernel's config on this shape and bucket
+    (for `w4a16_tiled` with the MIN_WAVES floor and its hand-over cost)."""
+    floor = MIN_WAVES * SM_COUNT.get(table_arch(capability), 0) if kernel == "w4a16_tiled" else 0
+    return _split_k(capability, shape["N"], k_iterations(kernel, config, shape), config, max_rows,
+                    HANDOVER_ITERS.get(kernel, HANDOVER_DEFAULT), floor)
 
 
 def _fit_split(capability: int, kernel: str, config: TileConfig, shape: Mapping[str, int], max_rows: int
                ) -> TileConfig:
-    """A split-K kernel's table entry with SPLIT_K sized for this shape and bucket. K iterations:
-    panels (or groups, when longer) for `w4a16_tiled`, BLOCK_K tiles for `scaled_mm`."""
+    """A split-K kernel's table entry with SPLIT_K sized for this shape and bucket: measured where
+    `MEASURED_SPLITS` has it, else the model's (`model_split`)."""
     d = dict(config.constexprs)
-    if kernel == "w4a16_tiled":
-        unit = max(tiled_layout.panel_k(shape["bits"]), shape.get("group", 0))
-    else:
+    if kernel != "w4a16_tiled":
         d["BLOCK_N"] = max(16, min(d["BLOCK_N"], next_pow2(shape["N"])))
-        unit = d["BLOCK_K"]
         config = TileConfig.make(num_warps=config.num_warps, num_stages=config.num_stages, **d)
-    d["SPLIT_K"] = _split_k(capability, shape["N"], -(-shape["K"] // unit), config, max_rows)
+    split = MEASURED_SPLITS.get(kernel, {}).get(table_arch(capability), {}).get(shape_key(kernel, shape, max_rows))
+    d["SPLIT_K"] = split if split is not None else model_split(capability, kernel, config, shape, max_rows)
     return TileConfig.make(num_warps=config.num_warps, num_stages=config.num_stages, **d)
+
+
+# BEGIN MEASURED (written by compile/tune.py's `tiles_patch`; change it through a reviewed commit)
+# kernel -> arch -> {bucket's max_rows: config}, and kernel -> arch -> {shape_key: SPLIT_K}
+MEASURED_BUCKETS: dict[str, dict[int, dict[int, TileConfig]]] = {}
+MEASURED_SPLITS: dict[str, dict[int, dict[tuple[int, ...], int]]] = {}
+# END MEASURED
 
 
 ATTENTION_TABLE: dict[str, dict[int, TileConfig]] = {
@@ -205,8 +254,10 @@ def buckets(capability: int, kernel: str, shape: Mapping[str, int]) -> list[tupl
         if table is None:
             raise KeyError(f"{kernel} has no tile table for sm_{capability}")
         first, last = ROW_RANGE.get(kernel, (1, UNBOUNDED))
+        measured = MEASURED_BUCKETS.get(kernel, {}).get(arch, {})
         out, lo = [], 1
         for hi, config in table:
+            config = measured.get(hi, config)
             a, b = max(lo, first), min(hi, last)
             if a <= b:
                 fitted = (_fit_split(capability, kernel, config, shape, b) if "SPLIT_K" in dict(config.constexprs)

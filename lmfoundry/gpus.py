@@ -5,7 +5,8 @@ per-product datasheet table (lmfoundry/gpus.yaml).
   name its kernels are compiled for, and the GPU names that mean it. `doctor --arch` accepts every
   name here (`ARCH_NAMES`); `compile --arch` only the capabilities it builds kernels for, under the
   names `COMPILE_ARCH_NAMES` lists; compile's tile tables and engine manifests name capabilities
-  with `SM_NAME` and `ARCH_OF_CAPABILITY`.
+  with `SM_NAME` and `ARCH_OF_CAPABILITY`, size split-K grids with `SM_COUNT`, and the checks on
+  compiled kernels read what one SM holds at once from `SM_LIMITS`.
 - `load_gpus()` / `resolve_gpu()`: the products `lmfoundry plan` sizes deployments for (memory,
   bandwidth, peak TFLOPS, each with its source). The rows are datasheet figures per product; the
   architecture rows above are per capability, so the two tables are kept apart but live here.
@@ -23,6 +24,20 @@ from lmfoundry.errors import UserError
 
 
 @dataclass(frozen=True)
+class SmLimits:
+    """What one SM holds at once, from the CUDA programming guide's table of per-capability limits:
+    the checks on compiled kernels (`compile.sass.resident_ctas`) turn a kernel's registers, warps
+    and shared memory into the programs an SM runs side by side."""
+
+    shared: int  # bytes of shared memory CTAs may take together
+    warps: int  # resident warps
+    ctas: int  # resident CTAs
+    registers: int = 65536  # 32-bit registers, in four partitions, one per warp scheduler
+    register_unit: int = 256  # registers are given to a warp in units of this many
+    cta_shared_reserved: int = 1024  # shared memory the system keeps per CTA
+
+
+@dataclass(frozen=True)
 class Arch:
     """One CUDA compute capability."""
 
@@ -36,19 +51,21 @@ class Arch:
     # L40S, H100/H200 SXM. Other parts of the capability differ (L4: 58, H100 PCIe: 114); a grid sized
     # for more SMs than a part has still runs, in more waves.
     sms: int = 0
+    limits: SmLimits | None = None  # per-SM occupancy limits, for the archs compile builds for
 
 
 # A family's own name means its first (lowest) capability: ampere -> sm_80, blackwell -> sm_100.
 ARCHITECTURES: tuple[Arch, ...] = (
     Arch(70, "volta", "sm_70", ("v100",)),
     Arch(75, "turing", "sm_75", ("t4",)),
-    Arch(80, "ampere", "sm_80", ("a100",), compile_target=True, compile_names=("a100",), sms=108),
+    Arch(80, "ampere", "sm_80", ("a100",), compile_target=True, compile_names=("a100",), sms=108,
+         limits=SmLimits(shared=164 << 10, warps=64, ctas=32)),
     Arch(86, "ampere", "sm_86", ("a10", "a10g", "a40")),
     Arch(87, "ampere", "sm_87"),
     Arch(89, "ada", "sm_89", ("lovelace", "l4", "l40", "l40s", "rtx4090"), compile_target=True,
-         compile_names=("l4", "l40s"), sms=142),
+         compile_names=("l4", "l40s"), sms=142, limits=SmLimits(shared=100 << 10, warps=48, ctas=24)),
     Arch(90, "hopper", "sm_90a", ("h100", "h200", "gh200"), compile_target=True, compile_names=("h100", "h200"),
-         sms=132),
+         sms=132, limits=SmLimits(shared=228 << 10, warps=64, ctas=32)),
     Arch(100, "blackwell", "sm_100", ("b200", "gb200")),
     Arch(120, "blackwell", "sm_120", ("rtx5090",)),
 )
@@ -83,6 +100,7 @@ COMPILE_ARCH_NAMES: dict[str, int] = _compile_arch_names()
 SM_NAME: dict[int, str] = {a.capability: a.sm for a in ARCHITECTURES}
 ARCH_OF_CAPABILITY: dict[int, str] = {a.capability: a.family for a in ARCHITECTURES}
 SM_COUNT: dict[int, int] = {a.capability: a.sms for a in ARCHITECTURES if a.sms}
+SM_LIMITS: dict[int, SmLimits] = {a.capability: a.limits for a in ARCHITECTURES if a.limits is not None}
 
 
 # ------------------------------------------------------------------------- products (gpus.yaml)

@@ -216,10 +216,15 @@ def gpu_kernels_benchmark() -> Any:
     """benchmarks/gpu_kernels.py as a module (it is a script, not a package): its GPU-independent
     parts (shapes, byte and FLOP counts, checks, peers) are tested on CPU so a lent GPU's minutes
     are not spent finding a harness bug."""
+    return benchmark_script("gpu_kernels")
+
+
+def benchmark_script(name: str) -> Any:
+    """benchmarks/NAME.py loaded as a module (its siblings import as the script imports them)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("gpu_kernels_bench", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -93,15 +93,47 @@ def test_tiled_kernel_matches_reference(m, n, k, bits, group, symmetric, actorde
 
 
 def test_default_and_hopper_table_configs(gen, device, acc_u):
-    """The kernel's default tiles and the Hopper table's decode bucket (BLOCK_N 128, split from the SMs)."""
+    """The kernel's default tiles and the Hopper table's decode bucket (BLOCK_N 64, split from the SMs)."""
     from lmfoundry.kernels import tiles
 
     run_and_check(3, 64, 256, 4, 64, True, False, BF, False, None, gen, device, acc_u)
-    shape = {"N": 256, "K": 1024, "bits": 4, "group": 128}
+    shape = {"N": 256, "K": 4096, "bits": 4, "group": 128}
     lo, hi, cfg = tiles.buckets(90, "w4a16_tiled", shape)[0]
-    assert (lo, hi, cfg["BLOCK_M"], cfg["BLOCK_N"]) == (1, 16, 16, 128) and cfg["SPLIT_K"] > 1
-    run_and_check(1, 256, 1024, 4, 128, False, False, BF, False, cfg, gen, device, acc_u)
+    assert (lo, hi, cfg["BLOCK_M"], cfg["BLOCK_N"]) == (1, 16, 16, 64) and cfg["SPLIT_K"] > 1
+    run_and_check(1, 256, 4096, 4, 128, False, False, BF, False, cfg, gen, device, acc_u)
 
+
+
+def llm_decode_configs() -> list[tuple[int, TileConfig]]:
+    """(rows, config): each distinct Hopper config the GPU benchmark's LLM layer shapes launch at
+    M = 1, 16 and 64 (`tiles.buckets`, what compile and the runtime take; tests/compile/
+    test_decode_sass.py checks their cubins), with the fewest rows that launch it."""
+    from helpers import gpu_kernels_benchmark
+
+    from lmfoundry.kernels import tiles
+
+    out: dict[TileConfig, int] = {}
+    for n, k in gpu_kernels_benchmark().gpu_matmul_sections.W4A16_LLM_SHAPES:
+        for m in (1, 16, 64):
+            shape = {"N": n, "K": k, "bits": 4, "group": 128}
+            out.setdefault(next(c for lo, hi, c in tiles.buckets(90, "w4a16_tiled", shape) if lo <= m <= hi), m)
+    return [(m, c) for c, m in out.items()]
+
+
+def test_llm_decode_configs_on_small_layers(gen, device, acc_u):
+    """The configs the 8B/70B layers decode with (64-row tiles, 2-6 splits), on a layer small enough
+    for the interpreter whose K gives every split two panels: g128 symmetric; with the most splits
+    also M = 16, g32 asymmetric with a bias, and fp16."""
+    configs = llm_decode_configs()
+    assert {c["SPLIT_K"] for _, c in configs} >= {2, 3, 6} and {c["BLOCK_N"] for _, c in configs} == {64}
+    most = max(c["SPLIT_K"] for _, c in configs)
+    for m, cfg in configs:
+        k = 2 * 128 * cfg["SPLIT_K"]
+        run_and_check(m, 64, k, 4, 128, True, False, BF, False, cfg, gen, device, acc_u)
+        if m == 1 and cfg["SPLIT_K"] == most:
+            run_and_check(16, 64, k, 4, 128, True, False, BF, False, cfg, gen, device, acc_u)
+            run_and_check(m, 64, k, 4, 32, False, False, BF, True, cfg, gen, device, acc_u)
+            run_and_check(m, 64, k, 4, 128, False, False, F16, False, cfg, gen, device, acc_u)
 
 def test_split_k_is_deterministic_and_resets_its_counters(gen, device):
     """Splits add up in a fixed order: two runs agree bit for bit; every tile counter is back to 0."""

@@ -168,7 +168,7 @@ def test_cubin_launch_uses_the_shipped_metadata(cubin_set, hopper_engine):
     assert args[0] == ("ptr", x.data_ptr()) and args[1] == ("ptr", w.qweight.data_ptr())
     assert args[5] == ("ptr", out.data_ptr())
     assert args[8:11] == [("i32", 37), ("i32", N_QKV), ("i32", K)]
-    # Decode-sized calls take the 16-token bucket: one program per 128-row weight tile (and split).
+    # Decode-sized calls take the 16-token bucket: one program per BLOCK_N-row weight tile (and split).
     ks.w4a16_tiled_linear(x[:2], w, out=out[:2])
     small = ks.executor.find(w4a16_tiled.make_tiled_call(x[:2], w, out[:2]))
     assert small is not kernel and small.config["BLOCK_M"] == 16
