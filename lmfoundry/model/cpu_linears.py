@@ -326,7 +326,8 @@ class CProductLinear(nn.Module):
         if fours and len(fours) == len(linears):
             a = fours[0]
             return load_int4_gemm() is not None and all(
-                int4_gemm_fits(lin.out_features, lin.in_features, lin.group)
+                # the codes are read back from whole int4pack blocks (`_int4pack_codes`)
+                int4_gemm_fits(lin.out_features, lin.in_features, lin.group) and lin.out_features % int4_layout()[0] == 0
                 and (lin.in_features, lin.group, lin.bias is None) == (a.in_features, a.group, a.bias is None)
                 and (lin.perm is None if a.perm is None else lin.perm is not None and torch.equal(lin.perm, a.perm))
                 for lin in fours)

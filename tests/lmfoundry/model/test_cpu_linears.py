@@ -518,3 +518,21 @@ def test_c_product_swap_fuses_the_groups_and_drops_the_packed_codes(bits: int) -
     assert not any(isinstance(m, (Int4PackLinear, Int8PackLinear)) for m in (*mlp.modules(), *attn.modules()))
     after = mlp(x)  # the same codes and scales, summed in another order: a few bf16 steps at most
     assert ((after.double() - before.double()).abs() <= 4 * U * before.double().abs().max()).all()
+
+
+@needs_c_products
+def test_int4_widths_int4pack_packs_in_partial_blocks_keep_pytorchs_kernel() -> None:
+    """An int4pack block is 64 channels wide on AVX-512 (32 on AVX2); a linear of fewer outputs (a toy
+    model's k_proj of 32) is packed another way, which `_int4pack_codes` cannot read back: it keeps
+    PyTorch's kernel instead of failing the swap (it failed serve's start-up)."""
+    from lmfoundry.model.cpu_linears import int4_layout
+
+    args = QuantArgs(4, "int", True, "group", 32)
+    width = int4_layout()[0]
+    narrow = packed_linear(quantized(width // 2, 128, args), None)
+    wide = packed_linear(quantized(width, 128, args), None)
+    assert not CProductLinear.fits([narrow]) and CProductLinear.fits([wide])
+    assert not CProductLinear.fits([wide, narrow])
+    parent = torch.nn.Sequential(narrow, wide)
+    assert prepack_c_products(parent) == 1
+    assert isinstance(parent[0], Int4PackLinear) and isinstance(parent[1], CProductLinear)
