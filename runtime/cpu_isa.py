@@ -43,13 +43,15 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if native_bf16() or widened_bf16() else torch.float32
 
 
-def describe() -> str:
-    """One line for a server's or evaluation's start: what was detected and what follows."""
+def describe(dtype: str = "auto") -> str:
+    """One line for a server's or evaluation's start: what was detected and what follows for
+    `--dtype auto`; a `dtype` given instead is said to be the one used."""
     extra = [n for n in ("avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni") if cpu_features().get(n)]
-    dtype = "bfloat16" if native_bf16() else \
+    auto = "bfloat16" if native_bf16() else \
         "bfloat16 (widened to float32 in the runtime's AVX2 kernels)" if widened_bf16() else "float32 (no native bf16)"
     path = f"{isa()}, forced by LMFOUNDRY_CPU_ISA" if forced() else isa()
-    return f"cpu: {path} ({', '.join(extra) or 'no bf16/int8 dot-product units'}); --dtype auto -> {dtype}"
+    chosen = f"--dtype auto -> {auto}" if dtype == "auto" else f"--dtype {dtype} (as given; auto would be {auto})"
+    return f"cpu: {path} ({', '.join(extra) or 'no bf16/int8 dot-product units'}); {chosen}"
 
 
 if __name__ == "__main__":  # `python -m lmfoundry.runtime.cpu_isa`: the line CI prints before the tests

@@ -275,6 +275,7 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None,
     plan = reader.plan
     linear_names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     fallbacks: list[str] = []
+    schemes = {}  # quantized linear -> its stored scheme (what `weight_format` describes)
     for name in sorted(linear_names):
         if name == "lm_head" and config.tie_word_embeddings and not reader.has("lm_head.weight"):
             continue
@@ -298,6 +299,7 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None,
             if shard is not None:
                 qw, bias = shard.quantized(name, qw, bias)
             module = build_linear(qw, bias, scheme, dtype, fallbacks)
+            schemes[name] = scheme
         model.set_submodule(name, module)
     for reason, count in Counter(fallbacks).items():
         log.warning("%s: %d linear(s) dequantized to dense %s: %s", reader.folder, count, dtype, reason)
@@ -322,6 +324,7 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None,
     if shard is not None:
         assert comm is not None, "a shard needs its rank's collectives"
         shard_modules(model, shard, comm)
+    model.stored_schemes = schemes  # type: ignore[assignment]
     model.requires_grad_(False)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:

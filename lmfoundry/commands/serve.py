@@ -31,6 +31,7 @@ STOP_BOUND_SECONDS = 15.0  # documented: serve exits within --shutdown-timeout +
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine import EngineInfo
+    from lmfoundry.runtime.server.app import ApiOptions
 
 
 def default_step_tokens(device: str) -> int:
@@ -99,6 +100,72 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
         click.echo(f"note: the KV cache (--kv-cache-gb {kv_cache_gb:g}) holds {info.max_model_len} tokens, "
                    f"less than the model's context of {full}: max model len is capped to {info.max_model_len}; "
                    f"raise --kv-cache-gb for more", err=True)
+
+
+def _http_options(command: Any) -> Any:
+    """serve's HTTP-facing flags (CORS with vLLM's names, unknown request fields, metric names,
+    /openapi.json); `_api_options` turns them into the app's `ApiOptions`."""
+    listed = "; several values: the option repeated, commas, or a JSON list as vLLM takes it"
+    options = [
+        click.option("--allowed-origins", multiple=True,
+                     help="CORS: origins whose browser pages may call the API, e.g. http://localhost:3000, or '*' "
+                          f"(default: none, no CORS; vLLM's default is '*'){listed}."),
+        click.option("--allowed-methods", multiple=True, help=f"CORS: methods allowed (default '*'){listed}."),
+        click.option("--allowed-headers", multiple=True, help=f"CORS: request headers allowed (default '*'){listed}."),
+        click.option("--allow-credentials", is_flag=True, help="CORS: allow cookies and Authorization from those origins."),
+        click.option("--lenient-request-fields", is_flag=True,
+                     help="Log and ignore request fields this server does not know (vLLM's behaviour) instead of "
+                          "refusing the request with HTTP 400 naming them (OpenAI's), for clients that send extras."),
+        click.option("--metrics-names", type=click.Choice(["ours", "vllm", "both"]), default="both", show_default=True,
+                     help="/metrics series: ours (lmfoundry_*, what `promtool check metrics` accepts), vLLM's names "
+                          "(vllm:*, for dashboards and autoscalers built for vLLM; promtool refuses their ':') or both."),
+        click.option("--enable-openapi", is_flag=True, help="Serve the API's OpenAPI 3 schema at GET /openapi.json."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _listed(values: tuple[str, ...], name: str) -> tuple[str, ...]:
+    """A repeated option's values, each a JSON list (vLLM's form) or comma-separated."""
+    import json
+
+    out: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                items = json.loads(value)
+            except ValueError as exc:
+                raise UserError(f"{name} {value!r}: not a JSON list ({exc})") from None
+            if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+                raise UserError(f"{name} {value!r}: expected a JSON list of strings")
+            out.extend(items)
+        else:
+            out.extend(part.strip() for part in value.split(",") if part.strip())
+    return tuple(out)
+
+
+def _api_options(allowed_origins: tuple[str, ...], allowed_methods: tuple[str, ...],
+                 allowed_headers: tuple[str, ...], allow_credentials: bool, lenient_request_fields: bool,
+                 metrics_names: str, enable_openapi: bool) -> ApiOptions:
+    from lmfoundry.runtime.server.app import ApiOptions
+
+    origins = _listed(allowed_origins, "--allowed-origins")
+    for origin in origins:
+        if origin != "*" and "://" not in origin:
+            raise UserError(f"--allowed-origins {origin!r}: an origin is scheme://host[:port] (or '*')")
+    if not origins and (allowed_methods or allowed_headers or allow_credentials):
+        raise UserError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
+    return ApiOptions(allowed_origins=origins, allowed_methods=_listed(allowed_methods, "--allowed-methods") or ("*",),
+                      allowed_headers=_listed(allowed_headers, "--allowed-headers") or ("*",),
+                      allow_credentials=allow_credentials, lenient_request_fields=lenient_request_fields,
+                      metrics_names=metrics_names, openapi=enable_openapi)
+
+
+def _print_runtime(name: str, info: EngineInfo) -> None:
+    """What runs, read from the loaded model (not from the flags): dtype, device, CPU path, weights."""
+    where = f"{info.device}, {info.cpu_isa} path" if info.cpu_isa else info.device
+    click.echo(f"{name}: {info.dtype} on {where}; weights {info.weight_format}", err=True)
 
 
 @click.command("serve")
@@ -185,13 +252,14 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
                    "(engine bundles are always checked against engine.json).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@_http_options
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int | None, max_waiting: int,
           kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, compile_step: bool,
           enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
           ngram_max: int, threads: int | None, tp: int, tp_backend: str, max_request_mb: float, timeout_read: float,
-          timeout_keep_alive: float, shutdown_timeout: float, skip_verify: bool, log_level: str) -> None:
+          timeout_keep_alive: float, shutdown_timeout: float, skip_verify: bool, log_level: str, **http_flags: Any) -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device.
 
@@ -201,6 +269,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     (--shutdown-timeout), then exit code 0."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
                           timeout_keep_alive, shutdown_timeout)
+    api_options = _api_options(**http_flags)
     from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
     from lmfoundry.runtime.engine.core import EngineSpec, freeze_heap
@@ -228,7 +297,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
             if spec is not None and Path(spec).is_dir():
                 verify_artifact(Path(spec), "serve")
     if device == "cpu":
-        click.echo(cpu_isa.describe(), err=True)
+        click.echo(cpu_isa.describe(dtype), err=True)
     if compile_step:
         model = _compiled_step_bundle(model, device, block_size)
     if is_engine_bundle(model):  # its paged-attention kernels were specialized for one block size
@@ -280,8 +349,10 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         try:
             _note_capped_context(engine.info, max_model_len, kv_cache_gb)
             name = served_model_name or os.path.basename(os.path.normpath(model))
+            _print_runtime(name, engine.info)
             app = create_app(engine, name, api_key=api_key, aliases=(model,),
-                             max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read)
+                             max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read,
+                             options=api_options)
             http = uvicorn_config(app, host, port, log_level, read_timeout=timeout_read, keep_alive=timeout_keep_alive)
             server = _server_class(host, api_key)(http, app.state.server.drain, shutdown_timeout)
             if died:

@@ -59,6 +59,12 @@ class EngineInfo:
     hidden_size: int
     eos_token_ids: frozenset[int]
     capacity: int  # sequences unfinished at once: max_num_seqs running + max_waiting_requests waiting
+    # what runs, read from the loaded model (runtime/engine/weight_format.py): serve prints it,
+    # /v1/models and /metrics export it
+    dtype: str = ""  # the execution dtype in effect, e.g. "bfloat16"
+    device: str = "cpu"
+    cpu_isa: str | None = None  # the CPU kernels' vector path (amx, avx512, avx2), on a CPU device
+    weight_format: str = ""  # e.g. "w4a16 g64 (int4 C product)"
 
 
 @dataclass

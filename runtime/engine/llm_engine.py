@@ -41,6 +41,7 @@ from lmfoundry.runtime.engine.scheduler import Scheduler
 from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
 from lmfoundry.runtime.engine.speculative import DraftModelProposer, NgramProposer, Speculator, verify
 from lmfoundry.runtime.engine.validation import RequestValidator
+from lmfoundry.runtime.engine.weight_format import runtime_form
 
 Prompt = str | list[int]
 
@@ -95,7 +96,8 @@ class LLMEngine:
                                max_position_embeddings=model.config.max_position_embeddings,
                                hidden_size=model.config.hidden_size,
                                eos_token_ids=frozenset(self.eos_token_ids),
-                               capacity=config.max_num_seqs + config.max_waiting_requests)
+                               capacity=config.max_num_seqs + config.max_waiting_requests,
+                               **runtime_form(model, self.runner.executor.dtype))
         self.validator = RequestValidator(self.info, tokenizer, self.grammars)
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, list[Sequence]] = {}

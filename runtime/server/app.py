@@ -2,14 +2,16 @@
 in its own process (`EngineCoreClient`, what `serve` runs) or in a thread (`AsyncLLMEngine`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics, and vLLM's tokenizer endpoints (GET /tokenizer_info,
-POST /tokenize, POST /detokenize), with which `lm_eval --model local-completions` tokenizes
-through the server and needs no local copy of the tokenizer. Errors use OpenAI's body
-{"error": {"message", "type", "param", "code"}}: 400 for invalid requests, 401 for a missing or
-wrong API key, 404 for an unknown model, 408 for a body that does not arrive in time, 413 for a
-body over the size limit, 415 for a POST that is not application/json, 429 when the waiting queue
-is full, 500 when the engine fails the request (the others keep running), 503 once the engine
-process has died or while the server stops.
+GET /v1/models, GET /health (and /ping, its SageMaker name, as vLLM answers it), GET /metrics, and
+vLLM's tokenizer endpoints (GET /tokenizer_info, POST /tokenize, POST /detokenize), with which
+`lm_eval --model local-completions` tokenizes through the server and needs no local copy of the
+tokenizer; GET /openapi.json when `ApiOptions.openapi`. Unknown request fields are a 400 naming
+them (`request_body.parse_body`; `ApiOptions.lenient_request_fields` drops them instead).
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for invalid
+requests, 401 for a missing or wrong API key, 404 for an unknown model, 408 for a body that does
+not arrive in time, 413 for a body over the size limit, 415 for a POST that is not
+application/json, 429 when the waiting queue is full, 500 when the engine fails the request (the
+others keep running), 503 once the engine process has died or while the server stops.
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
 aborted, which frees its KV blocks.
 
@@ -24,7 +26,9 @@ the chat template, tokenization (seconds for a multi-megabyte prompt) and the re
 validation run in a small thread pool, so the other streams keep flowing. The engine streams token
 ids; their text and stop strings are worked out here (output_processor.py). Requiring application/json on POST keeps browsers from
 reaching a keyless server on 127.0.0.1 with cross-site "simple" requests (text/plain or form
-bodies are sent without a CORS preflight; application/json is not).
+bodies are sent without a CORS preflight; application/json is not). CORS is off unless origins
+are allowed (`ApiOptions.allowed_origins`, vLLM's flags): then Starlette's middleware answers the
+preflights and marks the responses, errors included, for those origins.
 """
 
 from __future__ import annotations
@@ -33,15 +37,18 @@ import asyncio
 import base64
 import contextlib
 import hmac
+import inspect
 import json
 import struct
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmfoundry.runtime.engine.client import (
@@ -87,6 +94,20 @@ MAX_EMBEDDING_INPUTS = 2048
 MAX_EMBEDDING_TOKENS = 300_000
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """What `serve`'s HTTP flags choose beyond the engine; the defaults are a closed, strict server."""
+
+    allowed_origins: tuple[str, ...] = ()  # CORS: () none (no CORS headers, preflights 405), "*" any
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    lenient_request_fields: bool = False  # log and drop unknown request fields instead of a 400
+    metrics_names: str = "both"  # ours | vllm | both (metrics.METRICS_NAMES)
+    openapi: bool = False  # serve GET /openapi.json
 
 
 class OpenAIServer:
@@ -94,8 +115,9 @@ class OpenAIServer:
 
     def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...] = (),
                  max_n: int = MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, options: ApiOptions = ApiOptions()) -> None:
         self.engine = engine
+        self.options = options
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.names = {model_name, *aliases}
@@ -105,10 +127,22 @@ class OpenAIServer:
         self.vocab_size = engine.info.vocab_size
         self.max_model_len = engine.info.max_model_len
         self.validator = RequestValidator(engine.info, self.tokenizer)
-        self.metrics = ServerMetrics(engine.stats, model_name, self.max_model_len)
+        self.metrics = ServerMetrics(engine.stats, model_name, self.max_model_len, options.metrics_names,
+                                     {k: "" if v is None else str(v) for k, v in self.runtime().items()})
         self.created = int(time.time())
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
         self.draining = False
+
+    def runtime(self) -> dict[str, Any]:
+        """What the engine runs (`EngineInfo`, read from the loaded model): the `lmfoundry` object of
+        /v1/models and the labels of `lmfoundry_model_info`."""
+        info = self.engine.info
+        return {"dtype": info.dtype, "device": info.device, "cpu_isa": info.cpu_isa,
+                "weight_format": info.weight_format}
+
+    def parse(self, body: bytes, schema: type[M]) -> M:
+        """A request body as `schema`; unknown fields per `ApiOptions.lenient_request_fields`."""
+        return parse_body(body, schema, self.options.lenient_request_fields)  # type: ignore[no-any-return]
 
     async def _body(self, request: Request) -> bytes:
         require_json(request)
@@ -206,7 +240,7 @@ class OpenAIServer:
 
     # ---- /v1/completions --------------------------------------------------------------------
     def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
-        req: CompletionRequest = parse_body(body, CompletionRequest)
+        req = self.parse(body, CompletionRequest)
         self._check_common(req)
         prompts = [self._encode(p) for p in req.prompts()]
         if not prompts:
@@ -244,7 +278,7 @@ class OpenAIServer:
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
     def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        return self.prepare_chat_request(parse_body(body, ChatCompletionRequest))
+        return self.prepare_chat_request(self.parse(body, ChatCompletionRequest))
 
     def prepare_chat_request(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         """Template, tokenize and validate a parsed chat request (also /v1/responses' path)."""
@@ -257,10 +291,16 @@ class OpenAIServer:
             raise APIError(400, str(exc), param=exc.param) from None
         # With tool_choice "none" the tools stay out of the prompt: the request runs as one without tools.
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if plan.mode != "none" else None
+        variables = req.chat_template_kwargs or {}
+        call = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        named = {n for n, p in call.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        if taken := sorted(set(variables) & named):
+            raise APIError(400, f"chat_template_kwargs.{taken[0]} is an argument of the template call, not a template "
+                                "variable", param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
                 [m.as_template_input() for m in req.messages], tools=tools, tokenize=False,
-                add_generation_prompt=True)
+                add_generation_prompt=True, **variables)
         except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
@@ -294,7 +334,7 @@ class OpenAIServer:
 
     # ---- /v1/embeddings ---------------------------------------------------------------------
     def _prepare_embedding(self, body: bytes) -> tuple[EmbeddingRequest, list[list[int]]]:
-        req: EmbeddingRequest = parse_body(body, EmbeddingRequest)
+        req = self.parse(body, EmbeddingRequest)
         self._check_common_model(req.model)
         hidden = self.engine.info.hidden_size
         if req.dimensions is not None and req.dimensions != hidden:
@@ -389,7 +429,7 @@ class OpenAIServer:
     def models(self) -> dict:
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "lmfoundry",
-            "max_model_len": self.max_model_len}]}
+            "max_model_len": self.max_model_len, "lmfoundry": self.runtime()}]}
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -409,13 +449,13 @@ class OpenAIServer:
                 "model_max_length": self.max_model_len}
 
     def _tokenize(self, body: bytes) -> dict:
-        req: TokenizeRequest = parse_body(body, TokenizeRequest)
+        req = self.parse(body, TokenizeRequest)
         self._check_common_model(req.model)
         ids = list(self._tokenizer()(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     def _detokenize(self, body: bytes) -> dict:
-        req: DetokenizeRequest = parse_body(body, DetokenizeRequest)
+        req = self.parse(body, DetokenizeRequest)
         self._check_common_model(req.model)
         if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= self.vocab_size):
             raise APIError(400, f"tokens must be token ids in [0, {self.vocab_size})", param="tokens")
@@ -430,18 +470,28 @@ class OpenAIServer:
 
 def create_app(engine: EngineClient, model_name: str, api_key: str | None = None,
                aliases: tuple[str, ...] = (), max_n: int = MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               read_timeout: float = DEFAULT_READ_TIMEOUT) -> FastAPI:
+               read_timeout: float = DEFAULT_READ_TIMEOUT, options: ApiOptions = ApiOptions()) -> FastAPI:
     """The FastAPI app. `max_body_bytes` bounds request bodies (413 beyond); `read_timeout` bounds
-    the time a body may take to arrive after its headers (408 beyond)."""
-    server = OpenAIServer(engine, model_name, aliases, max_n, max_body_bytes, read_timeout)
+    the time a body may take to arrive after its headers (408 beyond); `options`: CORS, unknown
+    fields, metric names, /openapi.json."""
+    server = OpenAIServer(engine, model_name, aliases, max_n, max_body_bytes, read_timeout, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         server.prep.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="lmfoundry", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="lmfoundry", docs_url=None, redoc_url=None, lifespan=lifespan,
+                  openapi_url="/openapi.json" if options.openapi else None)
     app.state.server = server
+    if options.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=list(options.allowed_methods), allow_headers=list(options.allowed_headers),
+                           allow_credentials=options.allow_credentials)
+    if options.openapi:
+        app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
     def authorize(request: Request) -> None:
         if api_key is None:
@@ -534,6 +584,8 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         return await server.detokenize(request)
 
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
         status = "engine stopped" if not engine.is_alive else "shutting down" if server.draining else "ok"
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
@@ -543,3 +595,30 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """OpenAPI 3 for /openapi.json: FastAPI's description of the routes, with each POST route's
+    request body the pydantic schema it is parsed with (the handlers read raw bodies, so FastAPI
+    alone would describe none)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        from pydantic.json_schema import models_json_schema
+
+        from lmfoundry import __version__
+        from lmfoundry.runtime.server.responses_api import ResponsesRequest
+
+        bodies: dict[str, type[BaseModel]] = {
+            "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest}
+        schema = get_openapi(title="lmfoundry", version=__version__, routes=app.routes,
+                             description="OpenAI-compatible API of `lmfoundry serve`")
+        _, defs = models_json_schema([(model, "validation") for model in bodies.values()],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, model in bodies.items():
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -6,7 +6,9 @@ Every series carries a `model_name` label (the served model name), as vLLM's do,
 Prometheus and one dashboard (`dashboards/lmfoundry.json`) can tell several servers apart.
 The labelled series a dashboard plots exist from the start (zero until something happens), so
 panels show 0 rather than "no data" on a fresh server. vLLM's series (`vllm:*`, vllm_metrics.py)
-are exported beside ours from the same measurements.
+are exported beside ours from the same measurements (`serve --metrics-names` picks ours, vLLM's or
+both: vLLM's names carry ':', which `promtool check metrics` refuses, so a linted endpoint takes
+`ours`). `lmfoundry_model_info` says what runs (dtype, device, CPU path, weight format).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from lmfoundry.runtime.engine.outputs import StepEvent
@@ -73,26 +75,43 @@ class EngineCollector:
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+METRICS_NAMES = ("ours", "vllm", "both")  # serve --metrics-names
+
+
 class ServerMetrics:
-    def __init__(self, stats: EngineStats, model_name: str, max_model_len: int) -> None:
+    """The server's registry. `names` chooses the series exported: ours (`lmfoundry_*`), vLLM's
+    (`vllm:*`, whose ':' promtool's linter flags) or both; every series is measured either way.
+    `info` labels `lmfoundry_model_info` (what runs: dtype, device, CPU path, weight format)."""
+
+    def __init__(self, stats: EngineStats, model_name: str, max_model_len: int, names: str = "both",
+                 info: dict[str, str] | None = None) -> None:
+        if names not in METRICS_NAMES:
+            raise ValueError(f"metric names {names!r}: expected one of {', '.join(METRICS_NAMES)}")
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        ours = self.registry if names in ("ours", "both") else None  # None: measured, not exported
         label = ["model_name"]
         self.ttft = Histogram("lmfoundry_time_to_first_token_seconds", "Request arrival to first token",
-                              label, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+                              label, buckets=LATENCY_BUCKETS, registry=ours).labels(model_name)
         self.itl = Histogram("lmfoundry_inter_token_latency_seconds", "Time between successive output tokens",
-                             label, buckets=TOKEN_BUCKETS, registry=self.registry).labels(model_name)
+                             label, buckets=TOKEN_BUCKETS, registry=ours).labels(model_name)
         self.e2e = Histogram("lmfoundry_e2e_request_latency_seconds", "Request arrival to last token",
-                             label, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+                             label, buckets=LATENCY_BUCKETS, registry=ours).labels(model_name)
         self.finished = Counter("lmfoundry_requests", "Finished requests by finish reason",
-                                ["model_name", "finish_reason"], registry=self.registry)
+                                ["model_name", "finish_reason"], registry=ours)
         for reason in FINISH_REASONS:
             self.finished.labels(model_name, reason)  # exported as 0 from the start
         self.rejected = Counter("lmfoundry_requests_rejected", "Requests refused with an HTTP error",
-                                ["model_name", "status"], registry=self.registry)
-        self.registry.register(EngineCollector(stats, model_name))
-        self.vllm = VllmRequestMetrics(self.registry, model_name, max_model_len)
-        self.registry.register(VllmEngineCollector(stats, model_name))
+                                ["model_name", "status"], registry=ours)
+        theirs = self.registry if names in ("vllm", "both") else None
+        self.vllm = VllmRequestMetrics(theirs, model_name, max_model_len)
+        if ours is not None:
+            self.registry.register(EngineCollector(stats, model_name))
+            if info is not None:
+                Info("lmfoundry_model", "What the engine runs: execution dtype, device, the CPU kernels' vector "
+                     "path and the weight format", ["model_name"], registry=ours).labels(model_name).info(info)
+        if theirs is not None:
+            self.registry.register(VllmEngineCollector(stats, model_name))
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(self.model_name, reason).inc()

@@ -1,5 +1,15 @@
-"""OpenAI request schemas (strictly typed: a field of the wrong type is a 400, unknown fields are
-ignored) and their mapping onto `SamplingParams`.
+"""OpenAI request schemas (strictly typed: a field of the wrong type is a 400) and their mapping
+onto `SamplingParams`.
+
+Unknown fields are a 400 naming them, as OpenAI answers (a typo such as `max_token` must not pass
+silently): every request schema forbids extra fields, and `request_body.parse_body` is the one
+place that turns them into that 400, or, under `serve --lenient-request-fields`, logs and drops
+them (vLLM's behaviour). Message objects are the exception: clients send back the assistant
+messages they received, with keys a chat template never reads (`refusal`, `annotations`,
+`reasoning_content`, ...), so their other keys are left out of the template rather than refused.
+Fields a client may send that change nothing here are declared and accepted (`user`, `store`,
+`metadata`, `service_tier`, ...); fields naming a feature this server does not implement are
+declared too, and refused by name when given (`unsupported`).
 
 Sampling fields are OpenAI's (`presence_penalty`, `frequency_penalty`, `logit_bias` with token ids
 as string keys) plus vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
@@ -33,11 +43,12 @@ class FieldError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream chunks: none is added here
 
 
 class JsonSchemaFormat(_Strict):
@@ -70,16 +81,17 @@ class ResponseFormat(_Strict):
         return self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
 
 
-# vLLM's request fields this server does not implement: refused by name (HTTP 400) rather than
-# ignored, so a client relying on one learns it here instead of from unconstrained output.
-VLLM_UNSUPPORTED = ("guided_whitespace_pattern", "guided_decoding_backend", "use_beam_search", "length_penalty", "allowed_token_ids",
-                    "bad_words", "truncate_prompt_tokens", "spaces_between_special_tokens", "priority",
-                    "logits_processors", "vllm_xargs")
+# vLLM's request fields this server does not implement, with vLLM's default: any other value is
+# refused by name (HTTP 400) rather than ignored, so a client relying on one learns it here instead
+# of from unconstrained output; the default (what vLLM's own clients send) passes.
+VLLM_UNSUPPORTED: dict[str, Any] = {
+    "guided_whitespace_pattern": None, "guided_decoding_backend": None, "use_beam_search": False,
+    "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None,
+    "spaces_between_special_tokens": True, "priority": 0, "logits_processors": None, "vllm_xargs": None}
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar")  # of vLLM's `structured_outputs`, the ones implemented
 
 
 class _Sampling(_Strict):
-    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept to name vLLM's (see unsupported)
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -106,11 +118,23 @@ class _Sampling(_Strict):
     guided_regex: str | None = None  # vLLM: the whole output matches this regular expression
     guided_choice: list[str] | None = None  # vLLM: the output is one of these strings
     guided_grammar: str | None = None  # vLLM: the output follows this Lark grammar (llguidance's dialect)
+    # VLLM_UNSUPPORTED, declared so that they are refused by name (`unsupported`), not as unknown
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    priority: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
 
     def unsupported(self) -> str | None:
         """Name a requested feature this server does not implement (rather than ignoring it)."""
-        for name in VLLM_UNSUPPORTED:
-            if (self.model_extra or {}).get(name) is not None:
+        for name, default in VLLM_UNSUPPORTED.items():
+            if (value := getattr(self, name)) is not None and value != default:
                 return (f"{name} (a vLLM extension) is not supported; response_format, guided_json, guided_regex, "
                         f"guided_choice and guided_grammar are")
         for key, value in (self.structured_outputs or {}).items():
@@ -241,6 +265,7 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore")  # part of a message (see the module doc)
     type: Literal["text"]
     text: str
 
@@ -261,7 +286,7 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 class ChatMessage(_Strict):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="ignore")  # see the module doc
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -314,6 +339,33 @@ class ChatCompletionRequest(_Sampling):
     # one clear 400 rather than an error per member of a union.
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: variables for the chat template (enable_thinking)
+    # OpenAI fields that change nothing here: nothing is stored, there is one service tier, the
+    # prefix cache needs no key, and a prediction only ever changes latency
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+    # OpenAI fields this server cannot honour: refused by name when given (`unsupported`)
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+    def unsupported(self) -> str | None:
+        if self.functions is not None or self.function_call is not None:
+            return "functions and function_call (deprecated by OpenAI) are not supported; use tools and tool_choice"
+        if self.modalities not in (None, ["text"]):
+            return "modalities other than [\"text\"] are not supported"
+        for name in ("audio", "reasoning_effort", "web_search_options", "verbosity"):
+            if getattr(self, name) is not None:
+                return f"{name} is not supported by this server"
+        return super().unsupported()
 
     def tool_plan(self) -> ToolPlan:
         """The resolved tool choice (FieldError for tools or a tool_choice that cannot be honoured):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from fastapi import Request
@@ -18,6 +19,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from lmfoundry.runtime.engine.client import EngineDead, ShuttingDown
+
+log = logging.getLogger("lmfoundry.server")
 
 
 class APIError(Exception):
@@ -81,7 +84,10 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
         raise ClientGone() from None
 
 
-def parse_body(body: bytes, schema: type[BaseModel]) -> Any:
+def parse_body(body: bytes, schema: type[BaseModel], lenient: bool = False) -> Any:
+    """The body as `schema`, or a 400. The one place unknown fields are handled: the schemas
+    forbid them, and each is refused naming it, as OpenAI refuses an unrecognized argument, or,
+    when `lenient` (`serve --lenient-request-fields`), logged and dropped as vLLM does."""
     try:
         data = json.loads(body)
     except RecursionError:
@@ -93,5 +99,24 @@ def parse_body(body: bytes, schema: type[BaseModel]) -> Any:
     try:
         return schema.model_validate_json(body)
     except ValidationError as exc:
-        message, param = validation_message(exc)
-        raise APIError(400, message, param=param) from None
+        unknown = [err["loc"] for err in exc.errors() if err["type"] == "extra_forbidden"]
+        if not unknown:
+            message, param = validation_message(exc)
+            raise APIError(400, message, param=param) from None
+    names = [".".join(str(x) for x in loc) for loc in unknown]
+    if not lenient:
+        many = "s" if len(names) > 1 else ""
+        raise APIError(400, f"Unrecognized request argument{many} supplied: {', '.join(names)} (this server refuses "
+                            "fields it does not know; `lmfoundry serve --lenient-request-fields` ignores them)",
+                       param=names[0])
+    log.warning("ignored unknown request field%s: %s", "s" if len(names) > 1 else "", ", ".join(names))
+    for *path, key in unknown:
+        node: Any = data
+        for step in path:  # (a step that is not in the data, such as a union member's tag, ends the walk)
+            if isinstance(node, dict):
+                node = node.get(step)
+            else:
+                node = node[step] if isinstance(node, list) and isinstance(step, int) and step < len(node) else None
+        if isinstance(node, dict):
+            node.pop(key, None)
+    return parse_body(json.dumps(data).encode(), schema)  # anything left is refused

@@ -21,17 +21,16 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from lmfoundry.runtime.server.protocol import ChatCompletionRequest, _Strict
-from lmfoundry.runtime.server.request_body import APIError, parse_body
+from lmfoundry.runtime.server.request_body import APIError
 from lmfoundry.runtime.server.responses import ChatBuilder
 
 UNSUPPORTED = ("previous_response_id", "reasoning", "include", "background", "conversation", "prompt")
 
 
 class ResponsesRequest(_Strict):
-    model_config = ConfigDict(strict=True, extra="allow")  # other fields are named in `unsupported`
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -46,14 +45,23 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    # accepted, changing nothing here (as on /v1/chat/completions)
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # UNSUPPORTED: refused by name when given
+    previous_response_id: Any = None
+    reasoning: Any = None
+    include: Any = None
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
 
     def unsupported(self) -> str | None:
         for name in UNSUPPORTED:
-            value = getattr(self, name, None) if name in type(self).model_fields else (self.model_extra or {}).get(name)
-            if value not in (None, [], {}):
+            if getattr(self, name) not in (None, [], {}, False):
                 return f"{name} is not supported by this server's /v1/responses"
-        unknown = sorted(set(self.model_extra or {}) - set(UNSUPPORTED))
-        return f"unknown field {unknown[0]!r}" if unknown else None
+        return None
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat messages: instructions as a system message, then the input."""
@@ -203,7 +211,7 @@ def _public(item: dict[str, Any]) -> dict[str, Any]:
 async def create_response(server: Any, request: Request, body: bytes) -> Response:
     """The /v1/responses handler; `server` is the app's OpenAIServer (its chat path and plumbing)."""
     def prepare(raw: bytes) -> tuple[ResponsesRequest, ChatCompletionRequest, list[int], Any]:
-        req: ResponsesRequest = parse_body(raw, ResponsesRequest)
+        req: ResponsesRequest = server.parse(raw, ResponsesRequest)
         if (reason := req.unsupported()) is not None:
             raise APIError(400, reason)
         try:

@@ -83,7 +83,8 @@ class VllmEngineCollector:
 class VllmRequestMetrics:
     """Per-request histograms and the finished-request counter under vLLM's names."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+    def __init__(self, registry: CollectorRegistry | None, model_name: str, max_model_len: int) -> None:
+        """`registry` None: measured but not exported (`serve --metrics-names ours`)."""
         labels = [model_name, ENGINE]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

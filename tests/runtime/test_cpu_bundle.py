@@ -76,6 +76,7 @@ def test_bundle_serves_the_checkpoints_tokens_without_compiling(built: Built, mo
     assert_greedy_as(got, checkpoint, tok)
     assert engine.runner.executor.compiled_steps > 0  # the package ran: prefill chunks and decodes
     assert compiles == []
+    assert engine.info.weight_format == "w4a16 g32 (compiled step)"  # what serve prints and /v1/models says
 
 
 def test_the_compiled_step_equals_the_eager_step_within_bf16(built: Built) -> None:

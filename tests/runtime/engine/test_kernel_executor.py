@@ -110,6 +110,11 @@ def test_kernel_executor_agrees_with_the_reference_executor(bundles: Bundles, sc
                 assert k.top[0][0] == r.top[0][0], (scheme, pos, r.top, k.top, b)
     # the executor ran the bundle's ops, not the reference model
     assert kmodel.kernels.mode == "reference" and kmodel.kernels.stats["reference"] > 0
+    # and says so (what serve prints and /v1/models exports): the bundle's schemes, its kernels
+    schemes = {r["scheme"] for name, r in kmodel.kernels.manifest["linears"].items() if name != "lm_head"}
+    assert kernels.info.weight_format.split("; ")[0].split(" (")[0] in schemes
+    assert kernels.info.weight_format.endswith("(engine bundle: PyTorch kernel references)")
+    assert reference.info.dtype == kernels.info.dtype == "bfloat16"
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from toy import toy_engine
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineClient
 from lmfoundry.runtime.engine.core import EngineSpec
 from lmfoundry.runtime.engine.core_client import EngineCoreClient
-from lmfoundry.runtime.server.app import create_app
+from lmfoundry.runtime.server.app import ApiOptions, create_app
 from lmfoundry.runtime.server.background import serve_in_thread
 
 
@@ -26,8 +26,9 @@ class Live:
 
 @contextmanager
 def live_server(api_key: str | None = None, in_process: bool = False, step_delay: float = 0.0,
-                **engine_kwargs) -> Iterator[Live]:
-    """`step_delay` seconds are added to every engine step (requests that must outlive a deadline)."""
+                options: ApiOptions | None = None, **engine_kwargs) -> Iterator[Live]:
+    """`step_delay` seconds are added to every engine step (requests that must outlive a deadline);
+    `options`: the app's HTTP options (what serve's CORS, metrics and request-field flags set)."""
     cfg = dict(num_kv_blocks=256, block_size=8, max_model_len=256, max_num_seqs=8, max_waiting_requests=8)
     cfg.update(engine_kwargs)
     engine: EngineClient
@@ -36,7 +37,7 @@ def live_server(api_key: str | None = None, in_process: bool = False, step_delay
     else:
         engine = EngineCoreClient(EngineSpec(toy_engine, kwargs=dict(seed=2, step_delay=step_delay, **cfg)))
     try:
-        with serve_in_thread(create_app(engine, "toy", api_key=api_key)) as url:
+        with serve_in_thread(create_app(engine, "toy", api_key=api_key, options=options or ApiOptions())) as url:
             yield Live(url, engine)
     finally:
         engine.shutdown()

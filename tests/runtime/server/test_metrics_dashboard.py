@@ -203,3 +203,33 @@ def test_promtool_accepts_our_series(live) -> None:
     assert "lmfoundry_requests_total" in ours
     result = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_promtool_accepts_the_whole_endpoint_with_our_names() -> None:
+    """`serve --metrics-names ours`: a CI that lints the live /metrics as it is passes; the default
+    endpoint fails only on vLLM's names (their ':')."""
+    import shutil
+    import subprocess
+
+    from lmfoundry.runtime.server.app import ApiOptions
+
+    from .conftest import live_server
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+
+    def lint(names: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+        with live_server(options=ApiOptions(metrics_names=names)) as live:
+            assert httpx.post(f"{live.url}/v1/completions", json={"prompt": "abc", "max_tokens": 3}).status_code == 200
+            text = httpx.get(f"{live.url}/metrics").text
+        return text, subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                                    timeout=60)
+
+    text, result = lint("ours")
+    assert "vllm:" not in text and "lmfoundry_model_info{" in text
+    assert result.returncode == 0, result.stdout + result.stderr
+    text, result = lint("both")
+    assert result.returncode != 0
+    complaints = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert complaints and all("vllm:" in line for line in complaints), complaints

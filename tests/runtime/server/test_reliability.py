@@ -203,9 +203,10 @@ def test_refused_upload_is_drained_not_reset(server) -> None:
 
 def test_body_limit_is_configurable() -> None:
     with own_server(max_body_bytes=2000) as url:
-        under = httpx.post(f"{url}/v1/completions", json={"prompt": "a" * 100, "max_tokens": 2, "pad": "b" * 1500})
+        # `user` pads the body: a field the server accepts and ignores (an unknown one would be a 400)
+        under = httpx.post(f"{url}/v1/completions", json={"prompt": "a" * 100, "max_tokens": 2, "user": "b" * 1500})
         assert under.status_code == 200, under.text
-        over = httpx.post(f"{url}/v1/completions", json={"prompt": "a" * 100, "max_tokens": 2, "pad": "b" * 2000})
+        over = httpx.post(f"{url}/v1/completions", json={"prompt": "a" * 100, "max_tokens": 2, "user": "b" * 2000})
         assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
 
 
@@ -242,7 +243,8 @@ def test_big_prompt_does_not_stall_other_streams(make_server) -> None:
                                           "multipart/form-data; boundary=x", None])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_post_requires_json(server, path: str, content_type: str | None) -> None:
-    body = json.dumps({"prompt": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    field = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    body = json.dumps({**field, "max_tokens": 2})
     headers = {"Content-Type": content_type} if content_type else {}
     r = httpx.post(f"{server.url}{path}", content=body, headers=headers)
     assert r.status_code == 415, r.text
