@@ -1,4 +1,5 @@
-"""Engine knobs: KV block size and count, batch limits, queue bound, KV storage dtype, speculative decoding."""
+"""Engine knobs: KV block size and count, batch limits, queue bound, KV storage dtype, speculative
+decoding, batch-invariant (deterministic) execution."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     ngram_max: int = 3  # longest n-gram looked up (prompt lookup); shorter ones are tried next
     ngram_min: int = 1
+    # Batch-invariant execution (batch_invariant.py): a request's tokens and logprobs are bit for bit
+    # the same whatever else is in its batch and whether its prefix came from the cache; slower.
+    deterministic: bool = False
 
     @property
     def rank_threads(self) -> int | None:
