@@ -14,20 +14,16 @@ import click
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.dtypes import DTYPES
 
-# Default step budgets (--max-num-batched-tokens). Every running stream waits for the whole step,
-# and on CPU a step's time grows with its rows long after the matrix units are busy, so past that
-# point a larger chunk only lengthens the wait (benchmarks/results/serve_peers_avx2.md measures 1024
-# against 2048); 2048 is vLLM's default, for GPUs, whose units need many more rows to be busy.
-CPU_STEP_TOKENS = 1024
-GPU_STEP_TOKENS = 2048
-
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine import EngineInfo
 
 
 def default_step_tokens(device: str) -> int:
-    """--max-num-batched-tokens when not given: smaller on CPU (see CPU_STEP_TOKENS)."""
-    return CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS
+    """--max-num-batched-tokens when not given: smaller on CPU (`engine_config.CPU_STEP_TOKENS`
+    says why; eval runs the serving engine with the same budget)."""
+    from lmfoundry.runtime.engine.engine_config import default_step_tokens as budget
+
+    return budget(device)
 
 
 def _print_url(host: str, port: int, api_key: str | None) -> None:
