@@ -104,7 +104,7 @@ class ReferenceModelExecutor:
         self.decode_kernel = self._decode_kernel(model)
         self.prefill_kernel = None if self.deterministic else self._prefill_kernel()
         if self.deterministic and self.decode_kernel is None:
-            raise UserError(f"--deterministic: {self._no_decode_kernel(model)}")
+            raise UserError(f"--deterministic: {self._no_decode_kernel()}")
 
     def _check_deterministic(self, model: CausalLM, on_cpu: bool) -> None:
         """The deterministic mode's module swap (`batch_invariant.py`), or one line saying why
@@ -119,7 +119,7 @@ class ReferenceModelExecutor:
         except DeterminismUnavailable as exc:
             raise UserError(f"--deterministic: {exc}") from None
 
-    def _no_decode_kernel(self, model: CausalLM) -> str:
+    def _no_decode_kernel(self) -> str:
         """Why the in-place decode kernel does not run this model (the deterministic mode needs it)."""
         if self.config.needs_attention_spec:
             return f"{self.config.model_type} attention (its own scale, soft-cap or windows) has no batch-invariant kernel"
