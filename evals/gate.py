@@ -1,12 +1,16 @@
 """eval-gate: score a candidate and its baseline on the same units, decide with paired statistics.
 
 Flow: load the gate spec (`gate_spec.py`: thresholds, tiers, pinned prompt settings) -> evaluate
-the baseline: load it with the runtime loader (the module tree the server runs), run the tier's
-lm-eval tasks through `RuntimeLM`, score the perplexity windows while keeping its next-token
-distributions as the reference (`divergence.py`), decode the generation prompts greedily on the
-serving engine (`generation.py`) -> evaluate the candidate the same way, scoring its distributions
-against the reference token by token -> pair the results and decide each gated statistic
-(`comparison.py`, `stats.py`) -> one overall verdict, the report, the promotion record.
+the baseline: load it with the runtime loader in the dtype `serve` would run it in, and drive it
+through the serving engine (`RuntimeLM` with `serving`: the module swaps, attention kernels and
+step budget of `serve`, deterministic when asked): run the tier's lm-eval tasks, score the
+perplexity windows while keeping its next-token distributions as the reference (`divergence.py`),
+decode the generation prompts greedily (`generation.py`) -> evaluate the candidate the same way,
+scoring its distributions against the reference token by token -> pair the results and decide
+each gated statistic (`comparison.py`, `stats.py`) -> one overall verdict, the report (which
+records the execution path and dtype), the promotion record. So the gate's numbers are the ones
+the served candidate produces: with `deterministic`, `lm_eval --model local-completions` against
+`serve --deterministic` in the same dtype scores the same tasks identically.
 
 Per-model results are cached under `<cache>/eval-gate/`, keyed by the sha256 of the model's
 weights, config and tokenizer, the task files, the tier and prompt settings and the library
@@ -18,17 +22,20 @@ recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib.metadata
+import io
 import json
 import logging
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -105,6 +112,18 @@ def check_gated_metrics(tasks: list[TaskSpec], include_paths: list[Path]) -> Non
                             f"{', '.join(sorted(reported))}); nothing was evaluated")
 
 
+@contextlib.contextmanager
+def _silenced() -> Iterator[None]:
+    """Nothing lm-eval (or the datasets library under it) writes reaches the terminal: progress
+    bars whatever their `disable` argument (tqdm reads TQDM_DISABLE only when it is imported, and
+    an explicit disable=False wins over it), prints and warnings all go to the current
+    sys.stdout/sys.stderr, which are swapped for a sink. Errors still raise."""
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def run_lm_eval(lm: Any, tasks: list[TaskSpec], gate: GateSpec, include_paths: list[Path],
                 progress: bool = False) -> dict[str, dict[str, Any]]:
     """Run lm-eval on `lm` and return per-task, per-document results, ordered by doc id."""
@@ -117,10 +136,11 @@ def run_lm_eval(lm: Any, tasks: list[TaskSpec], gate: GateSpec, include_paths: l
     names = [t.name for t in tasks]
     tm = task_manager(names, include_paths)
     samples = {t.name: list(range(t.limit)) for t in tasks if t.limit is not None}
-    res = simple_evaluate(model=lm, tasks=names, num_fewshot=gate.num_fewshot, samples=samples or None,
-                          log_samples=True, bootstrap_iters=0, apply_chat_template=gate.chat_template,
-                          random_seed=gate.seed, numpy_random_seed=gate.seed, torch_random_seed=gate.seed,
-                          fewshot_random_seed=gate.seed, task_manager=tm)
+    with contextlib.nullcontext() if progress else _silenced():
+        res = simple_evaluate(model=lm, tasks=names, num_fewshot=gate.num_fewshot, samples=samples or None,
+                              log_samples=True, bootstrap_iters=0, apply_chat_template=gate.chat_template,
+                              random_seed=gate.seed, numpy_random_seed=gate.seed, torch_random_seed=gate.seed,
+                              fewshot_random_seed=gate.seed, task_manager=tm)
     if res is None:
         raise RuntimeError("lm-eval returned no results")
     out = {}
@@ -268,12 +288,13 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Path], task_hashes: dict[str, str],
                    use_cache: bool = True, progress: bool = False, device: str = "cpu", dtype: str = "auto",
-                   reference: Reference | None = None, prompts: list[Prompt] | None = None, tp: int = 1
-                   ) -> dict[str, Any]:
+                   reference: Reference | None = None, prompts: list[Prompt] | None = None, tp: int = 1,
+                   deterministic: bool = False) -> dict[str, Any]:
     """Per-document results of one model on the tier (from the cache when the inputs match). An
     engine bundle runs its compiled kernels on `device` (what `serve` would run); a checkpoint runs
     in `dtype` (`auto`: what `serve` picks on this CPU), split over `tp` ranks as `serve --tp`
-    runs it (its results are cached apart: the ranks' partial sums round differently).
+    runs it (its results are cached apart: the ranks' partial sums round differently); everything
+    goes through the serving engine, batch-invariant with `deterministic` (`serve --deterministic`).
 
     Without `reference` the model is a baseline: its next-token distributions on the perplexity
     windows are kept (`data["reference"]`, cached beside the results). With one, the model is a
@@ -298,7 +319,8 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
            "generation": None if gen is None else [gen.max_tokens, [p.__dict__ for p in prompts or []]],
            "prompt": [gate.add_bos, gate.chat_template, gate.num_fewshot], "seed": gate.seed,
            "threads": torch.get_num_threads(), **({"device": device} if bundle else {}),
-           **({"dtype": str(run_dtype)} if run_dtype is not None else {}), **({"tp": tp} if tp > 1 else {})}
+           **({"dtype": str(run_dtype)} if run_dtype is not None else {}), **({"tp": tp} if tp > 1 else {}),
+           "execution": {"path": "serving engine", "deterministic": deterministic}}
     cache = _cache_path(key)
     keeps_reference = ppl is not None and reference is None
     ref_file = cache.with_name(cache.stem + ".reference.npz")
@@ -326,8 +348,10 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
                                                      device))
     else:
         model, tokenizer = load_model(folder, dtype=run_dtype, device=device)
-    lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos)
+    lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos, serving=True, deterministic=deterministic,
+                   progress=progress)
     data: dict[str, Any] = {"spec": spec, "path": str(folder), "fingerprint": fp, "dtype": str(model.dtype),
+                            "execution": lm.execution(),
                             "prompt": {**lm.prompt_settings(), "chat_template": gate.chat_template,
                                        "num_fewshot": gate.num_fewshot},
                             "threads": torch.get_num_threads()}
@@ -343,7 +367,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
             observe = recorder = ReferenceRecorder(ppl.top_k)
         else:
             observe = scorer = DivergenceScorer(reference)
-        res = perplexity(model, stream, ctx=ppl.ctx, max_windows=ppl.windows, progress=progress, observe=observe)
+        res = perplexity(lm, stream, ctx=ppl.ctx, max_windows=ppl.windows, progress=progress, observe=observe)
         used = stream[: res.windows * ppl.ctx]
         data["perplexity"] = {"source": source, "source_sha256": digest, "token_sha256": token_hash(used),
                               "ctx": ppl.ctx, "windows": res.windows, "ppl": res.ppl,
@@ -390,7 +414,7 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
              output: str | Path = "eval-gate", extra_tasks: tuple[str, ...] = (),
              include_paths: tuple[str, ...] = (), use_cache: bool = True, inconclusive_exit: int | None = None,
              write_promotion: bool = True, progress: bool = False, device: str = "cpu",
-             dtype: str = "auto", tp: int = 1) -> GateResult:
+             dtype: str = "auto", tp: int = 1, deterministic: bool = False) -> GateResult:
     """Evaluate, compare, write eval-gate.json + eval-gate.md + eval-gate.png, record the verdict."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -426,9 +450,9 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
         paths = [ours, *user_paths]
         check_gated_metrics(tasks, paths)
         base = evaluate_model(baseline, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
-                              prompts=prompts, tp=tp)
+                              prompts=prompts, tp=tp, deterministic=deterministic)
         cand = evaluate_model(candidate, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
-                              reference=base.get("reference"), prompts=prompts, tp=tp)
+                              reference=base.get("reference"), prompts=prompts, tp=tp, deterministic=deterministic)
     metrics = compare(cand, base, plan, gate, prompts or [])
     gated = [m for m in metrics if m["gated"]]
     verdict = stats.combine([m["verdict"] for m in gated])
@@ -499,7 +523,8 @@ def _check_output_folder(out: Path, inputs: list[Any]) -> None:
 
 def _model_summary(ev: dict[str, Any]) -> dict[str, Any]:
     return {"spec": ev["spec"], "path": ev["path"], "sha256": ev["fingerprint"]["sha256"],
-            "files": ev["fingerprint"]["files"], "dtype": ev["dtype"], "prompt": ev["prompt"],
+            "files": ev["fingerprint"]["files"], "dtype": ev["dtype"], "execution": ev.get("execution"),
+            "prompt": ev["prompt"],
             "threads": ev["threads"], "seconds": ev["seconds"], "from_cache": ev.get("from_cache")}
 
 

@@ -3,12 +3,17 @@
 `RuntimeLM` is registered with lm-eval as `lmfoundry` when this module is imported. lm-eval has
 no plugin mechanism for models, so its stock CLI cannot find it by itself: `lmfoundry eval harness
 --model lmfoundry --model_args pretrained=out/ --tasks ...` imports it and runs lm-eval's own CLI
-with the rest of the arguments. Scoring (`loglikelihood`, `loglikelihood_rolling`) runs the reference
-`CausalLM` forward directly: the module the loader builds, with its quantized linears swapped in,
-is exactly what the serving engine calls, and one batched forward per group of requests is exact
-(no KV cache involved) and fast on CPU. Generation (`generate_until`) goes through the serving
-engine (`lmfoundry.runtime.engine.LLMEngine`, greedy), so generative tasks exercise the paged KV
-cache and scheduler too.
+with the rest of the arguments.
+
+Two execution paths. With `serving` (what eval-gate runs, and always for an engine bundle or a
+tensor-parallel model) everything goes through the serving engine (`LLMEngine`, the module swaps,
+paged attention kernels and step budget `serve` uses, in the dtype it serves): scoring is the
+prompt logprobs an echo request to `serve` returns, so `lm_eval --model local-completions`
+against `serve` with the same settings scores the same numbers (bit for bit with
+`deterministic`, which makes every number independent of how requests are batched). Without it,
+scoring (`loglikelihood`, `loglikelihood_rolling`) runs the reference `CausalLM` forward directly,
+one batched forward per group of requests (no KV cache involved, fast on CPU), and only
+generation (`generate_until`) goes through the serving engine (greedy).
 
 Prompt settings are pinned and reported (`prompt_settings()`), because they move accuracies by
 points: whether a BOS token is prepended, and whether the chat template is applied (the latter is
@@ -121,6 +126,18 @@ class PrefixCache:
         return out.transpose(1, 2)
 
 
+def parse_flag(name: str, value: Any) -> bool:
+    """A boolean model_arg (lm-eval passes "true"/"false" strings)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", "none", ""):
+        return False
+    raise UserError(f"{name} {value!r}: expected true or false")
+
+
 def _available_device(device: str | None) -> str:
     """lm-eval's --device (it defaults to cuda) where it exists, else the CPU with a warning."""
     if device in (None, "", "auto"):
@@ -149,6 +166,9 @@ class RuntimeLM(TemplateLM):
         engine_config: Any = None,
         device: str | None = None,
         dtype: str = "auto",
+        serving: Any = False,
+        deterministic: Any = False,
+        progress: Any = True,
         **_: Any,
     ) -> None:
         super().__init__()
@@ -167,9 +187,12 @@ class RuntimeLM(TemplateLM):
 
         # An engine bundle's kernels and a tensor-parallel model's ranks are driven through the
         # serving engine (paged cache, prefix caching of shared contexts); the reference model
-        # through its own batched scoring.
+        # through its own batched scoring, or through the serving engine too with `serving`.
+        self.deterministic = parse_flag("deterministic", deterministic)
+        self.progress = parse_flag("progress", progress)  # False: no progress bar, lm-eval's included
         self.kernel_model = isinstance(model, KernelModel)
-        self.on_engine = self.kernel_model or isinstance(model, ShardedModel)
+        self.on_engine = self.kernel_model or isinstance(model, ShardedModel) or self.deterministic \
+            or parse_flag("serving", serving)
         self.model: CausalLM | ShardedModel | KernelModel = (
             model if self.on_engine else cast(CausalLM, model).eval())
         self.tokenizer = tokenizer
@@ -233,6 +256,12 @@ class RuntimeLM(TemplateLM):
         bos = self.tokenizer.bos_token_id
         return bos is not None and self.tok_encode("a")[:1] == [bos]
 
+    def execution(self) -> dict[str, Any]:
+        """How this model is executed (recorded in eval-gate's report): the serving engine or the
+        reference forward, in which dtype, deterministic or not."""
+        return {"path": "serving engine" if self.on_engine else "reference forward",
+                "dtype": str(self.model.dtype).removeprefix("torch."), "deterministic": self.deterministic}
+
     def prompt_settings(self) -> dict[str, Any]:
         return {"add_bos": self.add_bos, "bos_prepended": self.bos_prepended(),
                 "bos_token": self.tokenizer.bos_token, "prefix_token_id": self.prefix_token_id,
@@ -251,6 +280,11 @@ class RuntimeLM(TemplateLM):
         return getattr(self.tokenizer, "chat_template", None)
 
     # ---- scoring --------------------------------------------------------------------------
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's tokenization of the requests (its own progress bar, off without `progress`),
+        then `_loglikelihood_tokens`."""
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         jobs = [ScoreRequest(list(ctx), list(cont)) for _, ctx, cont in requests]
@@ -371,7 +405,7 @@ class RuntimeLM(TemplateLM):
                     token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
                     max_seq_len=self.max_length, context_len=1)):
                 windows.append((idx, ScoreRequest(ctx, cont)))
-        scores = self.score([w for _, w in windows], progress=not disable_tqdm)
+        scores = self.score([w for _, w in windows], progress=self.progress and not disable_tqdm)
         totals = [0.0] * len(requests)
         for (idx, _), (ll, _) in zip(windows, scores, strict=True):
             totals[idx] += ll
@@ -381,15 +415,22 @@ class RuntimeLM(TemplateLM):
 
     # ---- generation -----------------------------------------------------------------------
     def engine(self) -> Any:
-        """The serving engine over this same model (built on first use)."""
+        """The serving engine over this same model (built on first use), with `serve`'s block size
+        and step budget unless an engine config was given."""
         if self._engine is None:
-            from lmfoundry.runtime.engine.engine_config import EngineConfig
+            from lmfoundry.runtime.engine.engine_config import EngineConfig, default_step_tokens
             from lmfoundry.runtime.engine.llm_engine import LLMEngine
 
             config = self._engine_config or EngineConfig(
-                block_size=cast("KernelModel", self.model).block_size if self.kernel_model else EngineConfig.block_size)
+                block_size=cast("KernelModel", self.model).block_size if self.kernel_model else EngineConfig.block_size,
+                max_num_batched_tokens=default_step_tokens(str(self.device)), deterministic=self.deterministic)
             self._engine = LLMEngine(self.model, self.tokenizer, config)
         return self._engine
+
+    def next_token_logits(self, batch: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, T - 1, vocab] of windows [B, T] through the serving engine, row j
+        predicting token j + 1 of its window (`perplexity` takes this in place of a forward)."""
+        return torch.stack(self.engine().prompt_logits(batch.tolist()))
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Greedy generation on the serving engine; stops at any `until` string or EOS; the

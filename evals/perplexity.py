@@ -1,16 +1,19 @@
-"""Perplexity over non-overlapping windows, token-weighted, on the reference execution path.
+"""Perplexity over non-overlapping windows, token-weighted, on the reference execution path or
+the serving engine.
 
 The text is tokenized as one stream (BOS before each document) and cut into windows of `ctx`
-tokens; every window predicts its `ctx - 1` next tokens with no context carried over, so results
-do not depend on batching. Per-window NLL sums are returned for paired statistics (eval-gate);
-`observe` sees each batch's logits and next tokens (eval-gate's divergence statistics).
+tokens; every window predicts its `ctx - 1` next tokens with no context carried over. Per-window
+NLL sums are returned for paired statistics (eval-gate); `observe` sees each batch's logits and
+next tokens (eval-gate's divergence statistics). The model is a forward (`CausalLM` or any
+callable: ids [B, T] -> logits [B, T, V]) or an object with `next_token_logits` (ids [B, T] ->
+logits [B, T - 1, V]: `RuntimeLM` on the serving engine).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +49,7 @@ def windows_of(stream: torch.Tensor, ctx: int, max_windows: int | None = None) -
 
 @torch.no_grad()
 def perplexity(
-    model: CausalLM | Callable[[torch.Tensor], torch.Tensor], stream: torch.Tensor, ctx: int = 512,
+    model: CausalLM | Callable[[torch.Tensor], torch.Tensor] | Any, stream: torch.Tensor, ctx: int = 512,
     max_windows: int | None = None, batch_size: int = 4, progress: bool = True,
     observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> PerplexityResult:
@@ -54,12 +57,13 @@ def perplexity(
         raise UserError(f"--batch-size must be at least 1, got {batch_size}")
     wins = windows_of(stream, ctx, max_windows)
     sums: list[float] = []
+    scorer = getattr(model, "next_token_logits", None)
     for batch in tqdm(wins.split(batch_size), desc="perplexity", unit="batch", disable=not progress):
-        logits = model(batch)
+        logits = scorer(batch) if scorer is not None else model(batch)[:, :-1]
         if observe is not None:
-            observe(logits[:, :-1], batch[:, 1:])
+            observe(logits, batch[:, 1:])
         nll = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1).to(logits.device), reduction="none"
+            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1).to(logits.device), reduction="none"
         ).view(batch.shape[0], -1)
         sums.extend(nll.double().sum(1).tolist())
     tokens = wins.shape[0] * (ctx - 1)

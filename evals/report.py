@@ -73,6 +73,12 @@ def _generation_table(answers: list[dict[str, Any]] | None) -> list[str]:
     return lines + [""]
 
 
+def _execution_line(e: dict[str, Any]) -> str:
+    """How both models ran (what `serve` runs them with)."""
+    mode = ", deterministic (batch-invariant)" if e.get("deterministic") else ""
+    return f"- execution: {e['path']} in {e['dtype']}{mode}, as `serve` runs the candidate"
+
+
 def write_markdown(report: dict[str, Any], path: Path, plot_name: str) -> None:
     g, c, b = report["gate"], report["candidate"], report["baseline"]
     lines = [
@@ -85,6 +91,7 @@ def write_markdown(report: dict[str, Any], path: Path, plot_name: str) -> None:
         f"- prompt: BOS {report['prompt']['add_bos']} (prepended: {c['prompt']['bos_prepended']}), "
         f"chat template {'on' if report['prompt']['chat_template'] else 'off'}, "
         f"{report['prompt']['num_fewshot']}-shot",
+        *([_execution_line(c["execution"])] if c.get("execution") else []),
         f"- rule: {g['rule']}",
         "",
         "| metric | n | baseline | candidate | statistic | interval | threshold | verdict |",

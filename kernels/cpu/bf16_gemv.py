@@ -43,6 +43,12 @@ class Bf16Gemv:
         return weight.detach().to(torch.bfloat16).reshape(n // TILE_N, TILE_N, k // TILE_K, TILE_K) \
             .permute(0, 2, 1, 3).contiguous()
 
+    @staticmethod
+    def unblock(blocked: torch.Tensor, out_features: int) -> torch.Tensor:
+        """The plain [N, K] weight of `block`'s layout (a copy)."""
+        nb, kb = blocked.shape[:2]
+        return blocked.permute(0, 2, 1, 3).reshape(nb * TILE_N, kb * TILE_K)[:out_features]
+
     def __call__(self, x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                  threads: int | None = None) -> None:
         """out [M, N] = x [M, K] @ W^T + bias, W given blocked (`block`); bf16 throughout."""

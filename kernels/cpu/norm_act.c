@@ -1,5 +1,5 @@
 /* The elementwise parts of a Llama decoder layer in bfloat16, one pass each, for CPUs: RMSNorm and
- * SiLU(gate) * up.
+ * SiLU(gate) * up (and SiLU(gate) * up in float32 for the engine's deterministic mode).
  *
  * In PyTorch each is a chain of ops (RMSNorm: to float32, square, mean, rsqrt, scale, back to
  * bfloat16, times the gain; the MLP's activation: SiLU in place on gate_proj's output, times up,
@@ -97,6 +97,26 @@ void lmf_silu_mul_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t
             const float e = exp_nonpos(-fabsf(v)); /* exp(-|v|): no overflow either side */
             const float sig = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
             o[i] = f32_to_bf16(round_bf16(v * sig) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* out[r] = silu(gate[r]) * up[r] in float32, for rows r in [0, rows): the float32 activation of the
+ * engine's deterministic mode. Every element takes the same arithmetic (exp_nonpos, one division,
+ * two products, no contraction) wherever it lies, so a row's result does not depend on the rows
+ * around it; PyTorch's vectorized SiLU and its scalar remainder differ in the last bit, and which
+ * elements fall in the remainder depends on how a step's rows are split among threads. */
+void lmf_silu_mul_f32(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, float *out,
+                      int64_t out_stride, int64_t rows, int n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * gate_stride, *u = up + r * up_stride;
+        float *o = out + r * out_stride;
+        for (int i = 0; i < n; i++) {
+            const float v = g[i];
+            const float e = exp_nonpos(-fabsf(v)); /* exp(-|v|): no overflow either side */
+            const float sig = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[i] = v * sig * u[i];
         }
     }
 }

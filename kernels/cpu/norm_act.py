@@ -15,9 +15,9 @@ from lmfoundry.kernels.cpu.build import bound
 _c_i64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor | None:
+def _rows(t: torch.Tensor, width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
     """t as [rows, width] with unit column stride, without copying; None where that needs a copy."""
-    if t.dtype != torch.bfloat16 or t.shape[-1] != width or t.stride(-1) != 1:
+    if t.dtype != dtype or t.shape[-1] != width or t.stride(-1) != 1:
         return None
     try:
         return t.view(-1, width)
@@ -36,6 +36,9 @@ class NormAct:
         self._silu_mul = lib.lmf_silu_mul_bf16
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _c_int, _c_int]
+        self._silu_mul_f32 = lib.lmf_silu_mul_f32
+        self._silu_mul_f32.restype = None
+        self._silu_mul_f32.argtypes = self._silu_mul.argtypes
 
     def rms_norm(self, x: torch.Tensor, gain: torch.Tensor, eps: float,
                  threads: int | None = None) -> torch.Tensor | None:
@@ -51,14 +54,18 @@ class NormAct:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, threads: int | None = None) -> torch.Tensor | None:
         """bf16(silu(gate)) * up, elementwise; gate and up [..., n] bf16 (views of one fused
-        product allowed), the result contiguous."""
-        n = gate.shape[-1]
-        g, u = _rows(gate, n), _rows(up, n)
+        product allowed), the result contiguous. Float32 inputs get silu(gate) * up in float32,
+        every element with the same arithmetic (the deterministic mode's activation)."""
+        n, dtype = gate.shape[-1], gate.dtype
+        if dtype not in (torch.bfloat16, torch.float32):
+            return None
+        g, u = _rows(gate, n, dtype), _rows(up, n, dtype)
         if g is None or u is None or gate.shape != up.shape:
             return None
-        out = torch.empty(gate.shape, dtype=torch.bfloat16)
-        self._silu_mul(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(), n, g.shape[0], n,
-                       threads or torch.get_num_threads())
+        out = torch.empty(gate.shape, dtype=dtype)
+        fn = self._silu_mul if dtype == torch.bfloat16 else self._silu_mul_f32
+        fn(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(), n, g.shape[0], n,
+           threads or torch.get_num_threads())
         return out
 
 

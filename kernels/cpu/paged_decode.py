@@ -19,6 +19,10 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_PARTITION = 512  # tokens an item scores at once: its scores (every head's) live on the thread's stack
 MIN_PARTITION = 64  # shorter partitions cost more in merging than they gain in balance
 ITEMS_PER_THREAD = 4  # enough items per thread for the dynamic schedule to even out lengths
+# The batch-invariant plan: partitions of a fixed length, so a query's arithmetic depends on its own
+# context alone (not on the batch's longest context, its size or the thread count)
+FIXED_PARTITION = MAX_PARTITION
+WORK_FLOATS = 2**25  # partial results one fixed-partition call may hold (128 MiB); more rows: more calls
 
 _c_i64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -58,13 +62,18 @@ class PagedDecode:
 
     def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
                  lengths: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, max_len: int,
-                 scale: float | None = None, threads: int | None = None) -> None:
+                 scale: float | None = None, threads: int | None = None, batch_invariant: bool = False) -> None:
         """out[rows[i]] = softmax(q[rows[i]] K^T * scale) V over the first lengths[i] tokens of
         tables[i], per query head (GQA: head h reads KV head h // (Hq // Hkv)).
 
         q, out: [T, Hq, D] (each head's D contiguous; rows may be any subset of T); caches:
         contiguous [num_blocks, block_size, Hkv, D] in q's dtype; tables [B, nb], lengths [B] and
-        rows [B] int32; max_len: the largest of lengths (the caller knows it without a sync)."""
+        rows [B] int32; max_len: the largest of lengths (the caller knows it without a sync).
+
+        With `batch_invariant` contexts are cut at fixed multiples of FIXED_PARTITION tokens, so
+        each query's softmax is summed in an order set by its own context length alone (the
+        default plan splits by the batch's size, longest context and threads); rows go in several
+        calls where their partial results would exceed WORK_FLOATS."""
         nblocks, block_size, hkv, d = key_cache.shape
         batch, hq = rows.shape[0], q.shape[1]
         check_paged_arguments("paged_decode", self.supports(q.dtype, d), f"one of {sorted(map(str, DTYPE_CODES))}",
@@ -72,7 +81,17 @@ class PagedDecode:
         if batch == 0:
             return
         threads = threads or torch.get_num_threads()
-        part_len, parts = plan_partitions(max_len, batch, threads, block_size)
+        if batch_invariant:
+            part_len = -(-FIXED_PARTITION // block_size) * block_size  # whole blocks, as the kernel reads them
+            parts = -(-max_len // part_len)
+            step = max(1, WORK_FLOATS // (parts * hq * (d + 2)))
+            if batch > step:
+                for i in range(0, batch, step):
+                    self(q, key_cache, value_cache, tables[i : i + step], lengths[i : i + step], rows[i : i + step],
+                         out, max_len, scale, threads, batch_invariant)
+                return
+        else:
+            part_len, parts = plan_partitions(max_len, batch, threads, block_size)
         work = 0
         if parts > 1:
             need = batch * parts * hq * (d + 2)

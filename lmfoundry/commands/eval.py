@@ -20,7 +20,9 @@ def eval_group() -> None:
 @click.argument("lm_eval_args", nargs=-1, type=click.UNPROCESSED)
 def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
     """Run lm-eval's own CLI with lmfoundry's model registered as `--model lmfoundry`
-    (model_args: pretrained=FOLDER|GGUF|NAME|ENGINE, dtype=auto|bfloat16|float32, add_bos, max_length).
+    (model_args: pretrained=FOLDER|GGUF|NAME|ENGINE, dtype=auto|bfloat16|float32, add_bos, max_length,
+    serving=true: score through the serving engine as `serve` runs the model, deterministic=true: as
+    `serve --deterministic` runs it, bit for bit).
     Every argument goes to lm-eval unchanged (`lmfoundry eval harness --help` is lm-eval's help).
 
     \b
@@ -59,11 +61,15 @@ def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
               help="Execution dtype of checkpoints on CPU. auto: bfloat16 where the CPU has bf16 arithmetic "
                    "or runs the AVX2 bf16 kernels (quantized weights then stay packed, as `serve` runs them), float32 "
                    "elsewhere.")
+@click.option("--deterministic", is_flag=True,
+              help="Score the windows through the serving engine as `serve --deterministic` runs the model "
+                   "(batch-invariant: the same numbers whatever --batch-size; CPU, one process).")
 def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: int | None, batch_size: int,
-            tp: int, as_json: bool, device: str, dtype: str) -> None:
+            tp: int, as_json: bool, device: str, dtype: str, deterministic: bool) -> None:
     """Perplexity of each of MODELS (folder, GGUF, built-in name or quantized checkpoint) on the
-    same non-overlapping windows of --ctx tokens, token-weighted. With several models, the first
-    is the baseline of the printed ratios."""
+    same non-overlapping windows of --ctx tokens, token-weighted: by the reference forward, or
+    through the serving engine with --deterministic. With several models, the first is the
+    baseline of the printed ratios."""
     from lmfoundry.calibration.data import eval_token_stream
     from lmfoundry.evals.gate import check_context, check_model
     from lmfoundry.evals.perplexity import perplexity
@@ -71,6 +77,8 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
 
     device = check_device(device)
     check_tensor_parallel(tp, device, models)
+    if deterministic and (device != "cpu" or tp > 1):
+        raise UserError("--deterministic runs the CPU engine in one process; drop --device / --tp")
     # Option bounds and every model's config, before loading any weights: a bad option or a bad
     # second model must not cost a whole evaluation of the first.
     if ctx < 2:
@@ -94,7 +102,12 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
             lm, tokenizer = load_model(spec, dtype=run_dtype, device=device)
         try:
             stream, source, digest = eval_token_stream(text, tokenizer)
-            res = perplexity(lm, stream, ctx=ctx, max_windows=max_windows, batch_size=batch_size,
+            scorer = lm
+            if deterministic:
+                from lmfoundry.evals.lm_adapter import RuntimeLM
+
+                scorer = RuntimeLM(lm, tokenizer, deterministic=True)
+            res = perplexity(scorer, stream, ctx=ctx, max_windows=max_windows, batch_size=batch_size,
                              progress=not as_json)
         finally:
             if tp > 1:

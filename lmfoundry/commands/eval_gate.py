@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from lmfoundry.errors import UserError
 from lmfoundry.runtime.dtypes import DTYPES
 
 
@@ -25,7 +26,7 @@ from lmfoundry.runtime.dtypes import DTYPES
               help="Exit code for an inconclusive verdict (overrides the gate file; default 2).")
 @click.option("--no-cache", is_flag=True, help="Re-evaluate both models even if cached results match.")
 @click.option("--no-promotion", is_flag=True, help="Do not write the verdict into the candidate's lmfoundry.json.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--quiet", is_flag=True, help="No progress bars and nothing from lm-eval: only the verdict lines.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu or cuda[:N]: where an engine bundle (candidate or baseline) runs its compiled kernels.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
@@ -36,14 +37,18 @@ from lmfoundry.runtime.dtypes import DTYPES
               help="Split each model over this many processes, as `serve --tp` runs it (must divide the "
                    "attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes; a bundle runs at "
                    "the degree it was compiled for).")
+@click.option("--deterministic", is_flag=True,
+              help="Run both models as `serve --deterministic` does (batch-invariant: every score is independent of "
+                   "how requests are batched), so `lm_eval --model local-completions` against `serve "
+                   "--deterministic` with the same --dtype scores exactly what the gate scored. CPU, one process.")
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each checkpoint's files against the sha256 in its lmfoundry.json first.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
               no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str, tp: int,
-              skip_verify: bool) -> None:
-    """Evaluate CANDIDATE and --baseline on the same documents through the serving runtime's
-    model execution: lm-eval tasks (accuracy and flips), perplexity windows with the per-token
+              deterministic: bool, skip_verify: bool) -> None:
+    """Evaluate CANDIDATE and --baseline on the same documents through the serving engine, in the
+    dtype and on the execution path `serve` runs them with (recorded in the report): lm-eval tasks (accuracy and flips), perplexity windows with the per-token
     KL divergence, same-top-token rate and Δp against the baseline's next-token distributions
     (llama.cpp's --kl-divergence statistics), and greedy answers to fixed prompts (divergence,
     JSON and tool-call validity). Each gated statistic is decided with a paired bootstrap interval;
@@ -52,10 +57,6 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     reference are cached: gating N candidates evaluates it once.
 
     Exit codes: 0 pass, 1 fail, 2 inconclusive (configurable) or error."""
-    if quiet:  # lm-eval draws its own tqdm bars; tqdm honours TQDM_DISABLE
-        import os
-
-        os.environ["TQDM_DISABLE"] = "1"
     from pathlib import Path
 
     from lmfoundry.evals.gate import run_gate
@@ -63,6 +64,8 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     from lmfoundry.runtime.loader import check_device, check_tensor_parallel, is_engine_bundle
 
     check_tensor_parallel(tp, device, (candidate, baseline))
+    if deterministic and (device != "cpu" or tp > 1):
+        raise UserError("--deterministic runs the CPU engine in one process; drop --device / --tp")
     if not skip_verify:  # before either model is evaluated (a bundle is checked against engine.json at load)
         for spec in (candidate, baseline):
             if Path(spec).is_dir() and not is_engine_bundle(spec):
@@ -71,7 +74,7 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
                    use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
                    write_promotion=not no_promotion, progress=not quiet, device=check_device(device),
-                   dtype=dtype, tp=tp)
+                   dtype=dtype, tp=tp, deterministic=deterministic)
     for m in res.report["metrics"]:
         if m["gated"]:
             click.echo(f"{m['verdict']:>12}  {m['name']}: {m['statistic']} {m['point']:.4f} "

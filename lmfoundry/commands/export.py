@@ -17,9 +17,15 @@ from lmfoundry.errors import UserError
 @click.option("--tokenizer-pre", default="default", show_default=True,
               help="llama.cpp's pre-tokenizer name for the vocabulary (e.g. smollm, llama-bpe, qwen2); "
                    "llama.cpp tokenizes text with it.")
+@click.option("--embedding-type", type=click.Choice(["auto", "f32", "f16", "bf16", "q8_0"]), default="auto",
+              show_default=True,
+              help="How the token embedding is stored: auto keeps the checkpoint's dtype (a float32 embedding is "
+                   "large: 4 bytes a value); f16 halves it; q8_0 (ggml's 8-bit blocks of 32 with an fp16 scale) "
+                   "is about a quarter. With tied embeddings llama.cpp also uses it as the LM head.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def export_cmd(checkpoint: str, fmt: str, output: str, tokenizer_pre: str, overwrite: bool, quiet: bool) -> None:
+def export_cmd(checkpoint: str, fmt: str, output: str, tokenizer_pre: str, embedding_type: str, overwrite: bool,
+               quiet: bool) -> None:
     """Write CHECKPOINT (the output of `lmfoundry quantize`) as one GGUF file, mapping our integer
     codes onto ggml blocks without requantizing: int4 symmetric -> Q4_0, int4 asymmetric -> Q4_1,
     int8 symmetric -> Q8_0 (group sizes that are multiples of 32, or per channel). Quantize with
@@ -34,7 +40,8 @@ def export_cmd(checkpoint: str, fmt: str, output: str, tokenizer_pre: str, overw
         raise UserError(f"{out} exists (pass --overwrite to replace it)")
     if out.exists() and not out.is_file():
         raise UserError(f"{out} exists and is not a file")
-    report = export_gguf(checkpoint, out, tokenizer_pre=tokenizer_pre, progress=not quiet)
+    report = export_gguf(checkpoint, out, tokenizer_pre=tokenizer_pre, progress=not quiet,
+                         embedding_type=embedding_type)
     types = ", ".join(f"{n} {k}" for k, n in sorted(report.types.items()))
     click.echo(f"wrote {report.path} ({fmt}, {report.bytes / 2**20:.1f} MiB, {report.tensors} tensors: {types})")
     click.echo(f"largest scale change from rounding to fp16: {report.max_scale_rounding:.2e} (0 = bit-exact)")

@@ -35,8 +35,11 @@ if TYPE_CHECKING:
 
 
 def default_step_tokens(device: str) -> int:
-    """--max-num-batched-tokens when not given: smaller on CPU (see CPU_STEP_TOKENS)."""
-    return CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS
+    """--max-num-batched-tokens when not given: smaller on CPU (`engine_config.CPU_STEP_TOKENS`
+    says why; eval runs the serving engine with the same budget)."""
+    from lmfoundry.runtime.engine.engine_config import default_step_tokens as budget
+
+    return budget(device)
 
 
 def _print_url(host: str, port: int, api_key: str | None) -> None:
@@ -90,6 +93,18 @@ def _check_server_options(port: int, max_model_len: int | None, max_waiting: int
             raise UserError(f"{name} must be a positive number, got {value}")
     if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
         raise UserError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout}")
+
+
+def _check_deterministic(device: str, tp: int, compile_step: bool) -> None:
+    """Refuse --deterministic where it cannot hold, before anything loads (the engine refuses the
+    rest: a model, an --arch cpu bundle or a KV cache without batch-invariant kernels)."""
+    if device != "cpu":
+        raise UserError(f"--deterministic runs the CPU engine, not --device {device}")
+    if tp > 1:
+        raise UserError("--deterministic runs one process; drop --tp")
+    if compile_step:
+        raise UserError("--deterministic runs the eager model: a compiled step chooses its kernels by the step's "
+                        "size; drop --compile-step")
 
 
 def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_gb: float) -> None:
@@ -222,6 +237,12 @@ def _print_runtime(name: str, info: EngineInfo) -> None:
                    "loaded like MODEL (same --dtype and --device) with its own KV cache sized like MODEL's.")
 @click.option("--ngram-max", type=int, default=3, show_default=True,
               help="Longest n-gram looked up for --speculative ngram (shorter ones down to 1 are tried next).")
+@click.option("--deterministic", is_flag=True,
+              help="Batch-invariant execution: a greedy request gets the same tokens and logprobs, bit for bit, "
+                   "whatever else is in its batch, however many requests run, and whether its prompt prefix came "
+                   "from the cache (every linear one C product whatever the row count, every token's attention "
+                   "the decode kernel's over its own context). CPU, one process, the eager model (no --compile-step) "
+                   "in bfloat16 or float32; slower (benchmarks/results/deterministic.md).")
 @click.option("--threads", type=int, default=None,
               help="torch threads of the engine process (default: OMP_NUM_THREADS or all cores); with --tp, "
                    "shared by its ranks (each gets threads / tp, at least 1).")
@@ -258,8 +279,9 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
           kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, compile_step: bool,
           enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
-          ngram_max: int, threads: int | None, tp: int, tp_backend: str, max_request_mb: float, timeout_read: float,
-          timeout_keep_alive: float, shutdown_timeout: float, skip_verify: bool, log_level: str, **http_flags: Any) -> None:
+          ngram_max: int, deterministic: bool, threads: int | None, tp: int, tp_backend: str, max_request_mb: float,
+          timeout_read: float, timeout_keep_alive: float, shutdown_timeout: float, skip_verify: bool, log_level: str,
+          **http_flags: Any) -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device.
 
@@ -280,6 +302,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
     device = check_device(device)
     check_tensor_parallel(tp, device, (model,))
+    if deterministic:
+        _check_deterministic(device, tp, compile_step)
     if tp > 1:
         if compile_step:
             raise UserError("--compile-step compiles one process's step; drop it with --tp")
@@ -326,7 +350,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager,
         num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() if tp > 1 else None),
         speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max,
-        tensor_parallel_size=tp, tp_backend=tp_backend)
+        tensor_parallel_size=tp, tp_backend=tp_backend, deterministic=deterministic)
     died: list[int | None] = []
     server: Any = None
 

@@ -16,6 +16,13 @@ relative change. Act-order with `weight_g_idx` (columns of a block from differen
 activation-quantized schemes (W8A8, FP8) and other bit widths have no exact GGUF form and are
 refused with the reason.
 
+The token embedding (and any other float tensor) keeps its stored dtype unless `embedding_type`
+says otherwise: F16, BF16, F32, or Q8_0 (ggml's own quantizer, blocks of 32 values with one fp16
+scale: a quarter of F32's bytes; llama.cpp's converter keeps it as F16/Q8_0 in its common types).
+The tokenizer's own BOS/EOS behaviour is written as `tokenizer.ggml.add_bos_token` /
+`add_eos_token` (what it does when it encodes plain text), so llama.cpp prepends a BOS exactly when
+transformers would; without the key llama.cpp guesses from the vocabulary type.
+
 Llama's q/k rows are reordered from the rotate-half layout to the interleaved pairs llama.cpp's
 rope expects (per head, rows i and i + D/2 become neighbours); Qwen2/Qwen3 use the rotate-half
 ("NEOX") rope in llama.cpp and keep their order. Tensor names come from the `gguf` package's map,
@@ -36,6 +43,8 @@ import torch
 from lmfoundry.errors import UserError, disk_full
 
 ARCHES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+EMBEDDING_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")  # auto: the checkpoint's stored dtype
+EMBEDDING_KEY = "model.embed_tokens.weight"
 BLOCK = 32  # every ggml type used here has blocks of 32 values
 
 
@@ -126,10 +135,35 @@ def rope_freq_factors(config: Any) -> torch.Tensor | None:
     return ((1.0 / theta**exponent) / scaled).float()
 
 
+def float_tensor(tensor: torch.Tensor, kind: str = "auto") -> tuple[np.ndarray, Any, str]:
+    """(array, gguf raw dtype or None, label) of a float tensor stored as `kind` (one of
+    EMBEDDING_TYPES; 1-D tensors stay F32 whatever is asked, as llama.cpp keeps norms)."""
+    import gguf
+
+    if kind == "auto":
+        kind = "f32" if tensor.ndim == 1 or tensor.dtype == torch.float32 else \
+            "bf16" if tensor.dtype == torch.bfloat16 else "f16"
+    if tensor.ndim == 1 or kind == "f32":
+        return tensor.float().numpy(), None, "F32"
+    if kind == "bf16":
+        t = tensor.to(torch.bfloat16).contiguous()
+        return t.view(torch.uint8).reshape(*t.shape[:-1], -1).numpy(), gguf.GGMLQuantizationType.BF16, "BF16"
+    if kind == "q8_0":
+        if tensor.shape[-1] % BLOCK:
+            raise UserError(f"Q8_0 needs rows of a multiple of {BLOCK} values, not {tensor.shape[-1]}")
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        from gguf.quants import quantize
+
+        return quantize(tensor.float().numpy(), q8), q8, "Q8_0"
+    return tensor.to(torch.float16).numpy(), None, "F16"
+
+
 def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "default",
-                progress: bool = True) -> ExportReport:
+                progress: bool = True, embedding_type: str = "auto") -> ExportReport:
     """Write `checkpoint` (ours, compressed-tensors) as one GGUF file at `output` (written to a
-    hidden file beside it and renamed at the end)."""
+    hidden file beside it and renamed at the end), the token embedding as `embedding_type`."""
+    if embedding_type not in EMBEDDING_TYPES:
+        raise UserError(f"embedding type {embedding_type!r}: expected one of {', '.join(EMBEDDING_TYPES)}")
     import gguf
     from tqdm.auto import tqdm
 
@@ -201,13 +235,7 @@ def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "defa
             if permute_qk and key.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
                 heads = config.num_heads if ".q_proj." in key else config.num_kv_heads
                 tensor = rope_interleave_rows(tensor, heads)
-            if tensor.ndim == 1 or tensor.dtype == torch.float32:
-                arr, raw, label = tensor.float().numpy(), None, "F32"
-            elif tensor.dtype == torch.bfloat16:
-                arr = tensor.contiguous().view(torch.uint8).reshape(*tensor.shape[:-1], -1).numpy()
-                raw, label = gguf.GGMLQuantizationType.BF16, "BF16"
-            else:
-                arr, raw, label = tensor.to(torch.float16).numpy(), None, "F16"
+            arr, raw, label = float_tensor(tensor, embedding_type if key == EMBEDDING_KEY else "auto")
             _add(writer, names, key, arr, raw, report, label)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -302,4 +330,21 @@ def _write_tokenizer(writer: Any, folder: Path, n_vocab: int, pre: str) -> None:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(toktypes)
-    SpecialVocab(folder, load_merges=True, n_vocab=n_vocab).add_to_gguf(writer)
+    special = SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
+    special.add_special_token.update(added_special_tokens(folder))  # over gguf's guess from the post-processor
+    special.add_to_gguf(writer)
+
+
+def added_special_tokens(folder: Path) -> dict[str, bool]:
+    """Whether the tokenizer prepends BOS and appends EOS when it encodes plain text ("bos",
+    "eos": llama.cpp's `tokenizer.ggml.add_bos_token` / `add_eos_token`), read off what the
+    tokenizer itself does rather than its config files (SmolLM2's says nothing, and llama.cpp then
+    prepends a BOS the model never saw)."""
+    from lmfoundry.runtime.loader import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    plain = tok.encode("a", add_special_tokens=False)
+    ids = tok.encode("a")
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    return {"bos": bos is not None and len(ids) > len(plain) and ids[0] == bos,
+            "eos": eos is not None and len(ids) > len(plain) and ids[-1] == eos}

@@ -41,20 +41,24 @@ class NativeRMSNorm(RMSNorm):
 
 class NativeSiluMul:
     """`MLP.act_mul` for SiLU: bf16(silu(gate)) * up in one pass; None (the MLP's own ops run)
-    for small or ill-fitting inputs."""
+    for inputs below `min_elements` or ill-fitting ones. With `min_elements` 0 (the engine's
+    deterministic mode) every size takes the same pass, float32 inputs included."""
 
-    def __init__(self, kernel: NormAct) -> None:
+    def __init__(self, kernel: NormAct, min_elements: int = SILU_MUL_MIN_ELEMENTS) -> None:
         self.kernel = kernel
+        self.min_elements = min_elements
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-        return self.kernel.silu_mul(gate, up) if gate.numel() >= SILU_MUL_MIN_ELEMENTS else None
+        return self.kernel.silu_mul(gate, up) if gate.numel() >= self.min_elements else None
 
 
-def swap_native_elementwise(model: nn.Module) -> int:
+def swap_native_elementwise(model: nn.Module, batch_invariant: bool = False) -> int:
     """Swap the bf16 RMSNorms (Llama's, without Gemma's offset) for `NativeRMSNorm`, give SiLU
     MLPs `NativeSiluMul` and attention layers the one-call rotary (bit for bit the reference's;
     it declines other dtypes itself); returns how many modules changed (0 where the kernels are not
-    built or are turned off: LMFOUNDRY_NATIVE_KERNELS=0)."""
+    built or are turned off: LMFOUNDRY_NATIVE_KERNELS=0). With `batch_invariant`, SiLU takes the
+    C pass at every size (a row's result then never depends on the rows beside it), replacing an
+    activation an earlier swap set."""
     kernel, rope = load_norm_act(), load_rope()
     if kernel is None or rope is None:
         return 0
@@ -66,7 +70,8 @@ def swap_native_elementwise(model: nn.Module) -> int:
              and child.weight.device.type == "cpu"]
     for parent, name, child in swaps:
         setattr(parent, name, NativeRMSNorm(child, kernel))
-    mlps = [m for m in model.modules() if isinstance(m, MLP) and m.gelu is None and m.act_mul is None]
+    mlps = [m for m in model.modules() if isinstance(m, MLP) and m.gelu is None
+            and (m.act_mul is None or batch_invariant)]
     for mlp in mlps:
-        mlp.act_mul = NativeSiluMul(kernel)
+        mlp.act_mul = NativeSiluMul(kernel, 0 if batch_invariant else SILU_MUL_MIN_ELEMENTS)
     return len(swaps) + len(mlps) + len(attentions)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmfoundry.kernels.cpu.bf16_fma_gemm import Bf16FmaGemm, load_bf16_fma_gemm
+from lmfoundry.kernels.cpu.bf16_fma_gemm import Bf16FmaGemm, F32FmaGemm, load_bf16_fma_gemm, load_f32_fma_gemm
 from lmfoundry.kernels.cpu.bf16_gemv import Bf16Gemv, load_bf16_gemv
 from lmfoundry.kernels.cpu.int4_gemm import Int4Gemm, Int4Weight, load_int4_gemm
 from lmfoundry.kernels.cpu.int4_gemm import fits as int4_gemm_fits
@@ -56,6 +56,7 @@ from lmfoundry.quantizers.base import QuantizedWeight
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu accepts
 DEQUANT_ROWS = 128  # from this many input rows, dequantize-then-GEMM beats the per-row kernel
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' vectorized paths (their fp32 paths are scalar)
+MAX_ROWS_ANY = 2**31 - 1  # a C product that serves every row count
 
 
 @lru_cache(maxsize=1)
@@ -88,10 +89,12 @@ def _nibble_lut() -> torch.Tensor:
 _LUT = _nibble_lut()
 
 
-def _dequantize_first(x: torch.Tensor) -> bool:
-    """Eager: whether this many rows run faster as dequantize-then-GEMM. Traced (`compile --arch
-    cpu`): never, the op stays one node that Inductor's GEMM template serves at every size."""
-    return not torch.compiler.is_compiling() and x.shape[0] >= DEQUANT_ROWS
+def _dequantize_first(x: torch.Tensor, rows: int | None = DEQUANT_ROWS) -> bool:
+    """Eager: whether this many rows run faster as dequantize-then-GEMM (never with `rows` None:
+    the deterministic mode keeps every row on the per-row kernel, whose result for a row does not
+    depend on the rows beside it). Traced (`compile --arch cpu`): never, the op stays one node
+    that Inductor's GEMM template serves at every size."""
+    return rows is not None and not torch.compiler.is_compiling() and x.shape[0] >= rows
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -128,6 +131,9 @@ class Int4PackLinear(nn.Module):
     scale_zeros: torch.Tensor
     perm: torch.Tensor | None
     bias: torch.Tensor | None
+    # from this many rows the product is dequantize-then-GEMM; None: always the per-row kernel
+    # (`make_batch_invariant`)
+    dequantize_rows: int | None = DEQUANT_ROWS
 
     def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
                  out_features: int, perm: torch.Tensor | None, bias: torch.Tensor | None) -> None:
@@ -198,7 +204,7 @@ class Int4PackLinear(nn.Module):
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         x2 = x2.to(COMPUTE_DTYPE)
-        if _dequantize_first(x2) and self.out_features % int4_layout()[0] == 0:
+        if _dequantize_first(x2, self.dequantize_rows) and self.out_features % int4_layout()[0] == 0:
             y = _gemm(x2, self._blocked_weight()).transpose(0, 1).reshape(-1, self.out_features)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,
@@ -219,6 +225,7 @@ class Int8PackLinear(nn.Module):
     scale: torch.Tensor
     zero_scaled: torch.Tensor | None
     bias: torch.Tensor | None
+    dequantize_rows: int | None = DEQUANT_ROWS  # as Int4PackLinear's
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero_scaled: torch.Tensor | None,
                  bias: torch.Tensor | None) -> None:
@@ -253,7 +260,7 @@ class Int8PackLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape[:-1], x.dtype
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if _dequantize_first(x2):
+        if _dequantize_first(x2, self.dequantize_rows):
             y = _gemm(x2, (self.codes.to(COMPUTE_DTYPE) * self.scale[:, None]).t())
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.codes, self.scale)
@@ -475,18 +482,33 @@ class PrepackedLinear(nn.Module):
       count with float32 FMAs on weights widened in registers (same arithmetic, one copy of the
       weight).
 
+    With `batch_invariant` (the engine's deterministic mode) every row count runs one C product,
+    the few-row one where the shape fits it (else the FMA panels, on any AVX2 CPU): each output is
+    accumulated in one fixed order whatever the number of rows beside it, where oneDNN chooses its
+    kernel, and so its summation order, by the row count. Only that product's copy is kept.
+
     The packed weight is opaque: this module is for serving, not for tracing (`compile --arch cpu`
     traces the plain model); `.weight` unpacks a copy."""
 
     gemv: Bf16Gemv | Bf16FmaGemm | None
-    packed: torch.Tensor | None  # oneDNN's layout (None: FMA panels only)
+    packed: torch.Tensor | None  # oneDNN's layout (None: the C product only)
     blocked: torch.Tensor | None  # the C product's layout of the weight
 
-    def __init__(self, linear: nn.Linear, few_rows: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, few_rows: bool = True, batch_invariant: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias.detach().contiguous() if linear.bias is not None else None
+        self.row_limit = MAX_ROWS_ANY
         fma = None if _onednn_bf16() else load_bf16_fma_gemm()
+        if batch_invariant and fma is None:
+            gemv = load_bf16_gemv()
+            if gemv is not None and Bf16Gemv.fits(self.out_features, self.in_features):
+                self.packed = None
+                self.gemv, self.blocked = gemv, Bf16Gemv.block(linear.weight)
+                return
+            fma = load_bf16_fma_gemm()
+            if fma is None:
+                raise ValueError("no batch-invariant bf16 product on this CPU (it needs AVX2 and FMA)")
         if fma is not None:
             self.packed = None
             self.gemv, self.blocked = fma, fma.block(linear.weight)
@@ -496,9 +518,15 @@ class PrepackedLinear(nn.Module):
         fits = gemv is not None and Bf16Gemv.fits(self.out_features, self.in_features)
         self.gemv = gemv if fits else None
         self.blocked = Bf16Gemv.block(linear.weight) if fits else None  # the few-row product's copy
+        self.row_limit = gemv.max_rows if gemv is not None and fits else 0
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every row count runs the C product (one summation order for any batch)."""
+        return self.packed is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and self.blocked is not None and x.numel() <= self.gemv.max_rows * self.in_features:
+        if self.gemv is not None and self.blocked is not None and x.numel() <= self.row_limit * self.in_features:
             rows = x.reshape(-1, self.in_features)
             rows = rows if rows.stride(1) == 1 else rows.contiguous()
             out = rows.new_empty(rows.shape[0], self.out_features)
@@ -510,12 +538,13 @@ class PrepackedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The plain [out, in] weight, unpacked on demand (a copy: nothing dense is kept)."""
         if self.packed is None:
-            assert self.blocked is not None  # FMA panels: the only copy of the weight
-            return Bf16FmaGemm.unblock(self.blocked, self.out_features).contiguous()
+            assert self.gemv is not None and self.blocked is not None  # the C product's copy: the only one
+            return self.gemv.unblock(self.blocked, self.out_features).contiguous()
         return self.packed.to_dense()
 
     def extra_repr(self) -> str:
-        layout = "oneDNN-prepacked" if self.packed is not None else "FMA panels"
+        layout = "oneDNN-prepacked" if self.packed is not None else \
+            "FMA panels" if isinstance(self.gemv, Bf16FmaGemm) else "blocked for the C product"
         return f"in={self.in_features}, out={self.out_features}, bf16 {layout}"
 
 
@@ -528,7 +557,7 @@ class FusedPrepackedLinear(PrepackedLinear):
     Every output element is the same dot product as in the separate linear, so outputs equal theirs
     up to the GEMM's summation order. `parts` hands back each linear's output as a view."""
 
-    def __init__(self, linears: Sequence[nn.Linear], few_rows: bool = True) -> None:
+    def __init__(self, linears: Sequence[nn.Linear], few_rows: bool = True, batch_invariant: bool = False) -> None:
         first = linears[0]
         whole = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=first.bias is not None,
                           device="meta")
@@ -536,7 +565,7 @@ class FusedPrepackedLinear(PrepackedLinear):
         if first.bias is not None:
             whole.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None]),
                                       requires_grad=False)
-        super().__init__(whole, few_rows)
+        super().__init__(whole, few_rows, batch_invariant)
         self.sizes = [lin.out_features for lin in linears]
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -619,7 +648,7 @@ def _few_row_copies(model: nn.Module) -> bool:
     return True
 
 
-def _fuse_groups(model: nn.Module, few_rows: bool) -> int:
+def _fuse_groups(model: nn.Module, few_rows: bool, batch_invariant: bool = False) -> int:
     """Swap each group of `FUSED_LINEARS` for one `FusedPrepackedLinear` where the group's parent
     reads the fused attribute (it declares it, None until here: `Attention.qkv_proj`,
     `MLP.gate_up_proj`) and its members are prepackable, over one input size, all with a bias or
@@ -633,7 +662,7 @@ def _fuse_groups(model: nn.Module, few_rows: bool) -> int:
             linears = [lin for lin in (getattr(parent, name, None) for name in names) if _prepackable(lin)]
             if len(linears) < len(names) or len({(lin.in_features, lin.bias is None) for lin in linears}) != 1:
                 continue
-            whole = FusedPrepackedLinear(linears, few_rows)
+            whole = FusedPrepackedLinear(linears, few_rows, batch_invariant)
             setattr(parent, attr, whole)
             for i, name in enumerate(names):
                 setattr(parent, name, PrepackedPart(whole, i))
@@ -641,17 +670,63 @@ def _fuse_groups(model: nn.Module, few_rows: bool) -> int:
     return fused
 
 
-def prepack_dense_linears(model: nn.Module, fuse: bool = False) -> int:
+def prepack_dense_linears(model: nn.Module, fuse: bool = False, batch_invariant: bool = False) -> int:
     """Swap every dense bf16 `nn.Linear` of a CPU model for a `PrepackedLinear` (the runtime
     module swap for serving); returns how many. Tied weights (an LM head sharing the embedding)
     get a packed copy; the embedding keeps its plain tensor for lookups. With `fuse`, q/k/v and
     gate/up become one `FusedPrepackedLinear` each where their linears can share one product
     (`_fuse_groups`). Where the few-row C product is built and its copies fit in memory
-    (`_few_row_copies`), each also keeps a blocked copy of its weight for decode-sized inputs."""
-    few_rows = _few_row_copies(model)
-    fused = _fuse_groups(model, few_rows) if fuse else 0
+    (`_few_row_copies`), each also keeps a blocked copy of its weight for decode-sized inputs.
+    With `batch_invariant`, every linear runs one C product for any row count (and keeps only
+    that product's copy)."""
+    few_rows = not batch_invariant and _few_row_copies(model)
+    fused = _fuse_groups(model, few_rows, batch_invariant) if fuse else 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if _prepackable(child)]
     for parent, name, child in swaps:
-        setattr(parent, name, PrepackedLinear(child, few_rows))
+        setattr(parent, name, PrepackedLinear(child, few_rows, batch_invariant))
     return fused + len(swaps)
+
+
+class FloatPanelLinear(nn.Module):
+    """A dense float32 linear whose weight is stored in `F32FmaGemm`'s panels: every output is one
+    FMA chain over the inputs in order, whatever the number of rows. The deterministic mode's
+    float32 linear (a BLAS GEMM chooses its blocking, and so its summation order, by the row count:
+    a token's logits then depend on the batch it is computed in). `.weight` unpacks a copy."""
+
+    def __init__(self, linear: nn.Linear, gemm: F32FmaGemm) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gemm = gemm
+        self.panels = gemm.block(linear.weight)
+        self.bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        self.gemm(rows, self.panels, self.bias, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return F32FmaGemm.unblock(self.panels, self.out_features).contiguous()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, float32 FMA panels"
+
+
+def panel_float_linears(model: nn.Module) -> int:
+    """Swap every dense float32 `nn.Linear` of a CPU model for a `FloatPanelLinear` (the
+    deterministic mode's swap); returns how many. Raises ValueError where the product is not built
+    (it needs AVX2 and FMA and a C compiler)."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
+    if not swaps:
+        return 0
+    gemm = load_f32_fma_gemm()
+    if gemm is None:
+        raise ValueError("no batch-invariant float32 product on this CPU (it needs AVX2, FMA and a C compiler)")
+    for parent, name, child in swaps:
+        setattr(parent, name, FloatPanelLinear(child, gemm))
+    return len(swaps)

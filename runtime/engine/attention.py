@@ -19,6 +19,11 @@ BF16, the step's chunks come as one `PrefillBatch` (`lmfoundry.kernels.cpu.paged
 call per layer attends every chunk causally over its blocks, a prefix-cache hit included, without
 the gather, the mask or the scores above the diagonal that SDPA would need.
 
+In the engine's deterministic mode there are no chunks: every row of the step, a prompt token too,
+is one query of the `DecodeBatch` over its own context (the new K/V are written first), with
+partitions fixed by that context alone. A token's attention is then the same arithmetic whether
+it is decoded, prefilled in a chunk of any length, or follows a prefix-cache hit.
+
 A layer whose attention is not the plain causal one (Gemma: its own scale, soft-capped scores,
 sliding windows) passes its `AttentionSpec`; then every group goes through `spec_attention`, the
 reference's own implementation, with absolute query and key positions recovered from the step's
@@ -63,13 +68,17 @@ class DecodeGroup:
 
 @dataclass
 class DecodeBatch:
-    """Every decode of a step, for the in-place kernel: rows 0..B-1 of the flat batch."""
+    """Every decode of a step, for the in-place kernel: rows 0..B-1 of the flat batch (in the
+    deterministic mode, every row of the step)."""
 
     kernel: PagedDecode
     tables: torch.Tensor  # [B, nb] int32 block tables, padded with block 0
     lengths: torch.Tensor  # [B] int32 context lengths, the new token included
     rows: torch.Tensor  # [B] int32: 0..B-1
     max_len: int
+    # the deterministic mode: every row of the step (prompt chunks too, one query each) with
+    # partitions fixed by each query's own context (see PagedDecode)
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -142,7 +151,7 @@ class PagedAttention:
         batch, prefill = self.batch, self.prefill
         if batch is not None:
             batch.kernel(q, layer.key_cache, layer.value_cache, batch.tables, batch.lengths, batch.rows, out,
-                         batch.max_len)
+                         batch.max_len, batch_invariant=batch.batch_invariant)
         if prefill is not None:
             prefill.kernel(q, layer.key_cache, layer.value_cache, prefill.tables, prefill.starts, prefill.lens,
                            prefill.contexts, out)

@@ -1,8 +1,22 @@
-"""Engine knobs: KV block size and count, batch limits, queue bound, KV storage dtype, speculative decoding."""
+"""Engine knobs: KV block size and count, batch limits, queue bound, KV storage dtype, speculative
+decoding, batch-invariant (deterministic) execution."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Default step budgets (`serve --max-num-batched-tokens`, and what eval runs the serving engine
+# with). Every running stream waits for the whole step, and on CPU a step's time grows with its
+# rows long after the matrix units are busy, so past that point a larger chunk only lengthens the
+# wait (benchmarks/results/serve_peers_avx2.md measures 1024 against 2048); 2048 is vLLM's default,
+# for GPUs, whose units need many more rows to be busy.
+CPU_STEP_TOKENS = 1024
+GPU_STEP_TOKENS = 2048
+
+
+def default_step_tokens(device: str) -> int:
+    """--max-num-batched-tokens when not given: smaller on CPU (see CPU_STEP_TOKENS)."""
+    return CPU_STEP_TOKENS if str(device).startswith("cpu") else GPU_STEP_TOKENS
 
 
 @dataclass
@@ -42,6 +56,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     ngram_max: int = 3  # longest n-gram looked up (prompt lookup); shorter ones are tried next
     ngram_min: int = 1
+    # Batch-invariant execution (batch_invariant.py): a request's tokens and logprobs are bit for bit
+    # the same whatever else is in its batch and whether its prefix came from the cache; slower.
+    deterministic: bool = False
 
     @property
     def rank_threads(self) -> int | None:

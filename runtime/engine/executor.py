@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from lmfoundry.errors import UserError
 from lmfoundry.kernels.cpu.paged_decode import PagedDecode, load_paged_decode
 from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
 from lmfoundry.kernels.spec import DIVISIBILITY
 from lmfoundry.model.cpu_elementwise import swap_native_elementwise
 from lmfoundry.model.cpu_linears import CProductLinear, can_prepack, prepack_c_products, prepack_dense_linears
 from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention, PrefillBatch
+from lmfoundry.runtime.engine.batch_invariant import DeterminismUnavailable, make_batch_invariant
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
@@ -107,7 +109,11 @@ class ReferenceModelExecutor:
 
     def __init__(self, model: CausalLM, config: EngineConfig) -> None:
         self.model = model.eval()
-        if can_prepack(model.dtype) and model.model.embed_tokens.weight.device.type == "cpu":
+        self.deterministic = config.deterministic
+        on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
+        if self.deterministic:
+            self._check_deterministic(model, on_cpu)
+        elif can_prepack(model.dtype) and on_cpu:
             # serving-time module swap: oneDNN reorders each weight once; q/k/v and gate/up run as
             # one product each
             prepack_dense_linears(model, fuse=True)
@@ -130,7 +136,33 @@ class ReferenceModelExecutor:
         self.compiled_max_tokens = int(getattr(model, "compiled_max_tokens", 0))
         self.compiled_steps = 0
         self.decode_kernel = self._decode_kernel(model)
-        self.prefill_kernel = self._prefill_kernel()
+        self.prefill_kernel = None if self.deterministic else self._prefill_kernel()
+        if self.deterministic and self.decode_kernel is None:
+            raise UserError(f"--deterministic: {self._no_decode_kernel()}")
+
+    def _check_deterministic(self, model: CausalLM, on_cpu: bool) -> None:
+        """The deterministic mode's module swap (`batch_invariant.py`), or one line saying why
+        this model cannot run it."""
+        if not on_cpu:
+            raise UserError("--deterministic runs the CPU engine; this model is on another device")
+        if getattr(model, "compiled_step", None) is not None:
+            raise UserError("--deterministic runs the eager model: an --arch cpu bundle's compiled step chooses "
+                            "its kernels by the step's size; serve the checkpoint it was compiled from")
+        try:
+            make_batch_invariant(model)
+        except DeterminismUnavailable as exc:
+            raise UserError(f"--deterministic: {exc}") from None
+
+    def _no_decode_kernel(self) -> str:
+        """Why the in-place decode kernel does not run this model (the deterministic mode needs it)."""
+        if self.config.needs_attention_spec:
+            return f"{self.config.model_type} attention (its own scale, soft-cap or windows) has no batch-invariant kernel"
+        if not all(f.lossless for f in self.formats):
+            return ("a KV cache stored quantized or in another dtype than the model's has no batch-invariant "
+                    "attention kernel; use --kv-cache-dtype auto")
+        from lmfoundry.kernels.cpu.build import unavailable_reason
+
+        return f"the C attention kernel is not available ({unavailable_reason('paged_decode') or 'this head size'})"
 
     def _decode_kernel(self, model: CausalLM) -> PagedDecode | None:
         """The in-place C decode kernel, where it applies: a CPU model without a layer-specific
@@ -235,8 +267,26 @@ class ReferenceModelExecutor:
             chunks.append(Chunk(row, row + n, c, blocks, mask))
         return chunks
 
+    def _invariant_batch(self, step: StepInputs) -> DecodeBatch:
+        """Every row of the step as one query of the decode kernel (the deterministic mode): row j
+        of an item with c cached tokens attends the first c + j + 1 tokens of its sequence, read
+        from the cache after the step's K/V are written, whether it is a decode or a prompt token."""
+        assert self.decode_kernel is not None
+        lengths = [length for c, n, _ in step.items for length in range(c + 1, c + n + 1)]
+        width = max(-(-(c + n) // step.block_size) for c, n, _ in step.items)
+        tables = torch.tensor([_table(t, width) for _, _, t in step.items], dtype=torch.int32)
+        tables = tables.repeat_interleave(torch.tensor([n for _, n, _ in step.items]), dim=0)
+        return DecodeBatch(self.decode_kernel, tables, torch.tensor(lengths, dtype=torch.int32),
+                           torch.arange(len(lengths), dtype=torch.int32), max(lengths), batch_invariant=True)
+
     def forward(self, step: StepInputs) -> torch.Tensor:
         bs = step.block_size
+        if self.deterministic:
+            assert self.cache is not None, "allocate() the KV cache first"
+            context = PagedAttention(self.cache, self.round_trips, torch.tensor(step.slots, dtype=torch.long), [], [],
+                                     self._invariant_batch(step))
+            return self.model.hidden_states(torch.tensor(step.ids, dtype=torch.long),
+                                            torch.tensor(step.positions, dtype=torch.long), context)
         prefill = self._prefill_batch(step) if self.prefill_kernel is not None else None
         chunks = self._chunks(step) if prefill is None else []
         decodes: list[DecodeGroup] = []
@@ -274,9 +324,10 @@ class KernelModelExecutor:
     name = "kernels"
 
     def __init__(self, model: KernelModel, config: EngineConfig) -> None:
+        if config.deterministic:
+            raise UserError("--deterministic runs the CPU engine (a checkpoint folder); an engine bundle's compiled "
+                            "kernels choose their tiles by the step's size")
         if config.block_size != model.kernels.manifest["kv_cache"]["block_size"]:
-            from lmfoundry.errors import UserError
-
             raise UserError(f"the engine's kernels were built for KV blocks of "
                             f"{model.kernels.manifest['kv_cache']['block_size']} tokens, not --block-size "
                             f"{config.block_size}")

@@ -436,6 +436,26 @@ class LLMEngine:
             scores.append((sum(lp.logprob for lp in lps), all(lp.top[0][0] == lp.token_id for lp in lps)))
         return scores
 
+    def prompt_logits(self, prompts: Seq[list[int]]) -> list[torch.Tensor]:
+        """Raw float32 logits [len(p) - 1, vocab] of every prompt position, row j predicting token
+        j + 1: the next-token distributions the engine serves (the prompt logprobs of an echo
+        request come from these rows), for evaluations that need all of them (perplexity and
+        divergence statistics against a baseline). A row computed twice (a preempted sequence's
+        recompute) is written twice, with the same values."""
+        rows: dict[str, torch.Tensor] = {}
+
+        def keep(seq: Sequence, position: int, logits: torch.Tensor) -> None:
+            if seq.request_id not in rows:
+                rows[seq.request_id] = torch.full((seq.num_prompt_tokens - 1, logits.shape[-1]), float("nan"))
+            rows[seq.request_id][position - 1 : position - 1 + logits.shape[0]] = logits
+
+        self.runner.logits_hook = keep
+        try:
+            outs = self.generate(list(prompts), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+        finally:
+            self.runner.logits_hook = None
+        return [rows.pop(out.request_id, torch.empty(0, self.model.config.vocab_size)) for out in outs]
+
     def embed(self, prompts: list[list[int]]) -> list[list[float]]:
         """Each prompt's embedding (offline): the final-norm hidden state of its last token,
         L2-normalized (vLLM's default pooling for decoder models), computed by the scheduled path

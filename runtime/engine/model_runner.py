@@ -15,7 +15,7 @@ all drafts). Its rows come out consecutively in `logits`, `num_rows` of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -55,6 +55,10 @@ class ModelRunner:
                             f"({bytes_per_token * self.block_size} bytes each); give it more memory")
         self.executor.allocate(self.num_blocks)
         self.kv_cache_bytes = bytes_per_token * self.block_size * self.num_blocks
+        # Offline callers that need whole next-token distributions of prompts (eval's perplexity and
+        # divergence statistics, `LLMEngine.prompt_logits`) see each chunk's raw logits here:
+        # hook(seq, position of the first token they predict, float32 logits [rows, vocab]).
+        self.logits_hook: Callable[[Sequence, int, torch.Tensor], None] | None = None
 
     @property
     def cache(self) -> Any:
@@ -121,7 +125,10 @@ class ModelRunner:
         out = result.prompt_logprobs.setdefault(seq.seq_id, [])
         for lo in range(first, last, PROMPT_LOGPROB_ROWS):
             hi = min(lo + PROMPT_LOGPROB_ROWS, last)
-            logp = torch.log_softmax(self.executor.logits(hidden[lo - start : hi - start]), dim=-1).cpu()
+            logits = self.executor.logits(hidden[lo - start : hi - start])
+            if self.logits_hook is not None:
+                self.logits_hook(seq, lo + 1, logits)
+            logp = torch.log_softmax(logits, dim=-1).cpu()
             targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1])
             chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
             best = logp.topk(k, dim=-1)  # k = 0: empty rows

@@ -304,6 +304,9 @@ class TensorParallelExecutor:
     def __init__(self, model: ShardedModel, config: Any) -> None:
         if getattr(model.local, "compiled_step", None) is not None:
             raise UserError("a compiled CPU step runs on one rank; drop --compile-step or --tp")
+        if config.deterministic:
+            raise UserError("--deterministic runs one process; drop --tp (the ranks' partial sums are not "
+                            "batch-invariant yet)")
         self.sharded = model
         model.group.send("executor", config)
         self.local = rank_executor(model.local, config)

@@ -340,3 +340,24 @@ def test_kld_threshold_fails_a_perturbed_candidate_and_the_baseline_reference_is
     assert evaluated == [str(tmp_path / "candidate")]  # ... with it, only the new candidate is
     assert third.report["baseline"]["from_cache"] and third.verdict == "pass"
     assert again.report["metrics"] == res.report["metrics"]
+
+
+def test_quiet_gate_prints_only_its_verdict_and_records_the_execution(tiny_model_dir, tmp_path, capsys):
+    """`eval-gate --quiet --deterministic`: nothing from lm-eval (its "Tokenizing inputs" bars
+    pass disable=False explicitly, which TQDM_DISABLE does not override) and only the verdict
+    lines on stdout; the report says how the models ran."""
+    from helpers import run_cli
+
+    cand = _artifact(tiny_model_dir, tmp_path)
+    code, out, err = run_cli(["eval-gate", str(cand), "--baseline", str(tiny_model_dir), "--gate",
+                              str(_tiny_gate(tmp_path)), "-o", str(tmp_path / "out"), "--quiet", "--no-cache",
+                              "--no-promotion", "--deterministic", "--dtype", "bfloat16"], capsys)
+    assert code == 0, err
+    assert err == ""
+    lines = out.strip().splitlines()
+    assert lines[-2] == "verdict: PASS" and lines[-1].startswith("report: ")
+    assert all(line.strip().startswith("pass ") for line in lines[:-2]), out
+    report = json.loads((tmp_path / "out" / "eval-gate.json").read_text())
+    want = {"path": "serving engine", "dtype": "bfloat16", "deterministic": True}
+    assert report["candidate"]["execution"] == report["baseline"]["execution"] == want
+    assert "- execution: serving engine in bfloat16, deterministic" in (tmp_path / "out" / "eval-gate.md").read_text()

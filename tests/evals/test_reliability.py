@@ -199,6 +199,7 @@ PPL_BAD_OPTIONS = {
     "ctx-one": (["--ctx", "1"], "--ctx must be at least 2"),
     "ctx-zero": (["--ctx", "0"], "--ctx must be at least 2"),
     "ctx-beyond-limit": (["--ctx", "4096"], "exceeds"),
+    "deterministic-tp": (["--deterministic", "--tp", "2"], "--deterministic runs the CPU engine in one process"),
 }
 
 

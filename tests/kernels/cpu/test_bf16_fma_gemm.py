@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.kernels.cpu.bf16_fma_gemm import Bf16FmaGemm, load_bf16_fma_gemm
+from lmfoundry.kernels.cpu.bf16_fma_gemm import Bf16FmaGemm, F32FmaGemm, load_bf16_fma_gemm, load_f32_fma_gemm
 from lmfoundry.kernels.error_bounds import assert_within, assert_written, dot_bound, poisoned
 
 kernel = load_bf16_fma_gemm()
@@ -85,3 +85,29 @@ def test_a_row_is_the_same_in_any_batch(gen) -> None:
         part = torch.empty(rows, n, dtype=torch.bfloat16)
         kernel(x[:rows], panels, bias, part)
         assert torch.equal(part, whole[:rows]), rows
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (6, 200, 96), (130, 96, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_product_matches_f_linear_and_a_row_is_the_same_in_any_batch(gen, m, n, k, bias) -> None:
+    """`lmf_f32_fma_gemm`, the deterministic mode's float32 linear: F.linear in float64 within the
+    float32 dot-product bound; each row equal to itself computed alone."""
+    f32 = load_f32_fma_gemm()
+    assert f32 is not None
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(m, k + 16, generator=gen)[:, 8 : 8 + k]  # strided rows
+    panels = F32FmaGemm.block(w)
+    assert panels.dtype == torch.float32 and torch.equal(F32FmaGemm.unblock(panels, n), w)
+    out = poisoned((m, n), torch.float32)
+    f32(x, panels, b, out)
+    assert_written(out, "f32_fma_gemm")
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    products = x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())
+    assert_within(out, ref, dot_bound(ref, products, k + 1, torch.float32), "f32_fma_gemm")
+    for r in (0, m - 1):
+        alone = torch.empty(1, n)
+        f32(x[r : r + 1], panels, b, alone)
+        assert torch.equal(alone[0], out[r]), r
+    with pytest.raises(ValueError, match="f32_fma_gemm"):
+        f32(x.to(torch.bfloat16), panels, b, out)

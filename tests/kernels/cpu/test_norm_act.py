@@ -65,3 +65,21 @@ def test_silu_mul_extremes(gen) -> None:
     assert torch.isfinite(out.float()).all()
     assert_within(out, silu_mul_reference(gate.clone(), up), 2 * 2 * unit_roundoff(torch.bfloat16) * 200 + 1e-30,
                   "silu_mul")
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (3, 45), (70, 576)])
+def test_float32_silu_mul_matches_silu_and_a_row_is_the_same_in_any_batch(gen, rows, n) -> None:
+    """The deterministic mode's float32 activation: within a few float32 roundings of
+    silu(gate) * up (its exp is a polynomial), and each row's values do not depend on the rows
+    around it or on the thread count."""
+    fused = torch.randn(rows, 2 * n, generator=gen) * 6
+    gate, up = fused.split(n, dim=-1)
+    out = kernel.silu_mul(gate, up)
+    assert out is not None and out.dtype == torch.float32 and out.shape == (rows, n)
+    g = gate.double()
+    exact = g * torch.sigmoid(g) * up.double()
+    assert_within(out, exact, 16 * U32 * exact.abs() + 1e-30, "silu_mul float32")
+    for threads in (1, 2, 3):
+        for r in (0, rows - 1):
+            alone = kernel.silu_mul(gate[r : r + 1], up[r : r + 1], threads=threads)
+            assert alone is not None and torch.equal(alone[0], out[r]), (r, threads)

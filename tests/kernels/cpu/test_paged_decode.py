@@ -115,3 +115,41 @@ def test_turned_off_by_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("LMFOUNDRY_NATIVE_KERNELS", "0")
     assert load_paged_decode() is None
     assert unavailable_reason("paged_decode") == "LMFOUNDRY_NATIVE_KERNELS=0"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant_plan_gives_a_query_the_same_output_in_any_batch(gen, dtype) -> None:
+    """With `batch_invariant` a query's partitions follow its own context (fixed length), so its
+    output is bit for bit the same alone, beside longer contexts, at any thread count; the result
+    still matches the reference."""
+    lengths = [700, 5, 2 * MAX_PARTITION + 37, 64, 300]
+    cache, tables, lens, rows, q = case(gen, dtype, 9, 3, 64, lengths, extra_rows=0)
+    whole = poisoned(tuple(q.shape), dtype)
+    kernel(q, cache.key_cache, cache.value_cache, tables, lens, rows, whole, int(lens.max()), batch_invariant=True)
+    ref = paged_decode_reference(q, cache.key_cache, cache.value_cache, tables, lens, rows)
+    bound = attention_bound(q[rows.long()], cache, tables, torch.arange(len(lengths) + 1), lens, ref, 64**-0.5,
+                            kernel.p_dtype(dtype, 64), p_split=True, p_hi_lo=False)
+    assert_within(whole[rows.long()], ref, bound, "paged_decode (batch-invariant)")
+    for i in range(len(lengths)):
+        for threads in (1, 2, 3):
+            alone = poisoned(tuple(q.shape), dtype)
+            kernel(q, cache.key_cache, cache.value_cache, tables[i : i + 1], lens[i : i + 1], rows[i : i + 1], alone,
+                   int(lens[i]), threads=threads, batch_invariant=True)
+            r = int(rows[i])
+            assert torch.equal(alone[r], whole[r]), (i, threads)
+    default = poisoned(tuple(q.shape), dtype)  # the default plan splits a lone query to feed the threads
+    kernel(q, cache.key_cache, cache.value_cache, tables[:1], lens[:1], rows[:1], default, 700, threads=3)
+    assert not torch.equal(default[int(rows[0])], whole[int(rows[0])])
+
+
+def test_batch_invariant_plan_bounds_its_partial_results(gen, monkeypatch) -> None:
+    """Rows whose partial results would exceed WORK_FLOATS go in several calls: same outputs."""
+    import lmfoundry.kernels.cpu.paged_decode as module
+
+    cache, tables, lens, rows, q = case(gen, torch.bfloat16, 9, 3, 64, [600, 40, 1100, 7], extra_rows=0)
+    one = poisoned(tuple(q.shape), torch.bfloat16)
+    kernel(q, cache.key_cache, cache.value_cache, tables, lens, rows, one, 1100, batch_invariant=True)
+    monkeypatch.setattr(module, "WORK_FLOATS", 3 * 9 * 66)  # one row's partitions a call
+    split = poisoned(tuple(q.shape), torch.bfloat16)
+    kernel(q, cache.key_cache, cache.value_cache, tables, lens, rows, split, 1100, batch_invariant=True)
+    assert torch.equal(one, split)

@@ -259,3 +259,78 @@ def test_llama_cpp_chats_on_our_gguf_like_serve(tmp_path: Path) -> None:
     mine, other = ours["choices"][0]["message"]["content"], theirs["choices"][0]["message"]["content"]
     assert len(mine.split()) >= 5 and other.split()[:5] == mine.split()[:5], (mine, other)
     assert "im_start" not in other and "user" not in other.lower(), other
+
+
+def _field(reader, name: str):
+    """A GGUF metadata value (scalar) as Python."""
+    f = reader.fields[name]
+    return f.parts[f.data[0]][0]
+
+
+def test_add_bos_token_is_what_the_tokenizer_does(llama_src: Path, tmp_path: Path) -> None:
+    """SmolLM2's tokenizer prepends nothing (llama.cpp must not either: without the key it adds a
+    BOS to BPE vocabularies); one whose post-processor prepends <|endoftext|> gets True."""
+    import json
+
+    import gguf
+    from transformers import AutoTokenizer
+
+    ckpt = _quantize(llama_src, tmp_path / "q", scheme="w4a16", group_size=32)
+    export_gguf(ckpt, tmp_path / "m.gguf", progress=False)
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert AutoTokenizer.from_pretrained(ckpt)("a").input_ids == AutoTokenizer.from_pretrained(ckpt)(
+        "a", add_special_tokens=False).input_ids
+    assert bool(_field(reader, "tokenizer.ggml.add_bos_token")) is False
+    assert bool(_field(reader, "tokenizer.ggml.add_eos_token")) is False
+
+    spec = json.loads((ckpt / "tokenizer.json").read_text())  # now a tokenizer that prepends BOS
+    bos = next(t for t in spec["added_tokens"] if t["content"] == "<|endoftext|>")
+    spec["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                       {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [bos["id"]],
+                                                                   "tokens": ["<|endoftext|>"]}}}
+    (ckpt / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|endoftext|>"}))
+    assert AutoTokenizer.from_pretrained(ckpt)("a").input_ids[0] == bos["id"]
+    export_gguf(ckpt, tmp_path / "bos.gguf", progress=False)
+    assert bool(_field(gguf.GGUFReader(tmp_path / "bos.gguf"), "tokenizer.ggml.add_bos_token")) is True
+
+
+@pytest.mark.parametrize("kind,ratio", [("f16", 0.5), ("q8_0", 34 / 128)])
+def test_the_embedding_can_be_stored_as_f16_or_q8_0(llama_src: Path, tmp_path: Path, kind: str, ratio: float) -> None:
+    """`--embedding-type`: the token embedding in F16 (to half an fp16 ulp, subnormals included) or
+    ggml's Q8_0 (ggml's own quantizer: within half a step of amax / 127 plus the step's own fp16
+    rounding, 127 * 2^-11 of it), the rest of the file unchanged."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from lmfoundry.checkpoint.folder import CheckpointReader
+
+    ckpt = _quantize(llama_src, tmp_path / "q", scheme="w4a16", group_size=32)
+    base = export_gguf(ckpt, tmp_path / "f32.gguf", progress=False)
+    small = export_gguf(ckpt, tmp_path / f"{kind}.gguf", progress=False, embedding_type=kind)
+    want = CheckpointReader(ckpt).get(["model.embed_tokens.weight"])["model.embed_tokens.weight"].float()
+    assert small.types[kind.upper()] == 1 and base.types["F32"] == small.types.get("F32", 0) + 1
+    tensor = next(t for t in gguf.GGUFReader(tmp_path / f"{kind}.gguf").tensors if t.name == "token_embd.weight")
+    assert tensor.tensor_type == getattr(gguf.GGMLQuantizationType, kind.upper())
+    got = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(want.shape)
+    blocks = want.reshape(want.shape[0], -1, 32)
+    if kind == "q8_0":
+        bound = blocks.abs().amax(-1, keepdim=True) / 127 * (0.5 + 127 * 2.0**-11) * 1.001
+    else:
+        bound = blocks.abs() * 2.0**-11 + 2.0**-25  # half an ulp; 2^-25: half the smallest fp16 subnormal
+    assert bool(((got.reshape(blocks.shape) - blocks).abs() <= bound).all())
+    saved = base.bytes - small.bytes
+    assert saved == pytest.approx(want.numel() * 4 * (1 - ratio), rel=0.01)
+
+
+def test_export_cli_refuses_an_unknown_embedding_type(llama_src: Path, tmp_path: Path, capsys) -> None:
+    from helpers import run_cli
+
+    code, _, err = run_cli(["export", str(llama_src), "-o", str(tmp_path / "x.gguf"), "--embedding-type", "q4"],
+                           capsys)
+    assert code == 2 and "--embedding-type" in err and not (tmp_path / "x.gguf").exists()

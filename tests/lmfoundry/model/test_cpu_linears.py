@@ -19,12 +19,14 @@ import sys
 import pytest
 import torch
 
+from lmfoundry.kernels.cpu.bf16_fma_gemm import load_f32_fma_gemm
 from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS, load_bf16_gemv
 from lmfoundry.kernels.cpu.int4_gemm import load_int4_gemm
 from lmfoundry.kernels.cpu.int8_gemm import load_int8_gemm
 from lmfoundry.model.cpu_linears import (
     DEQUANT_ROWS,
     CProductLinear,
+    FloatPanelLinear,
     FusedPrepackedLinear,
     Int4PackLinear,
     Int8PackLinear,
@@ -33,6 +35,7 @@ from lmfoundry.model.cpu_linears import (
     _onednn_bf16,
     can_prepack,
     packed_linear,
+    panel_float_linears,
     prepack_c_products,
     prepack_dense_linears,
 )
@@ -536,3 +539,46 @@ def test_int4_widths_int4pack_packs_in_partial_blocks_keep_pytorchs_kernel() -> 
     parent = torch.nn.Sequential(narrow, wide)
     assert prepack_c_products(parent) == 1
     assert isinstance(parent[0], Int4PackLinear) and isinstance(parent[1], CProductLinear)
+def rows_alone(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Each row of x through `module` on its own."""
+    return torch.cat([module(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+@needs_prepack
+@pytest.mark.parametrize("n,k", [(192, 96), (200, 96), (192, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_batch_invariant_prepacked_linear_gives_a_row_the_same_output_at_any_row_count(n, k, bias) -> None:
+    """The deterministic mode's bf16 linear: one C product for every row count (the few-row one
+    where the shape fits, else FMA panels), within the GEMM bound, each row equal to itself alone."""
+    g = torch.Generator().manual_seed(n + k)
+    lin = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) + 0.1)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    packed = PrepackedLinear(lin, batch_invariant=True)
+    assert packed.batch_invariant and packed.packed is None and torch.equal(packed.weight, lin.weight)
+    x = torch.randn(150, k, generator=g).to(torch.bfloat16)
+    whole = packed(x)
+    assert within_gemm_bound(whole, x, lin)
+    assert torch.equal(whole, rows_alone(packed, x))
+    assert torch.equal(packed(x[:7].reshape(1, 7, k))[0], whole[:7])
+
+
+@pytest.mark.skipif(load_f32_fma_gemm() is None, reason="no AVX2 + FMA C product here")
+@pytest.mark.parametrize("bias", [False, True])
+def test_float_panel_linear_gives_a_row_the_same_output_at_any_row_count(bias) -> None:
+    """The deterministic mode's float32 linear, where F.linear's BLAS sums in an order chosen by
+    the row count: F.linear within the float32 GEMM bound, each row equal to itself alone."""
+    g = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 200, bias=bias))
+    lin = model[0]
+    assert panel_float_linears(model) == 1 and isinstance(model[0], FloatPanelLinear)
+    panel = model[0]
+    assert torch.equal(panel.weight, lin.weight)
+    x = torch.randn(300, 96, generator=g)
+    whole = panel(x)
+    want = torch.nn.functional.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    bound = x.double().abs() @ lin.weight.double().abs().t() + (0 if lin.bias is None else lin.bias.double().abs())
+    assert bool(((whole.double() - want).abs() <= 2 * 98 * 2.0**-24 * bound).all())
+    assert torch.equal(whole, rows_alone(panel, x))

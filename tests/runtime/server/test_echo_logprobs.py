@@ -204,3 +204,38 @@ def test_lm_eval_local_completions_matches_in_process_evaluation(tmp_path: Path,
     for metric in ("acc,none", "acc_norm,none"):
         assert served[metric] == ours[metric], (metric, served, ours)
     assert 0 < ours["acc,none"] < 1  # a mix of right and wrong answers: the comparison has teeth
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_deterministic_served_scores_equal_the_gate_s_in_process_scores(tmp_path: Path, dtype) -> None:
+    """eval-gate's in-process scoring (`RuntimeLM` on the serving engine, deterministic) and
+    `lm_eval --model local-completions` against a deterministic server on the same weights and
+    dtype agree to 1e-4 nats per request (bit for bit, in fact), though the server runs other
+    block sizes and step budgets and lm-eval sends several prompts per request, concurrently."""
+    from lmfoundry.evals.lm_adapter import RuntimeLM
+
+    def model() -> torch.nn.Module:  # heads of 64: the attention kernel's bf16 dot-product path
+        return toy_model(seed=2, dtype=dtype, hidden_size=256, intermediate_size=512)
+
+    task = write_task(tmp_path / "tasks")
+    gate_lm = RuntimeLM(model(), byte_tokenizer(), serving=True, deterministic=True, progress=False)
+    assert gate_lm.execution() == {"path": "serving engine", "dtype": str(dtype).removeprefix("torch."),
+                                   "deterministic": True}
+    ours, our_lls = run_task({"model": gate_lm}, task, tmp_path / "tasks")
+    config = EngineConfig(num_kv_blocks=128, block_size=8, max_model_len=512, max_num_batched_tokens=48,
+                          deterministic=True)
+    engine = AsyncLLMEngine(LLMEngine(model(), byte_tokenizer(), config))
+    try:
+        with serve_in_thread(create_app(engine, "toy")) as url:
+            args = {"model": "toy", "base_url": f"{url}/v1/completions", "num_concurrent": 2, "batch_size": 3}
+            served, served_lls = run_task({"model": "local-completions", "model_args": args}, task,
+                                          tmp_path / "tasks")
+    finally:
+        engine.shutdown()
+    assert len(our_lls) == len(served_lls) == len(QUESTIONS)
+    worst = max(abs(a - b) for ours_doc, served_doc in zip(our_lls, served_lls, strict=True)
+                for a, b in zip(ours_doc, served_doc, strict=True))
+    assert worst <= 1e-4, (our_lls, served_lls)
+    assert our_lls == served_lls  # the same float64 sums of the same float32 logprobs
+    for metric in ("acc,none", "acc_norm,none"):
+        assert served[metric] == ours[metric], (metric, served, ours)
