@@ -63,6 +63,27 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...`
 
 
+def _real_package_first() -> None:
+    """A process spawned by a test (multiprocessing: tensor-parallel ranks, collectives) starts with
+    this path, on which tests/lmfoundry/ (the tests of lmfoundry/, no __init__.py) is a namespace
+    package `lmfoundry`. An editable install is found by its meta-path finder only after every path
+    entry, so in such a child the namespace package would win and `lmfoundry.model` would be the
+    tests' folder. A path entry holding only a link to the package this process imported comes first."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import lmfoundry
+
+    entry = Path(tempfile.mkdtemp(prefix="lmfoundry-test-path-"))
+    atexit.register(shutil.rmtree, entry, True)
+    (entry / "lmfoundry").symlink_to(Path(lmfoundry.__file__).resolve().parent, target_is_directory=True)
+    sys.path.insert(0, str(entry))
+
+
+_real_package_first()
+
+
 def pytest_configure(config) -> None:
     if _isa_refused is not None:
         raise pytest.UsageError(_isa_refused)
