@@ -1,4 +1,5 @@
-"""Engine knobs: KV block size and count, batch limits, queue bound, KV storage dtype, speculative decoding."""
+"""Engine knobs: KV block size and count, batch limits, queue bound, KV storage dtype, speculative
+decoding, LoRA adapters."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     ngram_max: int = 3  # longest n-gram looked up (prompt lookup); shorter ones are tried next
     ngram_min: int = 1
+    # LoRA adapters (lora.py): slots of the stacked adapter weights (0: LoRA off), the largest rank
+    # they hold, and the adapters loaded at start as (name, PEFT folder) pairs.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     @property
     def rank_threads(self) -> int | None:

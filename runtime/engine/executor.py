@@ -28,6 +28,7 @@ from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
 
 if TYPE_CHECKING:
     from lmfoundry.model.reference import CausalLM, DecoderLayer
+    from lmfoundry.runtime.engine.lora import LoRAStack
 
 CASCADE_MIN_TOKENS = 64  # shared-prefix length from which decode attention is split (cascade)
 
@@ -45,6 +46,7 @@ class StepInputs:
     offsets: list[int]
     num_decode: int
     block_size: int
+    lora_rows: torch.Tensor | None = None  # int32 [T]: each row's LoRA slot (-1: base); None: all base
 
     @property
     def decode_items(self) -> list[tuple[int, int, list[int]]]:
@@ -97,6 +99,7 @@ class ReferenceModelExecutor:
         self.compiled_steps = 0
         self.decode_kernel = self._decode_kernel(model)
         self.prefill_kernel = self._prefill_kernel()
+        self.lora: LoRAStack | None = None  # set by the engine's LoRAManager: adapters over this model
 
     def _decode_kernel(self, model: CausalLM) -> PagedDecode | None:
         """The in-place C decode kernel, where it applies: a CPU model without a layer-specific
@@ -223,6 +226,10 @@ class ReferenceModelExecutor:
                                  chunks, batch, prefill)
         ids = torch.tensor(step.ids, dtype=torch.long)
         positions = torch.tensor(step.positions, dtype=torch.long)
+        if step.lora_rows is not None:  # the adapters' hooks are on the eager model, not the compiled step
+            assert self.lora is not None, "a step with LoRA rows on an executor without adapters"
+            with self.lora.active(step.lora_rows):
+                return self.model.hidden_states(ids, positions, context)
         if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:
             self.compiled_steps += 1
             return self.compiled_step(ids, positions, context)

@@ -1,0 +1,259 @@
+"""Many LoRA adapters served from one base model in the same batches (Punica / S-LoRA / vLLM's
+multi-LoRA): each row of a step carries the slot of its request's adapter (-1: the base), and
+every adapted product adds each row's own delta on top of whatever the base linear computed
+(dense prepacked, int4/int8 packed, W8A8, FP8 ...), so it works on any base the engine serves.
+
+`LoRAStack` holds the adapters' weights at every *site* of the model (a linear, or the fused
+q/k/v or gate/up product of the CPU serving swap), stacked as `lmfoundry.kernels.lora` describes:
+`a` [max_loras, parts * max_rank, in], `bt` [max_loras, max_rank, out] with each adapter's scale
+folded in, zero padded. A forward hook on the site's module adds the step's deltas with one
+gathered shrink and one expand (the C kernels of `kernels/cpu/lora.c` on CPU, the Triton ops on
+a GPU, their PyTorch references where neither runs): one pass per step, not one per adapter. A
+step with no adapter row skips the hooks entirely.
+
+`LoRAManager` is the engine's registry: adapter names -> slots, loading (`read_adapter` checks
+an adapter against the base before anything is written) and unloading, and a key per load that
+the prefix cache chains block hashes from, so KV computed under one adapter is never served to
+another (or to the same name loaded again with other weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, cast
+
+import torch
+from torch import nn
+
+from lmfoundry.checkpoint.lora_adapter import LoRAAdapter, read_adapter
+from lmfoundry.errors import UserError
+from lmfoundry.kernels import lora as lora_ops
+from lmfoundry.kernels.cpu.lora import LoRAKernels, load_lora_kernels
+from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS, ModelConfig
+
+DEFAULT_MAX_RANK = 16  # vLLM's --max-lora-rank default
+
+
+class AdapterInUse(UserError):
+    """An unload refused because requests still run with the adapter (HTTP 409)."""
+
+
+@dataclass
+class LoRASite:
+    """One product the deltas are added to: its module, the linears whose outputs it lays side
+    by side (full names, in output order) and the adapters' stacked weights for it."""
+
+    module: nn.Module
+    names: tuple[str, ...]
+    ends: torch.Tensor  # int32 [P]: each part's last output column + 1
+    a: torch.Tensor  # [L, P * R, in]
+    bt: torch.Tensor  # [L, R, out]
+
+    @property
+    def in_features(self) -> int:
+        return int(self.a.shape[2])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.bt.shape[2])
+
+
+def _sites(model: nn.Module, config: ModelConfig) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """(module called in the forward, its linears) of every decoder layer: a fused q/k/v or
+    gate/up product where the CPU serving swap made one (`qkv_proj`, `gate_up_proj` set), else each
+    linear itself."""
+    out: list[tuple[nn.Module, tuple[str, ...]]] = []
+    fused_of = {member: group for group, members in FUSED_LINEARS.items() for member in members}
+    layers = cast(nn.ModuleList, model.get_submodule("model.layers"))
+    for i, layer in enumerate(layers):
+        done: set[str] = set()
+        for local in LAYER_LINEARS:
+            if local in done:
+                continue
+            group = fused_of.get(local)
+            fused = layer.get_submodule(group) if group is not None and _has_fused(layer, group) else None
+            members = FUSED_LINEARS[group] if fused is not None and group is not None else (local,)
+            module = fused if fused is not None else layer.get_submodule(local)
+            out.append((module, tuple(f"model.layers.{i}.{m}" for m in members)))
+            done.update(members)
+    return out
+
+
+def _has_fused(layer: nn.Module, group: str) -> bool:
+    parent, attr = group.rsplit(".", 1)
+    return getattr(layer.get_submodule(parent), attr, None) is not None
+
+
+class LoRAStack:
+    """Stacked adapter weights at every site of a reference `CausalLM` and the hooks that add
+    them; `active(rows)` sets the step's row -> slot map for the forward it wraps."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
+        self.rows: torch.Tensor | None = None
+        shapes = config.linear_shapes
+        self.sites: list[LoRASite] = []
+        self.where: dict[str, tuple[LoRASite, int]] = {}  # linear -> (site, part)
+        for module, names in _sites(model, config):
+            outs = [shapes[n.split(".", 3)[3]][0] for n in names]
+            k = shapes[names[0].split(".", 3)[3]][1]
+            site = LoRASite(module, names, torch.tensor(outs, dtype=torch.int32).cumsum(0).to(torch.int32),
+                            torch.zeros(max_loras, len(names) * max_rank, k, dtype=dtype, device=device),
+                            torch.zeros(max_loras, max_rank, sum(outs), dtype=dtype, device=device))
+            self.sites.append(site)
+            for p, name in enumerate(names):
+                self.where[name] = (site, p)
+        self.kernels: LoRAKernels | None = load_lora_kernels() if torch.device(device).type == "cpu" else None
+        self._hooks = [site.module.register_forward_hook(self._hook(site)) for site in self.sites]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.sites for t in (s.a, s.bt))
+
+    def close(self) -> None:
+        """Remove the hooks (the model computes the base alone again)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ---- slots ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def write(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` in `slot` (zero padded to the stack's rank, scales folded into B)."""
+        self.clear(slot)
+        r_max = self.max_rank
+        for name, lin in adapter.linears.items():
+            site, p = self.where[name]
+            r = lin.rank
+            lo = int(site.ends[p - 1]) if p else 0
+            site.a[slot, p * r_max : p * r_max + r] = lin.a.to(self.dtype)
+            site.bt[slot, :r, lo : int(site.ends[p])] = (lin.b * lin.scale).t().to(self.dtype)
+
+    @torch.no_grad()
+    def clear(self, slot: int) -> None:
+        for site in self.sites:
+            site.a[slot].zero_()
+            site.bt[slot].zero_()
+
+    # ---- the step ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def active(self, rows: torch.Tensor | None) -> Iterator[None]:
+        """Within the block, rows [T] int32 (a slot per row of the flat step, -1: base) select
+        each row's adapter; None: every row runs the base."""
+        self.rows = rows
+        try:
+            yield
+        finally:
+            self.rows = None
+
+    def _hook(self, site: LoRASite) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor | None]:
+        def add_deltas(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+            rows = self.rows
+            if rows is None:
+                return None
+            self.apply(site, args[0], out, rows)
+            return out
+
+        return add_deltas
+
+    def apply(self, site: LoRASite, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> None:
+        """y [.., out] += each row's delta for input x [.., in] (rows flattened in order)."""
+        x2 = x.reshape(-1, site.in_features)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y2 = y.view(-1, site.out_features)
+        if x2.shape[0] != rows.shape[0]:
+            raise RuntimeError(f"LoRA rows: {rows.shape[0]} slots for {x2.shape[0]} rows")
+        x2 = x2.to(site.a.dtype)
+        kernels = self.kernels
+        if kernels is not None and kernels.supports(y2.dtype) and y2.dtype == site.a.dtype:
+            s = kernels.shrink(x2, site.a, rows, torch.empty(x2.shape[0], site.a.shape[1]))
+            kernels.expand(s, site.bt, rows, site.ends, y2)
+        elif y2.is_cuda:
+            s = lora_ops.lora_shrink(x2, site.a, rows)
+            lora_ops.lora_expand(s, site.bt, rows, site.ends, y2)
+        else:
+            s = lora_ops.shrink_reference(x2, site.a, rows)
+            lora_ops.expand_reference(s, site.bt, rows, site.ends, y2)
+
+
+@dataclass
+class LoadedAdapter:
+    name: str
+    path: Path
+    slot: int
+    key: int  # unique per load: the prefix cache's chain root for its requests
+    rank: int
+    nbytes: int
+
+
+@dataclass
+class LoRAManager:
+    """The engine's adapters: names -> slots of one `LoRAStack`, per-adapter request counts."""
+
+    stack: LoRAStack
+    base: ModelConfig
+    adapters: dict[str, LoadedAdapter] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)  # requests added per adapter name, ever
+    _keys: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    @classmethod
+    def for_executor(cls, executor: Any, base: ModelConfig, max_loras: int, max_rank: int) -> "LoRAManager":
+        """A manager whose stack hooks the executor's model; refuses the paths LoRA does not run on."""
+        if max_loras < 1 or max_rank < 1:
+            raise UserError(f"--max-loras and --max-lora-rank must be at least 1, got {max_loras} and {max_rank}")
+        if base.is_moe:
+            raise UserError(f"LoRA on a mixture-of-experts base ({base.model_type}) is not implemented")
+        name = getattr(executor, "name", type(executor).__name__)
+        if name != "reference" or not hasattr(executor, "lora"):
+            raise UserError(f"LoRA adapters run on the PyTorch engine (a checkpoint folder or an --arch cpu bundle, "
+                            f"one process); this engine runs {name!r}")
+        model = executor.model
+        stack = LoRAStack(model, base, max_loras, max_rank, model.dtype, model.model.embed_tokens.weight.device)
+        executor.lora = stack
+        return cls(stack, base)
+
+    @property
+    def max_loras(self) -> int:
+        return self.stack.max_loras
+
+    def load(self, name: str, path: str | Path) -> LoadedAdapter:
+        """Read the adapter (refused in one line if it does not fit the base), then put it in a
+        free slot. Raises UserError; nothing changes on refusal."""
+        if not name or name != name.strip():
+            raise UserError(f"adapter name {name!r}: a name without surrounding spaces is needed")
+        if name in self.adapters:
+            raise UserError(f"an adapter named {name!r} is already loaded (unload it first)")
+        free = sorted(set(range(self.max_loras)) - {a.slot for a in self.adapters.values()})
+        if not free:
+            raise UserError(f"all {self.max_loras} adapter slots are in use (--max-loras {self.max_loras}); "
+                            "unload one first")
+        adapter = read_adapter(path, self.base, self.stack.max_rank)
+        self.stack.write(free[0], adapter)
+        loaded = LoadedAdapter(name, Path(path), free[0], next(self._keys), adapter.rank, adapter.nbytes())
+        self.adapters[name] = loaded
+        self.requests.setdefault(name, 0)
+        return loaded
+
+    def unload(self, name: str) -> None:
+        loaded = self.adapters.pop(name)
+        self.stack.clear(loaded.slot)
+
+    def resolve(self, name: str) -> LoadedAdapter:
+        try:
+            adapter = self.adapters[name]
+        except KeyError:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded") from None
+        self.requests[name] = self.requests.get(name, 0) + 1
+        return adapter
+
+
+def step_rows(items: list[tuple[Any, int]]) -> torch.Tensor | None:
+    """The slot of every row of a step (sequences in row order with their token counts), or None
+    when every row runs the base."""
+    if all(seq.lora_slot < 0 for seq, _ in items):
+        return None
+    return torch.tensor([seq.lora_slot for seq, n in items for _ in range(n)], dtype=torch.int32)
