@@ -597,3 +597,23 @@ def merge_lora(model: Any, folder: Path) -> Any:
                 lin.weight += delta[row : row + n].to(lin.weight.dtype)
                 row += n
     return merged
+
+
+def assert_promtool_accepts(url: str, series: str) -> None:
+    """Prometheus's own linter (`promtool check metrics`, Debian's prometheus package; .ci/run
+    installs it) on a live /metrics, which must export `series`. vLLM's series are left out: their
+    names carry ':' by vLLM's design, which promtool flags for every vLLM server too; every other
+    series must pass. Skips where promtool is not installed."""
+    import shutil
+    import subprocess
+
+    import httpx
+    import pytest
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    text = httpx.get(f"{url}/metrics").text
+    ours = "\n".join(line for line in text.splitlines() if "vllm:" not in line) + "\n"
+    assert series in ours
+    result = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -93,6 +93,7 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
 
 @click.command("serve")
 @click.argument("model")
+@click.argument("extra", nargs=-1, metavar="")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port (0: any free port).")
 @click.option("--api-key", default=None, envvar="LMFOUNDRY_API_KEY",
@@ -168,6 +169,21 @@ def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_g
 @click.option("--skip-verify", is_flag=True,
               help="Do not check the checkpoint's files against the sha256 in its lmfoundry.json before loading "
                    "(engine bundles are always checked against engine.json).")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PATH",
+              help="Serve a LoRA adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors) on "
+                   "MODEL under NAME: a request whose model is NAME runs it, in the same batches as the base and "
+                   "the other adapters. Repeat for several. Each is checked against MODEL first (rank, shapes, "
+                   "targets, kind) and refused in one line if it does not fit. vLLM's --lora-modules NAME=PATH "
+                   "[NAME=PATH ...] is accepted too.")
+@click.option("--lora-modules", "lora_modules", multiple=True, hidden=True)
+@click.option("--enable-lora", is_flag=True,
+              help="LoRA on without --lora (adapters loaded at run time through POST /v1/load_lora_adapter).")
+@click.option("--max-loras", type=int, default=None,
+              help="Adapters held at once (slots of the stacked adapter weights, allocated at start; "
+                   "`lmfoundry plan --max-loras` counts their memory). Default: the number of --lora given, at "
+                   "least 1.")
+@click.option("--max-lora-rank", type=int, default=16, show_default=True,
+              help="Largest adapter rank the slots hold; an adapter of higher rank is refused.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
@@ -176,7 +192,9 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
           enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
           ngram_max: int, threads: int | None, tp: int, tp_backend: str, max_request_mb: float, timeout_read: float, timeout_keep_alive: float,
-          skip_verify: bool, log_level: str) -> None:
+          skip_verify: bool, extra: tuple[str, ...] = (), loras: tuple[str, ...] = (), lora_modules: tuple[str, ...] = (),
+          enable_lora: bool = False, max_loras: int | None = None, max_lora_rank: int = 16,
+          log_level: str = "warning") -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device.
 
@@ -185,6 +203,10 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     HTTP 503 and serve exits with code 1."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
                           timeout_keep_alive)
+    from lmfoundry.commands.lora_options import lora_config, parse_spec, split_positionals
+
+    model, lora_modules = split_positionals(model, extra, lora_modules)
+    adapter_specs = [parse_spec(v, "--lora") for v in loras] + [parse_spec(v, "--lora-modules") for v in lora_modules]
     from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
     from lmfoundry.runtime.engine.core import EngineSpec, freeze_heap
@@ -203,6 +225,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
         split_heads(whole_model_config(model), tp)  # before anything starts
     run_dtype = resolve_dtype(dtype, model, device)
+    lora_slots, adapters = lora_config(model, adapter_specs, enable_lora, max_loras, max_lora_rank,
+                                       served_model_name or os.path.basename(os.path.normpath(model)), tp, device)
     if not skip_verify and not is_engine_bundle(model):
         from pathlib import Path
 
@@ -241,7 +265,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager,
         num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() if tp > 1 else None),
         speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max,
-        tensor_parallel_size=tp, tp_backend=tp_backend)
+        tensor_parallel_size=tp, tp_backend=tp_backend, max_loras=lora_slots, max_lora_rank=max_lora_rank,
+        lora_modules=adapters)
     died: list[int | None] = []
     server: Any = None
 
