@@ -72,8 +72,15 @@ def lora_config(model: str, loras: Iterable[tuple[str, str]], enable: bool, max_
     from lmfoundry.runtime.loader import is_engine_bundle, whole_model_config
 
     if device != "cpu" and is_engine_bundle(model):
-        raise UserError(f"{model}: LoRA adapters on a GPU engine bundle are not implemented yet; serve the "
-                        "checkpoint folder on --device cpu, or the bundle without adapters")
+        from lmfoundry.runtime.bundle_manifest import read_manifest
+
+        record = read_manifest(Path(model)).get("lora")
+        if record is None:
+            raise UserError(f"{model}: this engine bundle has no LoRA kernels; compile it with `lmfoundry compile ... "
+                            "--max-loras N --max-lora-rank R` to serve adapters on it")
+        if slots > record["max_loras"] or max_rank > record["max_rank"]:
+            raise UserError(f"{model}: its LoRA kernels serve --max-loras {record['max_loras']} and --max-lora-rank "
+                            f"{record['max_rank']}; asked {slots} and {max_rank}")
     from lmfoundry.checkpoint.lora_adapter import check_adapter
 
     base = whole_model_config(model)

@@ -264,6 +264,7 @@ class KernelModelExecutor:
         self.caches: list = []
         self._graphs: DecodeGraphs | None = None
         self.context_limit = self.config.kernel_context_limit  # plain causal kernels: exact up to a window
+        self.lora: LoRAStack | None = None  # set by the engine's LoRAManager (a bundle with LoRA kernels)
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
@@ -303,6 +304,11 @@ class KernelModelExecutor:
         return ids, positions, attn
 
     def forward(self, step: StepInputs) -> torch.Tensor:
+        if step.lora_rows is not None:  # the captured graphs hold no LoRA deltas: an eager step
+            assert self.lora is not None, "a step with LoRA rows on an executor without adapters"
+            ids, positions, attn = self.attention_inputs(step)
+            with self.lora.active(step.lora_rows):
+                return self.model.hidden_states(ids, positions, attn, self.caches)
         if self.graphs is not None and step.num_decode == len(step.items):
             hidden = self.graphs.run(step)
             if hidden is not None:

@@ -43,10 +43,11 @@ class AdapterInUse(UserError):
 
 @dataclass
 class LoRASite:
-    """One product the deltas are added to: its module, the linears whose outputs it lays side
-    by side (full names, in output order) and the adapters' stacked weights for it."""
+    """One product the deltas are added to: its key (the module, or the kernel model's GEMM
+    name), the linears whose outputs it lays side by side (full names, in output order) and the
+    adapters' stacked weights for it."""
 
-    module: nn.Module
+    key: nn.Module | str
     names: tuple[str, ...]
     ends: torch.Tensor  # int32 [P]: each part's last output column + 1
     a: torch.Tensor  # [L, P * R, in]
@@ -61,10 +62,10 @@ class LoRASite:
         return int(self.bt.shape[2])
 
 
-def _sites(model: nn.Module, config: ModelConfig) -> list[tuple[nn.Module, tuple[str, ...]]]:
-    """(module called in the forward, its linears) of every decoder layer: a fused q/k/v or
-    gate/up product where the CPU serving swap made one (`qkv_proj`, `gate_up_proj` set), else each
-    linear itself."""
+def model_sites(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """(module called in the forward, its linears) of every decoder layer of a reference
+    `CausalLM`: a fused q/k/v or gate/up product where the CPU serving swap made one (`qkv_proj`,
+    `gate_up_proj` set), else each linear itself."""
     out: list[tuple[nn.Module, tuple[str, ...]]] = []
     fused_of = {member: group for group, members in FUSED_LINEARS.items() for member in members}
     layers = cast(nn.ModuleList, model.get_submodule("model.layers"))
@@ -87,28 +88,58 @@ def _has_fused(layer: nn.Module, group: str) -> bool:
     return getattr(layer.get_submodule(parent), attr, None) is not None
 
 
-class LoRAStack:
-    """Stacked adapter weights at every site of a reference `CausalLM` and the hooks that add
-    them; `active(rows)` sets the step's row -> slot map for the forward it wraps."""
+def kernel_model_sites(model: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """(GEMM name, its linears) of every decoder layer of an engine bundle's `KernelModel`, as
+    compile fused them."""
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for layer in model.layers:
+        for gemm in (*layer.qkv, layer.o_proj, *layer.gate_up, layer.down):
+            prefix, local = gemm.name.split(".", 3)[:3], gemm.name.split(".", 3)[3]
+            out.append((gemm.name, tuple(".".join([*prefix, m]) for m in FUSED_LINEARS.get(local, (local,)))))
+    return out
 
-    def __init__(self, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
+
+Ops = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]  # (shrink, expand) as kernels.lora has them
+
+
+class LoRAStack:
+    """Stacked adapter weights at every site of a model; `active(rows)` sets the step's
+    row -> slot map for the forward it wraps. On a reference `CausalLM` (`on_model`) forward
+    hooks add the deltas; an engine bundle's `KernelModel` (`on_kernel_model`) calls `add` after
+    each GEMM with its kernel set's ops."""
+
+    def __init__(self, sites: list[tuple[nn.Module | str, tuple[str, ...]]], config: ModelConfig, max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device | str = "cpu", ops: Ops | None = None) -> None:
+        self.max_loras, self.max_rank, self.dtype, self.device = max_loras, max_rank, dtype, torch.device(device)
         self.rows: torch.Tensor | None = None
+        self.ops = ops
         shapes = config.linear_shapes
         self.sites: list[LoRASite] = []
         self.where: dict[str, tuple[LoRASite, int]] = {}  # linear -> (site, part)
-        for module, names in _sites(model, config):
+        for key, names in sites:
             outs = [shapes[n.split(".", 3)[3]][0] for n in names]
             k = shapes[names[0].split(".", 3)[3]][1]
-            site = LoRASite(module, names, torch.tensor(outs, dtype=torch.int32).cumsum(0).to(torch.int32),
+            site = LoRASite(key, names, torch.tensor(outs, dtype=torch.int32).cumsum(0).to(torch.int32).to(device),
                             torch.zeros(max_loras, len(names) * max_rank, k, dtype=dtype, device=device),
                             torch.zeros(max_loras, max_rank, sum(outs), dtype=dtype, device=device))
             self.sites.append(site)
             for p, name in enumerate(names):
                 self.where[name] = (site, p)
-        self.kernels: LoRAKernels | None = load_lora_kernels() if torch.device(device).type == "cpu" else None
-        self._hooks = [site.module.register_forward_hook(self._hook(site)) for site in self.sites]
+        self.by_key = {site.key: site for site in self.sites if isinstance(site.key, str)}
+        self.kernels: LoRAKernels | None = load_lora_kernels() if self.device.type == "cpu" and ops is None else None
+        self._hooks = [site.key.register_forward_hook(self._hook(site)) for site in self.sites
+                       if isinstance(site.key, nn.Module)]
+
+    @classmethod
+    def on_model(cls, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int) -> "LoRAStack":
+        weight = cast(nn.Embedding, model.get_submodule("model.embed_tokens")).weight
+        return cls(list(model_sites(model)), config, max_loras, max_rank, weight.dtype, weight.device)
+
+    @classmethod
+    def on_kernel_model(cls, model: Any, max_loras: int, max_rank: int) -> "LoRAStack":
+        ks = model.kernels
+        return cls(list(kernel_model_sites(model)), model.config, max_loras, max_rank, model.dtype, model.device,
+                   ops=(ks.lora_shrink, ks.lora_expand))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.sites for t in (s.a, s.bt))
@@ -143,7 +174,7 @@ class LoRAStack:
     def active(self, rows: torch.Tensor | None) -> Iterator[None]:
         """Within the block, rows [T] int32 (a slot per row of the flat step, -1: base) select
         each row's adapter; None: every row runs the base."""
-        self.rows = rows
+        self.rows = None if rows is None else rows.to(self.device, non_blocking=True)
         try:
             yield
         finally:
@@ -159,6 +190,11 @@ class LoRAStack:
 
         return add_deltas
 
+    def add(self, key: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the step's deltas of GEMM `key` for its input x (a no-op outside `active`)."""
+        if self.rows is not None:
+            self.apply(self.by_key[key], x, y, self.rows)
+
     def apply(self, site: LoRASite, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> None:
         """y [.., out] += each row's delta for input x [.., in] (rows flattened in order)."""
         x2 = x.reshape(-1, site.in_features)
@@ -169,12 +205,14 @@ class LoRAStack:
             raise RuntimeError(f"LoRA rows: {rows.shape[0]} slots for {x2.shape[0]} rows")
         x2 = x2.to(site.a.dtype)
         kernels = self.kernels
-        if kernels is not None and kernels.supports(y2.dtype) and y2.dtype == site.a.dtype:
+        if self.ops is not None:
+            shrink, expand = self.ops
+            expand(shrink(x2, site.a, rows), site.bt, rows, site.ends, y2)
+        elif kernels is not None and kernels.supports(y2.dtype) and y2.dtype == site.a.dtype:
             s = kernels.shrink(x2, site.a, rows, torch.empty(x2.shape[0], site.a.shape[1]))
             kernels.expand(s, site.bt, rows, site.ends, y2)
         elif y2.is_cuda:
-            s = lora_ops.lora_shrink(x2, site.a, rows)
-            lora_ops.lora_expand(s, site.bt, rows, site.ends, y2)
+            lora_ops.lora_expand(lora_ops.lora_shrink(x2, site.a, rows), site.bt, rows, site.ends, y2)
         else:
             s = lora_ops.shrink_reference(x2, site.a, rows)
             lora_ops.expand_reference(s, site.bt, rows, site.ends, y2)
@@ -202,17 +240,21 @@ class LoRAManager:
 
     @classmethod
     def for_executor(cls, executor: Any, base: ModelConfig, max_loras: int, max_rank: int) -> "LoRAManager":
-        """A manager whose stack hooks the executor's model; refuses the paths LoRA does not run on."""
+        """A manager whose stack serves the executor's model; refuses the paths LoRA does not run on."""
         if max_loras < 1 or max_rank < 1:
             raise UserError(f"--max-loras and --max-lora-rank must be at least 1, got {max_loras} and {max_rank}")
         if base.is_moe:
             raise UserError(f"LoRA on a mixture-of-experts base ({base.model_type}) is not implemented")
         name = getattr(executor, "name", type(executor).__name__)
-        if name != "reference" or not hasattr(executor, "lora"):
-            raise UserError(f"LoRA adapters run on the PyTorch engine (a checkpoint folder or an --arch cpu bundle, "
-                            f"one process); this engine runs {name!r}")
-        model = executor.model
-        stack = LoRAStack(model, base, max_loras, max_rank, model.dtype, model.model.embed_tokens.weight.device)
+        if name == "reference" and hasattr(executor, "lora"):
+            stack = LoRAStack.on_model(executor.model, base, max_loras, max_rank)
+        elif name == "kernels" and hasattr(executor, "lora"):
+            built_rank = _check_bundle(executor.model, max_loras, max_rank)
+            stack = LoRAStack.on_kernel_model(executor.model, max_loras, built_rank)  # the rank the kernels cover
+            executor.model.lora = stack
+        else:
+            raise UserError(f"LoRA adapters run on one process (a checkpoint folder, an --arch cpu bundle, or a GPU "
+                            f"bundle compiled with --max-loras); this engine runs {name!r}")
         executor.lora = stack
         return cls(stack, base)
 
@@ -249,6 +291,25 @@ class LoRAManager:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded") from None
         self.requests[name] = self.requests.get(name, 0) + 1
         return adapter
+
+
+def _check_bundle(model: Any, max_loras: int, max_rank: int) -> int:
+    """The rank an engine bundle's LoRA kernels were built for; refuses a bundle whose kernels
+    cannot serve these adapters."""
+    manifest = model.kernels.manifest
+    record = manifest.get("lora")
+    if record is None:
+        raise UserError("this engine bundle has no LoRA kernels; compile it with `lmfoundry compile ... "
+                        "--max-loras N --max-lora-rank R` to serve adapters on it")
+    if max_loras > record["max_loras"] or max_rank > record["max_rank"]:
+        raise UserError(f"the bundle's LoRA kernels serve --max-loras {record['max_loras']} and --max-lora-rank "
+                        f"{record['max_rank']}, fewer than asked ({max_loras}, {max_rank}); compile it for more")
+    if model.comm is not None:
+        raise UserError("LoRA adapters with --tp are not implemented")
+    if any(f["applied"] and f["kind"] == "act_order_fold" for f in manifest["fusions"]):
+        raise UserError("LoRA on a bundle whose gate/up rows are stored in down_proj's act order is not implemented; "
+                        "compile a checkpoint without act-order, or serve the checkpoint folder")
+    return int(record["max_rank"])
 
 
 def step_rows(items: list[tuple[Any, int]]) -> torch.Tensor | None:
