@@ -38,10 +38,14 @@ from lmfoundry.runtime.dtypes import DTYPES
                    "the degree it was compiled for).")
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each checkpoint's files against the sha256 in its lmfoundry.json first.")
+@click.option("--lora", default=None, metavar="NAME=PATH",
+              help="Run this PEFT LoRA adapter on both models (as `serve --lora` runs it): gates the adapter on "
+                   "the quantized CANDIDATE against the adapter on the float --baseline, the question before "
+                   "promoting a QLoRA deployment. Refused in one line if it does not fit either model.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
               no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str, tp: int,
-              skip_verify: bool) -> None:
+              skip_verify: bool, lora: str | None = None) -> None:
     """Evaluate CANDIDATE and --baseline on the same documents through the serving runtime's
     model execution: lm-eval tasks (accuracy and flips), perplexity windows with the per-token
     KL divergence, same-top-token rate and Δp against the baseline's next-token distributions
@@ -63,6 +67,9 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     from lmfoundry.runtime.loader import check_device, check_tensor_parallel, is_engine_bundle
 
     check_tensor_parallel(tp, device, (candidate, baseline))
+    from lmfoundry.commands.lora_options import parse_spec
+
+    adapter = parse_spec(lora, "--lora") if lora is not None else None
     if not skip_verify:  # before either model is evaluated (a bundle is checked against engine.json at load)
         for spec in (candidate, baseline):
             if Path(spec).is_dir() and not is_engine_bundle(spec):
@@ -71,7 +78,7 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
                    use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
                    write_promotion=not no_promotion, progress=not quiet, device=check_device(device),
-                   dtype=dtype, tp=tp)
+                   dtype=dtype, tp=tp, lora=adapter)
     for m in res.report["metrics"]:
         if m["gated"]:
             click.echo(f"{m['verdict']:>12}  {m['name']}: {m['statistic']} {m['point']:.4f} "

@@ -226,9 +226,10 @@ class ReferenceModelExecutor:
                                  chunks, batch, prefill)
         ids = torch.tensor(step.ids, dtype=torch.long)
         positions = torch.tensor(step.positions, dtype=torch.long)
-        if step.lora_rows is not None:  # the adapters' hooks are on the eager model, not the compiled step
-            assert self.lora is not None, "a step with LoRA rows on an executor without adapters"
-            with self.lora.active(step.lora_rows):
+        lora = self.lora
+        if lora is not None and (step.lora_rows is not None or lora.default_slot is not None):
+            # the adapters' hooks are on the eager model, not on a compiled step
+            with lora.active(step.lora_rows):
                 return self.model.hidden_states(ids, positions, context)
         if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:
             self.compiled_steps += 1
@@ -304,10 +305,10 @@ class KernelModelExecutor:
         return ids, positions, attn
 
     def forward(self, step: StepInputs) -> torch.Tensor:
-        if step.lora_rows is not None:  # the captured graphs hold no LoRA deltas: an eager step
-            assert self.lora is not None, "a step with LoRA rows on an executor without adapters"
-            ids, positions, attn = self.attention_inputs(step)
-            with self.lora.active(step.lora_rows):
+        lora = self.lora
+        if lora is not None and (step.lora_rows is not None or lora.default_slot is not None):
+            ids, positions, attn = self.attention_inputs(step)  # the captured graphs hold no LoRA deltas
+            with lora.active(step.lora_rows):
                 return self.model.hidden_states(ids, positions, attn, self.caches)
         if self.graphs is not None and step.num_decode == len(step.items):
             hidden = self.graphs.run(step)

@@ -223,7 +223,7 @@ class KernelModel:
         x = self._embed(ids)
         residual: torch.Tensor | None = None
         t = x.shape[0]
-        lora = self.lora if self.lora is not None and self.lora.rows is not None else None
+        lora = self.lora if self.lora is not None and self.lora.engaged else None
         for i, layer in enumerate(self.layers):
             h, hq, residual = self._norm(x, layer.input_norm, residual, layer.qkv, self.norm_quant["input_layernorm"])
             parts = [self._gemm(g, h, hq) for g in layer.qkv]

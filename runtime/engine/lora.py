@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, cast
 import torch
 from torch import nn
 
-from lmfoundry.checkpoint.lora_adapter import LoRAAdapter, read_adapter
+from lmfoundry.checkpoint.lora_adapter import LoRAAdapter, check_adapter, read_adapter
 from lmfoundry.errors import UserError
 from lmfoundry.kernels import lora as lora_ops
 from lmfoundry.kernels.cpu.lora import LoRAKernels, load_lora_kernels
@@ -112,6 +112,9 @@ class LoRAStack:
                  max_rank: int, dtype: torch.dtype, device: torch.device | str = "cpu", ops: Ops | None = None) -> None:
         self.max_loras, self.max_rank, self.dtype, self.device = max_loras, max_rank, dtype, torch.device(device)
         self.rows: torch.Tensor | None = None
+        # the slot every row runs outside a step's row map (`attach_adapter`: eval-gate's adapter-on-base
+        # models), None: those rows run the base
+        self.default_slot: int | None = None
         self.ops = ops
         shapes = config.linear_shapes
         self.sites: list[LoRASite] = []
@@ -180,9 +183,20 @@ class LoRAStack:
         finally:
             self.rows = None
 
+    @property
+    def engaged(self) -> bool:
+        """Whether a forward now adds deltas (a step's row map, or a default slot)."""
+        return self.rows is not None or self.default_slot is not None
+
+    def rows_for(self, n: int) -> torch.Tensor | None:
+        """The slots of the n rows a product sees: the step's map, else the default slot's."""
+        if self.rows is not None or self.default_slot is None:
+            return self.rows
+        return torch.full((n,), self.default_slot, dtype=torch.int32, device=self.device)
+
     def _hook(self, site: LoRASite) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor | None]:
         def add_deltas(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
-            rows = self.rows
+            rows = self.rows_for(args[0].numel() // site.in_features)
             if rows is None:
                 return None
             self.apply(site, args[0], out, rows)
@@ -191,9 +205,11 @@ class LoRAStack:
         return add_deltas
 
     def add(self, key: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += the step's deltas of GEMM `key` for its input x (a no-op outside `active`)."""
-        if self.rows is not None:
-            self.apply(self.by_key[key], x, y, self.rows)
+        """y += the deltas of GEMM `key` for its input x (a no-op unless `engaged`)."""
+        site = self.by_key[key]
+        rows = self.rows_for(x.numel() // site.in_features)
+        if rows is not None:
+            self.apply(site, x, y, rows)
 
     def apply(self, site: LoRASite, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> None:
         """y [.., out] += each row's delta for input x [.., in] (rows flattened in order)."""
@@ -310,6 +326,17 @@ def _check_bundle(model: Any, max_loras: int, max_rank: int) -> int:
         raise UserError("LoRA on a bundle whose gate/up rows are stored in down_proj's act order is not implemented; "
                         "compile a checkpoint without act-order, or serve the checkpoint folder")
     return int(record["max_rank"])
+
+
+def attach_adapter(executor: Any, base: ModelConfig, path: str | Path) -> LoadedAdapter:
+    """Make one adapter run on every row of every forward of the executor's model, in the
+    engine's steps and outside them (whole-window scoring calls the model directly): how
+    eval-gate evaluates an adapter on a base. Refused in one line as `serve --lora` refuses it."""
+    rank = check_adapter(path, base)
+    manager = LoRAManager.for_executor(executor, base, 1, rank)
+    loaded = manager.load("adapter", path)
+    manager.stack.default_slot = loaded.slot
+    return loaded
 
 
 def step_rows(items: list[tuple[Any, int]]) -> torch.Tensor | None:
