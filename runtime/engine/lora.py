@@ -129,7 +129,11 @@ class LoRAStack:
             for p, name in enumerate(names):
                 self.where[name] = (site, p)
         self.by_key = {site.key: site for site in self.sites if isinstance(site.key, str)}
-        self.kernels: LoRAKernels | None = load_lora_kernels() if self.device.type == "cpu" and ops is None else None
+        kernels = load_lora_kernels() if self.device.type == "cpu" and ops is None else None
+        self.kernels: LoRAKernels | None = kernels if kernels is not None and kernels.supports(dtype) else None
+        if self.kernels is not None:
+            for site in self.sites:
+                self.kernels.check_stack(site.a, site.bt, site.ends)
         self._hooks = [site.key.register_forward_hook(self._hook(site)) for site in self.sites
                        if isinstance(site.key, nn.Module)]
 
@@ -224,9 +228,8 @@ class LoRAStack:
         if self.ops is not None:
             shrink, expand = self.ops
             expand(shrink(x2, site.a, rows), site.bt, rows, site.ends, y2)
-        elif kernels is not None and kernels.supports(y2.dtype) and y2.dtype == site.a.dtype:
-            s = kernels.shrink(x2, site.a, rows, torch.empty(x2.shape[0], site.a.shape[1]))
-            kernels.expand(s, site.bt, rows, site.ends, y2)
+        elif kernels is not None and y2.dtype == site.a.dtype:
+            kernels.apply(x2, site.a, site.bt, rows, site.ends, y2)
         elif y2.is_cuda:
             lora_ops.lora_expand(lora_ops.lora_shrink(x2, site.a, rows), site.bt, rows, site.ends, y2)
         else:

@@ -34,3 +34,22 @@ def test_inputs_it_does_not_take_are_refused():
     with pytest.raises(ValueError, match="expand"):  # ends that do not cover y's columns
         kernels.expand(torch.zeros(2, 4), torch.zeros(1, 4, 6), rows, torch.tensor([5], dtype=torch.int32),
                        torch.zeros(2, 6))
+
+
+def test_apply_is_shrink_then_expand(gen):
+    """The serving path's one call equals the two calls bit for bit (same loops, same order)."""
+    t, parts, rank, k = 9, [64, 32, 32], 8, 96
+    a = (torch.randn(3, len(parts) * rank, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    bt = (torch.randn(3, rank, sum(parts), generator=gen) / rank**0.5).to(torch.bfloat16)
+    ends = torch.tensor(parts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    rows = torch.tensor([(i % 4) - 1 for i in range(t)], dtype=torch.int32)
+    x = torch.randn(t, k, generator=gen).to(torch.bfloat16)
+    y = torch.randn(t, sum(parts), generator=gen).to(torch.bfloat16)
+    two = y.clone()
+    kernels.expand(kernels.shrink(x, a, rows, torch.empty(t, a.shape[1])), bt, rows, ends, two)
+    kernels.check_stack(a, bt, ends)
+    assert torch.equal(kernels.apply(x, a, bt, rows, ends, y.clone()), two)
+    with pytest.raises(ValueError, match="lora apply"):
+        kernels.apply(x.float(), a, bt, rows, ends, y.clone())
+    with pytest.raises(ValueError, match="lora stack"):
+        kernels.check_stack(a, bt, torch.tensor([64, 96], dtype=torch.int32))
