@@ -347,7 +347,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     if lora is not None:
         from lmfoundry.runtime.engine.lora import attach_adapter
 
-        # the engine's executor first: its serving swap (prepacked, fused q/k/v) is the model the adapter hooks
+        # the engine's executor first: its serving swap (prepacked, fused q/k/v) is the model the adapter wraps
         attach_adapter(lm.engine().runner.executor, model.config, lora[1])
     data: dict[str, Any] = {"spec": spec, "path": str(folder), "fingerprint": fp, "dtype": str(model.dtype),
                             **({"lora": adapter} if adapter is not None else {}),

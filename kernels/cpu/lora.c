@@ -11,7 +11,8 @@
  * what they cost is instructions, not memory: the shrink takes one input row against a block of
  * W rank rows at once (W = 16 on AVX-512, 8 on AVX2), one accumulator vector a rank row (W
  * independent FMA chains, the input loaded once for all of them) reduced together at the end
- * (`reduce16` / `reduce8`); the expand accumulates a chunk of 64 output columns in four vectors
+ * (`reduce16` / `reduce8`; with AVX512-BF16, bf16 pairs go to `vdpbf16ps` as they are, two products a
+ * lane, which flushes denormal products to zero); the expand accumulates a chunk of 64 output columns in four vectors
  * over the R rank rows, and adds it to y with one rounding. Elsewhere the plain loops below run.
  * Rows and blocks are shared over torch's OpenMP pool. Built on the serving machine by
  * lmfoundry.kernels.cpu.build.
@@ -66,6 +67,16 @@ static inline __attribute__((always_inline)) void dots(const void *x, int64_t xo
     vec acc[LANES];
     for (int q = 0; q < LANES; q++) acc[q] = VZERO();
     int i = 0;
+#if defined(__AVX512BF16__)
+    if (bf16) /* AVX512-BF16: 32 products a row per instruction, the bf16 inputs as they are */
+        for (; i + 32 <= k; i += 32) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t *)x + xo + i);
+            for (int q = 0; q < LANES; q++) {
+                const uint16_t *row = (const uint16_t *)a + ao + (int64_t)(q < rows ? q : rows - 1) * k + i;
+                acc[q] = _mm512_dpbf16_ps(acc[q], xv, (__m512bh)_mm512_loadu_si512(row));
+            }
+        }
+#endif
     for (; i + LANES <= k; i += LANES) {
         const vec xv = vload(x, xo + i, bf16);
         for (int q = 0; q < LANES; q++) /* rows past `rows` repeat the last one; their sums are dropped */

@@ -228,7 +228,7 @@ class ReferenceModelExecutor:
         positions = torch.tensor(step.positions, dtype=torch.long)
         lora = self.lora
         if lora is not None and (step.lora_rows is not None or lora.default_slot is not None):
-            # the adapters' hooks are on the eager model, not on a compiled step
+            # the adapters wrap the eager model's linears, not a compiled step's
             with lora.active(step.lora_rows):
                 return self.model.hidden_states(ids, positions, context)
         if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:

@@ -6,10 +6,10 @@ every adapted product adds each row's own delta on top of whatever the base line
 `LoRAStack` holds the adapters' weights at every *site* of the model (a linear, or the fused
 q/k/v or gate/up product of the CPU serving swap), stacked as `lmfoundry.kernels.lora` describes:
 `a` [max_loras, parts * max_rank, in], `bt` [max_loras, max_rank, out] with each adapter's scale
-folded in, zero padded. A forward hook on the site's module adds the step's deltas with one
+folded in, zero padded. A wrapper of the site's module forward adds the step's deltas with one
 gathered shrink and one expand (the C kernels of `kernels/cpu/lora.c` on CPU, the Triton ops on
 a GPU, their PyTorch references where neither runs): one pass per step, not one per adapter. A
-step with no adapter row skips the hooks entirely.
+step with no adapter row adds nothing (one check per product).
 
 `LoRAManager` is the engine's registry: adapter names -> slots, loading (`read_adapter` checks
 an adapter against the base before anything is written) and unloading, and a key per load that
@@ -104,8 +104,8 @@ Ops = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]  # (shrink
 
 class LoRAStack:
     """Stacked adapter weights at every site of a model; `active(rows)` sets the step's
-    row -> slot map for the forward it wraps. On a reference `CausalLM` (`on_model`) forward
-    hooks add the deltas; an engine bundle's `KernelModel` (`on_kernel_model`) calls `add` after
+    row -> slot map for the forward it wraps. On a reference `CausalLM` (`on_model`) each site's
+    module forward is wrapped to add the deltas; an engine bundle's `KernelModel` (`on_kernel_model`) calls `add` after
     each GEMM with its kernel set's ops."""
 
     def __init__(self, sites: list[tuple[nn.Module | str, tuple[str, ...]]], config: ModelConfig, max_loras: int,
@@ -134,8 +134,10 @@ class LoRAStack:
         if self.kernels is not None:
             for site in self.sites:
                 self.kernels.check_stack(site.a, site.bt, site.ends)
-        self._hooks = [site.key.register_forward_hook(self._hook(site)) for site in self.sites
-                       if isinstance(site.key, nn.Module)]
+        self._wrapped = [site.key for site in self.sites if isinstance(site.key, nn.Module)]
+        for site in self.sites:
+            if isinstance(site.key, nn.Module):
+                self._wrap(site, site.key)
 
     @classmethod
     def on_model(cls, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int) -> "LoRAStack":
@@ -152,10 +154,10 @@ class LoRAStack:
         return sum(t.numel() * t.element_size() for s in self.sites for t in (s.a, s.bt))
 
     def close(self) -> None:
-        """Remove the hooks (the model computes the base alone again)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        """Unwrap the modules (the model computes the base alone again)."""
+        for module in self._wrapped:
+            del module.forward  # the instance attribute set by _wrap: the class's forward again
+        self._wrapped = []
 
     # ---- slots ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -198,15 +200,20 @@ class LoRAStack:
             return self.rows
         return torch.full((n,), self.default_slot, dtype=torch.int32, device=self.device)
 
-    def _hook(self, site: LoRASite) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor | None]:
-        def add_deltas(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
-            rows = self.rows_for(args[0].numel() // site.in_features)
-            if rows is None:
-                return None
-            self.apply(site, args[0], out, rows)
+    def _wrap(self, site: LoRASite, module: nn.Module) -> None:
+        """Give `module` an instance `forward` that adds the deltas after its own (the class's
+        forward stays; `close` removes the wrapper). Not a forward hook: a module with hooks
+        leaves PyTorch's fast call path, which at a decode step cost about as much as the deltas."""
+        base = module.forward
+
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            out = base(x, *args, **kwargs)
+            rows = self.rows if self.rows is not None else self.rows_for(x.numel() // site.in_features)
+            if rows is not None:
+                self.apply(site, x, out, rows)
             return out
 
-        return add_deltas
+        module.forward = forward  # type: ignore[method-assign]
 
     def add(self, key: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the deltas of GEMM `key` for its input x (a no-op unless `engaged`)."""

@@ -15,7 +15,7 @@ from toy import toy_model
 from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.lora import LoRAManager
+from lmfoundry.runtime.engine.lora import LoRAManager, LoRAStack
 from lmfoundry.runtime.loader import load_causal_lm
 
 
@@ -144,7 +144,7 @@ def test_loading_and_unloading(adapters) -> None:
 
 
 def test_a_step_with_adapters_bypasses_a_compiled_step(adapters) -> None:
-    """The adapters' hooks live on the eager model; an `--arch cpu` bundle's compiled step runs
+    """The adapters wrap the eager model's linears; an `--arch cpu` bundle's compiled step runs
     only the base, so steps with adapter rows take the eager layers."""
     engine = engine_with(toy_model(seed=1), adapters)
     executor = engine.runner.executor
@@ -175,3 +175,22 @@ def test_lora_off_and_other_executors_are_refused(adapters) -> None:
         LoRAManager.for_executor(Kernels(), toy_model(seed=1).config, 2, 16)
     with pytest.raises(UserError, match="at least 1"):
         LoRAManager.for_executor(engine.runner.executor, toy_model(seed=1).config, 0, 16)
+
+
+def test_closing_a_stack_restores_the_base_forward(adapters) -> None:
+    """The stack wraps each site's forward; with no row map and no default slot it adds nothing,
+    and `close` removes the wrappers (the modules' own forwards again)."""
+    model = toy_model(seed=1)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        want = model(ids)
+        stack = LoRAStack.on_model(model, model.config, 1, 8)
+        from lmfoundry.checkpoint.lora_adapter import read_adapter
+
+        stack.write(0, read_adapter(adapters["a"], model.config, 8))
+        assert torch.equal(model(ids), want)  # wrapped, but no row runs an adapter
+        stack.default_slot = 0
+        assert not torch.equal(model(ids), want)
+        stack.close()
+        assert all("forward" not in vars(m) for m in model.modules())
+        assert torch.equal(model(ids), want)
