@@ -617,3 +617,27 @@ def assert_promtool_accepts(url: str, series: str) -> None:
     assert series in ours
     result = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def plain_lora(model: Any, folder: Path) -> Any:
+    """`model` with the PEFT adapter in `folder` added unmerged by plain PyTorch, a forward hook
+    on each adapted linear adding scale * (x A^T) B^T in float32: the simplest independent
+    statement of an adapter on a base whose weights cannot take a merge (W8A8, FP8)."""
+    import re
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    for name in tensors:
+        if not name.endswith("lora_A.weight"):
+            continue
+        a, b = tensors[name].float(), tensors[name.replace("lora_A", "lora_B")].float()
+        scale = cfg["lora_alpha"] / (a.shape[0] ** 0.5 if cfg.get("use_rslora") else a.shape[0])
+        module = model.get_submodule(re.sub(r"^base_model\.model\.", "", name.removesuffix(".lora_A.weight")))
+
+        def add(mod: Any, args: Any, out: Any, a: Any = a, b: Any = b, scale: float = scale) -> Any:
+            return (out.float() + scale * (args[0].float() @ a.t()) @ b.t()).to(out.dtype)
+
+        module.register_forward_hook(add)
+    return model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import write_checkpoint
-from helpers import assert_greedy_up_to_bf16_ties, merge_lora, reference_greedy, write_lora_adapter
+from helpers import assert_greedy_up_to_bf16_ties, merge_lora, plain_lora, reference_greedy, write_lora_adapter
 from toy import toy_model
 
 from lmfoundry.checkpoint.folder import CheckpointReader
@@ -194,3 +194,37 @@ def test_closing_a_stack_restores_the_base_forward(adapters) -> None:
         stack.close()
         assert all("forward" not in vars(m) for m in model.modules())
         assert torch.equal(model(ids), want)
+
+
+QUANTIZED = {
+    "w8a8": ["--scheme", "w8a8"],
+    "fp8-dynamic": ["--scheme", "fp8-dynamic", "--method", "fp8"],
+    "w8a16+kv-int8": ["--scheme", "w8a16", "--per-channel", "--kv-cache", "int8"],
+    "w4a16+kv-fp8": ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "fp8"],
+}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+def test_adapters_on_every_quantized_base(case: str, adapters, tmp_path) -> None:
+    """W8A8, FP8 (activations quantized: no merge possible), W8A16 and W4A16 with quantized KV
+    caches: a batch of base and adapter requests gives the greedy tokens of the same quantized
+    model with the adapter added unmerged by plain PyTorch (`helpers.plain_lora`)."""
+    from click.testing import CliRunner
+    from toy import save_toy_checkpoint
+
+    from lmfoundry.cli import cli
+    from lmfoundry.runtime.loader import load_model
+
+    out = tmp_path / case
+    result = CliRunner().invoke(cli, ["quantize", str(save_toy_checkpoint(tmp_path / "float", seed=1)), "-o", str(out),
+                                      "--method", "rtn", "--num-samples", "4", "--seq-len", "64", "--quiet",
+                                      "--skip-doctor", *QUANTIZED[case]])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    engine = engine_with(load_model(str(out))[0], {"a": adapters["a"]})
+    if "kv" in case:
+        assert engine.runner.cache.k[0].element_size() == 1
+    reference = plain_lora(load_model(str(out))[0], adapters["a"])
+    ps, params = mixed(prompts(2, seed=8), [None, "a"], max_tokens=8)
+    for p, prm, got in zip(ps, params, engine.generate(ps, params), strict=True):
+        want = reference_greedy(reference if prm.lora else load_model(str(out))[0], p, 8)
+        assert got.outputs[0].token_ids == want, (case, prm.lora)
