@@ -208,9 +208,11 @@ def build_engine(
     progress: bool = True,
     log: Callable[[str], None] = lambda msg: None,
     tp: int = 1,
+    lora: tuple[int, int] | None = None,
 ) -> BuildResult:
     """Compile every kernel `checkpoint` needs for `archs` into an engine bundle at `output`;
-    with `tp` > 1, one bundle per tensor-parallel rank, each for its own share's shapes."""
+    with `tp` > 1, one bundle per tensor-parallel rank, each for its own share's shapes; with
+    `lora` (max adapters, max rank), the LoRA kernels for serving that many adapters."""
     t0 = time.perf_counter()
     if not archs:
         raise UserError("name at least one --arch (ampere, ada, hopper)")
@@ -224,13 +226,15 @@ def build_engine(
         verify_artifact(src, "compile")  # before any tensor is read: the bundle records what it reads as good
     ck = load_checkpoint(src, dtype)
     plan = None
+    if lora is not None and tp > 1:
+        raise UserError("LoRA kernels with --tp are not implemented; compile the adapters' bundle for one device")
     if tp > 1:
         RankShard(ck.config, 0, tp).heads  # noqa: B018 - refuses a degree the heads or MLP width do not split into
         if weights == "link":
             raise UserError(f"--weights link with --tp {tp}: each rank's share is written anew, there is nothing "
                             "to link to; use repack or copy")
     else:
-        plan = _plan(ck, caps, block_size, tune, log)
+        plan = _plan(ck, caps, block_size, tune, log, lora)
     stage, created = _staging(final)
     try:
         if plan is None:
@@ -247,8 +251,9 @@ def build_engine(
     return BuildResult(final, built.manifest, time.perf_counter() - t0, ranks)
 
 
-def _plan(ck: Checkpoint, caps: list[int], block_size: int, tune: bool, log: Callable[[str], None]) -> Plan:
-    plan = make_plan(ck, caps, block_size)
+def _plan(ck: Checkpoint, caps: list[int], block_size: int, tune: bool, log: Callable[[str], None],
+          lora: tuple[int, int] | None = None) -> Plan:
+    plan = make_plan(ck, caps, block_size, lora)
     if tune:
         from lmfoundry.compile.tune import tune_plan
 
@@ -378,5 +383,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
         "kernels": kernels,
         "build": {"seconds": round(time.perf_counter() - t0, 2), "workers": workers, "tuned": tune},
     }
+    if plan.lora is not None:  # only then: a bundle without adapters stays byte for byte what it was
+        manifest["lora"] = plan.lora
     (out / "engine.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return BuildResult(out, manifest, time.perf_counter() - t0)

@@ -11,7 +11,10 @@ Decisions made here, and recorded in the bundle so the runtime does exactly what
     W4A16 too (`mlp.down_proj.input_perm`: no activation gather at run time), other act-order GEMMs
     gather their input once per call;
   - every kernel is specialized on dtypes, the semantic constexprs, and a tile config per row
-    bucket from the arch tables; one specialization covers every model shape that shares them.
+    bucket from the arch tables; one specialization covers every model shape that shares them;
+  - with LoRA slots (`compile --max-loras N --max-lora-rank R`), the gathered LoRA shrink/expand
+    pair (`kernels/lora.py`) for every product after fusion (q/k/v as one site of three parts where
+    fused), at rank R; the bundle records the slots and rank the runtime may stack.
 """
 
 from __future__ import annotations
@@ -112,6 +115,20 @@ class Plan:
     fusions: list[Fusion]
     gemms: list[Gemm]
     specs: list[Spec]
+    lora: dict[str, int] | None = None  # {"max_loras", "max_rank"} the LoRA kernels were built for
+
+
+def _lora_requests(gemms: list[Gemm], act: str, max_rank: int
+                   ) -> list[tuple[str, dict[str, str], dict[str, Any], dict[str, int], str]]:
+    """The shrink and expand of every adapted product (a layer's GEMMs after fusion, not the LM head)."""
+    out: list[tuple[str, dict[str, str], dict[str, Any], dict[str, int], str]] = []
+    for g in gemms:
+        if g.name == "lm_head":
+            continue
+        parts = len(FUSED_LINEARS.get(g.name, (g.name,)))
+        out.append(("lora_shrink", {"act": act}, {}, {"K": g.k, "S": parts * max_rank}, f"{g.name}.lora"))
+        out.append(("lora_expand", {"act": act}, {"PARTS": parts}, {"N": g.n, "R": max_rank}, f"{g.name}.lora"))
+    return out
 
 
 def _layer_scheme(ck: Checkpoint, local: str) -> LinearScheme:
@@ -228,8 +245,10 @@ def _check_arch(ck: Checkpoint, gemms: list[Gemm], capabilities: list[int]) -> N
             )
 
 
-def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> Plan:
-    """Everything to compile for `capabilities` (e.g. [90, 80]) and the fusions decided."""
+def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16,
+              lora: tuple[int, int] | None = None) -> Plan:
+    """Everything to compile for `capabilities` (e.g. [90, 80]) and the fusions decided; with
+    `lora` (max adapters, max rank), the LoRA kernels too."""
     cfg = ck.config
     act = triton_type(ck.dtype)
     fusions = {name: _concat_fusion(ck, name, members) for name, members in FUSED_LINEARS.items()}
@@ -288,6 +307,10 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
 
     for g in gemms:
         requests.extend(_gemm_requests(g, act))
+    if lora is not None:
+        if min(lora) < 1:
+            raise UserError(f"--max-loras and --max-lora-rank must be at least 1, got {lora[0]} and {lora[1]}")
+        requests.extend(_lora_requests(gemms, act, lora[1]))
 
     d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     fused_qkv = fusions["self_attn.qkv_proj"].applied
@@ -327,7 +350,7 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16) -> 
     fold = _act_order_fold(ck, fusions)
     return Plan(list(capabilities), ck.dtype, kv_type, block_size,
                 list(fusions.values()) + norm_fusions + ([fold] if fold is not None else []), gemms,
-                list(specs.values()))
+                list(specs.values()), {"max_loras": lora[0], "max_rank": lora[1]} if lora is not None else None)
 
 
 def _quant_request(act: str, s: LinearScheme, width: int, used_by: str):

@@ -12,6 +12,12 @@ records the execution path and dtype), the promotion record. So the gate's numbe
 the served candidate produces: with `deterministic`, `lm_eval --model local-completions` against
 `serve --deterministic` in the same dtype scores the same tasks identically.
 
+With a LoRA adapter (`eval-gate --lora NAME=PATH`) both models run it on every row of every
+forward (`runtime.engine.lora.attach_adapter`: the serving engine's gathered LoRA products on top
+of each base's own linears), so the gate answers whether the adapter on the quantized base
+(QLoRA's deployment) matches the adapter on the float base; the adapter's files are part of
+each model's cache key.
+
 Per-model results are cached under `<cache>/eval-gate/`, keyed by the sha256 of the model's
 weights, config and tokenizer, the task files, the tier and prompt settings and the library
 versions; a baseline's reference is cached beside its results and a candidate's key includes the
@@ -273,6 +279,14 @@ def bundle_fingerprint(engine: Path) -> dict[str, Any]:
     return _fingerprint_of(files)
 
 
+def adapter_fingerprint(folder: str | Path) -> dict[str, Any]:
+    """sha256 of a PEFT LoRA folder's config and weights (what the adapter computes)."""
+    from lmfoundry.checkpoint.lora_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from lmfoundry.manifest import sha256_file
+
+    return _fingerprint_of({name: sha256_file(Path(folder) / name) for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)})
+
+
 def _versions() -> dict[str, str]:
     from lmfoundry.manifest import tool_versions
 
@@ -289,7 +303,7 @@ def _cache_path(key: dict[str, Any]) -> Path:
 def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Path], task_hashes: dict[str, str],
                    use_cache: bool = True, progress: bool = False, device: str = "cpu", dtype: str = "auto",
                    reference: Reference | None = None, prompts: list[Prompt] | None = None, tp: int = 1,
-                   deterministic: bool = False) -> dict[str, Any]:
+                   deterministic: bool = False, lora: tuple[str, str] | None = None) -> dict[str, Any]:
     """Per-document results of one model on the tier (from the cache when the inputs match). An
     engine bundle runs its compiled kernels on `device` (what `serve` would run); a checkpoint runs
     in `dtype` (`auto`: what `serve` picks on this CPU), split over `tp` ranks as `serve --tp`
@@ -299,7 +313,8 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     Without `reference` the model is a baseline: its next-token distributions on the perplexity
     windows are kept (`data["reference"]`, cached beside the results). With one, the model is a
     candidate scored against it token by token (`data["divergence"]`), and the reference's digest
-    is part of the cache key."""
+    is part of the cache key. With `lora` (name, PEFT folder), the model runs that adapter on every
+    row (see the module doc)."""
     import torch
 
     from lmfoundry.checkpoint.sources import resolve_model
@@ -312,6 +327,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     fp = bundle_fingerprint(folder) if bundle else fingerprint(folder)
     if gen is not None and prompts is None:
         prompts = tier_prompts(gen)
+    adapter = None if lora is None else {"name": lora[0], "path": lora[1], "sha256": adapter_fingerprint(lora[1])["sha256"]}
     key = {"schema": SCHEMA_VERSION, "model": fp["sha256"], "versions": _versions(),
            "tasks": [[t.name, t.limit, task_hashes.get(t.name)] for t in tasks],
            "ppl": None if ppl is None else [ppl.text, ppl.ctx, ppl.windows, ppl.top_k],
@@ -320,7 +336,8 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
            "prompt": [gate.add_bos, gate.chat_template, gate.num_fewshot], "seed": gate.seed,
            "threads": torch.get_num_threads(), **({"device": device} if bundle else {}),
            **({"dtype": str(run_dtype)} if run_dtype is not None else {}), **({"tp": tp} if tp > 1 else {}),
-           "execution": {"path": "serving engine", "deterministic": deterministic}}
+           "execution": {"path": "serving engine", "deterministic": deterministic},
+           **({"lora": adapter["sha256"]} if adapter is not None else {})}
     cache = _cache_path(key)
     keeps_reference = ppl is not None and reference is None
     ref_file = cache.with_name(cache.stem + ".reference.npz")
@@ -350,8 +367,14 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
         model, tokenizer = load_model(folder, dtype=run_dtype, device=device)
     lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos, serving=True, deterministic=deterministic,
                    progress=progress)
+    if lora is not None:
+        from lmfoundry.runtime.engine.lora import attach_adapter
+
+        # the engine's executor first: its serving swap (prepacked, fused q/k/v) is the model the adapter wraps
+        attach_adapter(lm.engine().runner.executor, model.config, lora[1])
     data: dict[str, Any] = {"spec": spec, "path": str(folder), "fingerprint": fp, "dtype": str(model.dtype),
                             "execution": lm.execution(),
+                            **({"lora": adapter} if adapter is not None else {}),
                             "prompt": {**lm.prompt_settings(), "chat_template": gate.chat_template,
                                        "num_fewshot": gate.num_fewshot},
                             "threads": torch.get_num_threads()}
@@ -414,8 +437,10 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
              output: str | Path = "eval-gate", extra_tasks: tuple[str, ...] = (),
              include_paths: tuple[str, ...] = (), use_cache: bool = True, inconclusive_exit: int | None = None,
              write_promotion: bool = True, progress: bool = False, device: str = "cpu",
-             dtype: str = "auto", tp: int = 1, deterministic: bool = False) -> GateResult:
-    """Evaluate, compare, write eval-gate.json + eval-gate.md + eval-gate.png, record the verdict."""
+             dtype: str = "auto", tp: int = 1, deterministic: bool = False,
+             lora: tuple[str, str] | None = None) -> GateResult:
+    """Evaluate, compare, write eval-gate.json + eval-gate.md + eval-gate.png, record the verdict.
+    With `lora` (name, PEFT folder), both models run the adapter (see the module doc)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from lmfoundry.evals.report import write_markdown, write_plot
@@ -444,15 +469,18 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     if ppl is not None:
         for m in (cand_model, base_model):
             check_context(ppl.ctx, m, f"{gate.source}: tiers.{tier}.perplexity.ctx")
+    if lora is not None:
+        _check_adapter(lora, (cand_model, base_model), tp, device)
     del cand_model, base_model
     with tempfile.TemporaryDirectory(prefix="lmfoundry-gate-") as tmp:
         ours, task_hashes = materialize_tasks(Path(tmp))
         paths = [ours, *user_paths]
         check_gated_metrics(tasks, paths)
         base = evaluate_model(baseline, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
-                              prompts=prompts, tp=tp, deterministic=deterministic)
+                              prompts=prompts, tp=tp, deterministic=deterministic, lora=lora)
         cand = evaluate_model(candidate, plan, gate, paths, task_hashes, use_cache, progress, device, dtype,
-                              reference=base.get("reference"), prompts=prompts, tp=tp, deterministic=deterministic)
+                              reference=base.get("reference"), prompts=prompts, tp=tp, deterministic=deterministic,
+                              lora=lora)
     metrics = compare(cand, base, plan, gate, prompts or [])
     gated = [m for m in metrics if m["gated"]]
     verdict = stats.combine([m["verdict"] for m in gated])
@@ -483,6 +511,7 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
         "divergence": None if ppl is None else summary(TokenStatistics.from_lists(cand["divergence"])),
         "generation": None if prompts is None else _answers(prompts, cand["generation"], base["generation"]),
         "versions": {**_versions(), "lm-eval": importlib.metadata.version("lm_eval")},
+        "lora": cand.get("lora"),
     }
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path, png_path = out / "eval-gate.json", out / "eval-gate.md", out / "eval-gate.png"
@@ -493,6 +522,26 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     if write_promotion:
         promoted = record_promotion(candidate, report, json_path, md_path)
     return GateResult(verdict, code, report, json_path, md_path, png_path, promoted)
+
+
+def _check_adapter(lora: tuple[str, str], models: tuple[CheckedModel, ...], tp: int, device: str) -> None:
+    """Refuse, before either model is evaluated, an adapter either base cannot run (one line)."""
+    from lmfoundry.checkpoint.lora_adapter import check_adapter
+    from lmfoundry.runtime.bundle_manifest import read_manifest
+
+    if tp > 1:
+        raise UserError("--lora with --tp: the runtime serves LoRA adapters on one process")
+    name, path = lora
+    for m in models:
+        try:
+            rank = check_adapter(path, m.config)
+        except UserError as exc:
+            raise UserError(f"--lora {name} on {m.spec}: {exc}") from None
+        if m.bundle and device != "cpu":
+            record = read_manifest(Path(m.spec)).get("lora")
+            if record is None or rank > record["max_rank"]:
+                raise UserError(f"{m.spec}: the bundle has no LoRA kernels for rank {rank}; compile it with "
+                                f"--max-loras 1 --max-lora-rank {rank} (or more)")
 
 
 def _answers(prompts: list[Prompt], cand: list[dict[str, Any]], base: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -543,6 +592,7 @@ def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md
         "baseline": report["baseline"]["spec"], "baseline_sha256": report["baseline"]["sha256"],
         "candidate_sha256": report["candidate"]["sha256"],
         "failing": report["failing"],
+        **({"lora": report["lora"]} if report.get("lora") else {}),
         "report": str(json_path.resolve()), "report_sha256": sha256_file(json_path),
         "markdown_sha256": sha256_file(md_path),
         "created_unix": int(time.time()),

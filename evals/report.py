@@ -93,6 +93,8 @@ def write_markdown(report: dict[str, Any], path: Path, plot_name: str) -> None:
         f"{report['prompt']['num_fewshot']}-shot",
         *([_execution_line(c["execution"])] if c.get("execution") else []),
         f"- rule: {g['rule']}",
+        *([f"- LoRA adapter `{report['lora']['name']}` ({report['lora']['path']}, sha256 "
+           f"{report['lora']['sha256'][:16]}) on both models"] if report.get("lora") else []),
         "",
         "| metric | n | baseline | candidate | statistic | interval | threshold | verdict |",
         "|---|---|---|---|---|---|---|---|",

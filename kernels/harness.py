@@ -18,6 +18,7 @@ import torch
 from lmfoundry.kernels import (
     activation,
     error_bounds,
+    lora,
     norm_quant,
     paged_attention,
     paged_kv,
@@ -438,11 +439,66 @@ def _decode_reduce(kernel, types, sem, shape, device, gen) -> Example:
                    _decode_check(kernel, q, cache, table, ctx, splits, ("out_ptr",)), {"splits": splits})
 
 
+def _lora_rows(t: int, slots: int) -> torch.Tensor:
+    """Each row's adapter slot, every slot and the base (-1) in turn."""
+    return torch.tensor([(i % (slots + 1)) - 1 for i in range(t)], dtype=torch.int32)
+
+
+def _lora_shrink(kernel, types, sem, shape, device, gen) -> Example:
+    t, k, s_cols, slots = shape["T"], shape["K"], shape["S"], shape.get("L", 4)
+    act = TORCH_DTYPE[types["act"]]
+    x = torch.randn(t, k, generator=gen).to(act)
+    a = (torch.randn(slots, s_cols, k, generator=gen) / k**0.5).to(act)
+    rows = _lora_rows(t, slots)
+    out = error_bounds.poisoned((t, s_cols), torch.float32, device)
+    call = KernelCall(lora.SHRINK, {"x_ptr": x.to(device), "a_ptr": a.to(device), "rows_ptr": rows.to(device),
+                                    "s_ptr": out, "K": k, "S": s_cols, "stride_x": k, "stride_al": s_cols * k,
+                                    "stride_s": s_cols}, dict(types), {}, {"T": t, "K": k, "S": s_cols})
+
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
+        live = rows >= 0
+        products = torch.zeros(t, s_cols, dtype=torch.float64)
+        products[live] = torch.einsum("tk,tsk->ts", x[live].double().abs(), a[rows[live].long()].double().abs())
+        out_ref = ref.args["s_ptr"].cpu()
+        error_bounds.assert_written(ran.args["s_ptr"], kernel)
+        error_bounds.assert_within(ran.args["s_ptr"].cpu(), out_ref,
+                                   error_bounds.dot_bound(out_ref, products, k, torch.float32, acc_u), kernel)
+
+    return Example(call, ("s_ptr",), _nbytes(x, a, rows, out), 2 * t * s_cols * k, check)
+
+
+def _lora_expand(kernel, types, sem, shape, device, gen) -> Example:
+    t, n, r, parts, slots = shape["T"], shape["N"], shape["R"], sem["PARTS"], shape.get("L", 4)
+    act = TORCH_DTYPE[types["act"]]
+    s = torch.randn(t, parts * r, generator=gen)
+    bt = (torch.randn(slots, r, n, generator=gen) / r**0.5).to(act)
+    ends = torch.tensor([(p + 1) * n // parts for p in range(parts)], dtype=torch.int32)
+    rows = _lora_rows(t, slots)
+    y = torch.randn(t, n, generator=gen).to(act)
+    call = KernelCall(lora.EXPAND, {"s_ptr": s.to(device), "bt_ptr": bt.to(device), "rows_ptr": rows.to(device),
+                                    "ends_ptr": ends.to(device), "y_ptr": y.to(device), "N": n, "R": r, "stride_s": parts * r,
+                                    "stride_bl": r * n, "stride_y": n}, dict(types), {"PARTS": parts},
+                      {"T": t, "N": n, "R": r})
+
+    def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
+        part = torch.bucketize(torch.arange(n), ends.long(), right=True)
+        gathered = s.double().view(t, parts, r)[:, part, :].abs()  # [T, N, R]
+        terms = y.double().abs().clone()
+        live = rows >= 0
+        terms[live] += (gathered[live] * bt[rows[live].long()].double().abs().transpose(1, 2)).sum(-1)
+        out, out_ref = ran.args["y_ptr"].cpu(), ref.args["y_ptr"].cpu()
+        error_bounds.assert_within(out, out_ref, error_bounds.dot_bound(out_ref, terms, r + 1, act, acc_u), kernel)
+        if not torch.equal(out[~live], y[~live]):
+            raise AssertionError(f"{kernel}: a base row (slot -1) was written")
+
+    return Example(call, ("y_ptr",), _nbytes(s, bt, rows, y, y), 2 * t * n * r, check)
+
+
 BUILDERS = {
     "w4a16_gemm": _w4a16, "w4a16_gemv": _w4a16, "w4a16_tiled": _w4a16_tiled, "w8a8_gemm": _scaled, "fp8_gemm": _scaled,
     "rmsnorm_quant": _norm, "silu_mul": _silu, "rotary": _rotary, "store_kv": _store,
     "paged_prefill": _attention, "paged_decode": _attention, "paged_decode_split": _attention,
-    "paged_decode_reduce": _decode_reduce,
+    "paged_decode_reduce": _decode_reduce, "lora_shrink": _lora_shrink, "lora_expand": _lora_expand,
 }
 
 
@@ -477,7 +533,7 @@ def shape_for(kernel: str, cover_shape: dict[str, int], rows: int) -> dict[str, 
     shape = dict(cover_shape)
     if kernel in ("w4a16_gemm", "w4a16_gemv", "w4a16_tiled", "w8a8_gemm", "fp8_gemm", "rmsnorm_quant", "silu_mul"):
         shape["M"] = rows
-    elif kernel in ("rotary", "store_kv"):
+    elif kernel in ("rotary", "store_kv", "lora_shrink", "lora_expand"):
         shape["T"] = rows
     return shape
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmfoundry.kernels import activation, fp8, norm_quant, paged_attention, paged_kv, rotary, w4a16, w4a16_tiled, w8a8
+from lmfoundry.kernels import lora as lora_kernels
 from lmfoundry.kernels.spec import KernelDef, Support
 
 
@@ -40,6 +41,7 @@ FAMILIES: dict[str, Family] = {
         Family("paged_attention", paged_attention, paged_attention.SUPPORT,
                (paged_attention.PREFILL, paged_attention.DECODE_SPLIT, paged_attention.DECODE_REDUCE,
                 paged_attention.DECODE)),
+        Family("lora", lora_kernels, lora_kernels.SUPPORT, (lora_kernels.SHRINK, lora_kernels.EXPAND)),
     )
 }
 

@@ -87,6 +87,11 @@ def check_manifest(manifest: Any, manifest_path: Path) -> dict[str, Any]:
             raise _malformed(manifest_path, f"fusions[{i}] must be an object")
         for key, kind in (("name", str), ("kind", str), ("members", list), ("applied", bool)):
             f(fusion, key, kind, f"fusions[{i}]")
+    if "lora" in manifest:  # `compile --max-loras`: the LoRA kernels' slots and rank
+        lora = f(manifest, "lora", dict, "engine.json")
+        for key in ("max_loras", "max_rank"):
+            if f(lora, key, int, "lora") < 1:
+                raise _malformed(manifest_path, f"lora.{key} must be a positive integer")
     weights = f(manifest, "weights", dict, "engine.json")
     for name in f(weights, "files", dict, "weights"):
         if name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:

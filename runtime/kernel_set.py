@@ -244,6 +244,7 @@ def _ops() -> dict[str, Callable[..., Any]]:
     from lmfoundry.kernels import (
         activation,
         fp8,
+        lora,
         norm_quant,
         paged_attention,
         paged_kv,
@@ -266,6 +267,8 @@ def _ops() -> dict[str, Callable[..., Any]]:
         "store_kv": paged_kv.store_kv,
         "paged_prefill": paged_attention.paged_prefill,
         "paged_decode": paged_attention.paged_decode,
+        "lora_shrink": lora.lora_shrink,
+        "lora_expand": lora.lora_expand,
     }
 
 

@@ -552,3 +552,179 @@ def run_cli_on_a_small_disk(args: list[str], mount: Path, size: str = "64k") -> 
         pytest.skip(f"cannot mount a tmpfs in a user namespace here: {proc.stderr.strip()[:200]}")
     left = proc.stdout.split("LEFT:", 1)[1].split()
     return proc.returncode, proc.stderr, left
+
+
+def check_lora_kernels(shrink: Any, expand: Any, t: int, parts: list[int], rank: int, k: int, dtype: torch.dtype,
+                       gen: torch.Generator, device: str = "cpu", slots: int = 3) -> None:
+    """One shrink/expand pair (`shrink(x, a, rows, out)`, `expand(s, bt, rows, ends, y)`: the Triton
+    ops or the C kernels) over `slots` random adapters of decreasing rank and base rows mixed in,
+    against the PyTorch references and float64 within the γ bounds of fp32 accumulation: the
+    rank vectors fully written (0 for base rows), base rows of y untouched."""
+    from lmfoundry.kernels import lora
+    from lmfoundry.kernels.error_bounds import assert_within, assert_written, dot_bound, poisoned
+
+    n = sum(parts)
+    a = torch.randn(slots, len(parts) * rank, k, generator=gen) / k**0.5
+    bt = torch.randn(slots, rank, n, generator=gen) / rank**0.5
+    for slot in range(slots):  # ranks below the max, zero padded as the runtime stacks them
+        used = max(1, rank - slot)
+        a.view(slots, len(parts), rank, k)[slot, :, used:] = 0
+        bt[slot, used:] = 0
+    a, bt = a.to(dtype), bt.to(dtype)
+    ends = torch.tensor(parts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    rows = torch.tensor([(i % (slots + 1)) - 1 for i in range(t)], dtype=torch.int32)
+    x = torch.randn(t, k, generator=gen).to(dtype)
+    s = poisoned((t, a.shape[1]), torch.float32, device)
+    shrink(x.to(device), a.to(device), rows.to(device), s)
+    assert_written(s, "lora shrink")
+    s = s.cpu()
+    live = rows >= 0
+    picked = a[rows[live].long()].double()
+    exact = torch.zeros(t, a.shape[1], dtype=torch.float64)
+    products = torch.zeros_like(exact)
+    exact[live] = torch.einsum("tk,tsk->ts", x[live].double(), picked)
+    products[live] = torch.einsum("tk,tsk->ts", x[live].double().abs(), picked.abs())
+    ref = lora.shrink_reference(x, a, rows)
+    assert_within(s, exact, dot_bound(exact, products, k, torch.float32) / 2, "shrink vs float64")
+    assert_within(s, ref, dot_bound(ref, products, k, torch.float32), "shrink vs reference")
+    assert torch.equal(s[~live], torch.zeros_like(s[~live])), "a base row's rank vector is not zero"
+
+    y0 = torch.randn(t, n, generator=gen).to(dtype)
+    y = y0.clone().to(device)
+    expand(s.to(device), bt.to(device), rows.to(device), ends.to(device), y)
+    y = y.cpu()
+    want = y0.clone()
+    lora.expand_reference(s, bt, rows, ends, want)
+    part = torch.bucketize(torch.arange(n), ends.long(), right=True)  # column -> its part
+    gathered = s.double().view(t, len(parts), rank)[:, part, :]  # [T, N, R]
+    exact_y, terms = y0.double().clone(), y0.double().abs().clone()
+    for i in range(t):
+        if rows[i] >= 0:
+            b = bt[rows[i].long()].double().t()  # [N, R]
+            exact_y[i] += (gathered[i] * b).sum(-1)
+            terms[i] += (gathered[i].abs() * b.abs()).sum(-1)
+    assert_within(y, want, dot_bound(want, terms, rank + 1, dtype), "expand vs reference")
+    assert_within(y, exact_y, dot_bound(exact_y, terms, rank + 1, dtype), "expand vs float64")
+    assert torch.equal(y[~live], y0[~live]), "expand touched a base row"
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora_adapter(folder: Path, config: Any, rank: int = 8, alpha: float = 16, seed: int = 0,
+                       targets: tuple[str, ...] = LORA_TARGETS, layers: Any = None, dtype: torch.dtype = torch.float32,
+                       strength: float = 0.5, **config_fields: Any) -> Path:
+    """A random PEFT LoRA folder for a model of `config` (a ModelConfig), as PEFT's save_pretrained
+    writes it: adapter_config.json and adapter_model.safetensors with
+    `base_model.model.model.layers.{i}.{module}.lora_A/B.weight`. B is random too (PEFT's default
+    initializes it to zero, which would be no adapter): each delta is about `strength` times its
+    base weight. A target of a fused module ("qkv_proj", "gate_up_proj") gets one A and the
+    members' rows of B stacked, as Phi-3 adapters have it."""
+    from lmfoundry.model.config import FUSED_LINEARS
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = config.linear_shapes
+    full = {n.rsplit(".", 1)[1]: n for n in shapes}
+    fused = {g.rsplit(".", 1)[1]: g for g in FUSED_LINEARS}
+    tensors = {}
+    for i in range(config.num_layers) if layers is None else layers:
+        for t in targets:
+            if t in fused:
+                members = FUSED_LINEARS[fused[t]]
+                out, k = sum(shapes[m][0] for m in members), shapes[members[0]][1]
+                local = fused[t]
+            else:
+                (out, k), local = shapes[full[t]], full[t]
+            scale = (alpha / rank ** 0.5) if config_fields.get("use_rslora") else alpha / rank
+            a = torch.randn(rank, k, generator=gen) / k ** 0.5
+            b = torch.randn(out, rank, generator=gen) * (strength / scale / rank ** 0.5)
+            prefix = f"base_model.model.model.layers.{i}.{local}"
+            tensors[f"{prefix}.lora_A.weight"] = a.to(dtype).contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = b.to(dtype).contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+           "use_dora": False, "use_rslora": False, "modules_to_save": None, "fan_in_fan_out": False,
+           "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}, "lora_dropout": 0.0,
+           "task_type": "CAUSAL_LM", "inference_mode": True}
+    cfg.update(config_fields)
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+def merge_lora(model: Any, folder: Path) -> Any:
+    """A float32 copy of the reference `model` with the PEFT adapter in `folder` merged into its
+    weights (W + alpha / r B A, read from the files directly): what serving the adapter must
+    compute, by the simplest route."""
+    import copy
+    import re
+
+    from safetensors.torch import load_file
+
+    from lmfoundry.model.config import FUSED_LINEARS
+
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    merged = copy.deepcopy(model).float()
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for name in tensors:
+            if not name.endswith("lora_A.weight"):
+                continue
+            module = re.sub(r"^base_model\.model\.", "", name.removesuffix(".lora_A.weight"))
+            a, b = tensors[name].double(), tensors[name.replace("lora_A", "lora_B")].double()
+            r = a.shape[0]
+            scale = cfg["lora_alpha"] / (r ** 0.5 if cfg.get("use_rslora") else r)
+            delta = scale * b @ a
+            prefix, local = ".".join(module.split(".")[:3]), module.split(".", 3)[3]
+            members = FUSED_LINEARS.get(local, (local,))
+            row = 0
+            for m in members:
+                lin = merged.get_submodule(f"{prefix}.{m}")
+                n = lin.weight.shape[0]
+                lin.weight += delta[row : row + n].to(lin.weight.dtype)
+                row += n
+    return merged
+
+
+def assert_promtool_accepts(url: str, series: str) -> None:
+    """Prometheus's own linter (`promtool check metrics`, Debian's prometheus package; .ci/run
+    installs it) on a live /metrics, which must export `series`. vLLM's series are left out: their
+    names carry ':' by vLLM's design, which promtool flags for every vLLM server too; every other
+    series must pass. Skips where promtool is not installed."""
+    import shutil
+    import subprocess
+
+    import httpx
+    import pytest
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    text = httpx.get(f"{url}/metrics").text
+    ours = "\n".join(line for line in text.splitlines() if "vllm:" not in line) + "\n"
+    assert series in ours
+    result = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def plain_lora(model: Any, folder: Path) -> Any:
+    """`model` with the PEFT adapter in `folder` added unmerged by plain PyTorch, a forward hook
+    on each adapted linear adding scale * (x A^T) B^T in float32: the simplest independent
+    statement of an adapter on a base whose weights cannot take a merge (W8A8, FP8)."""
+    import re
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    for name in tensors:
+        if not name.endswith("lora_A.weight"):
+            continue
+        a, b = tensors[name].float(), tensors[name.replace("lora_A", "lora_B")].float()
+        scale = cfg["lora_alpha"] / (a.shape[0] ** 0.5 if cfg.get("use_rslora") else a.shape[0])
+        module = model.get_submodule(re.sub(r"^base_model\.model\.", "", name.removesuffix(".lora_A.weight")))
+
+        def add(mod: Any, args: Any, out: Any, a: Any = a, b: Any = b, scale: float = scale) -> Any:
+            return (out.float() + scale * (args[0].float() @ a.t()) @ b.t()).to(out.dtype)
+
+        module.register_forward_hook(add)
+    return model

@@ -295,6 +295,8 @@ class PlanInputs:
     concurrency: int | None = None
     gpu_hour_price: float | None = None
     api_price: float | None = None
+    max_loras: int | None = None
+    max_lora_rank: int = 16
 
 
 def validate(inp: PlanInputs) -> None:
@@ -324,5 +326,11 @@ def validate(inp: PlanInputs) -> None:
             raise UserError(f"{flag} must be positive, got {price}")
     if inp.gpu_hour_price is not None and inp.throughput is None and inp.bench is None:
         raise UserError("--gpu-hour-price needs a throughput: pass --throughput TOK_S or --bench FILE")
+    if inp.max_loras is not None and inp.max_loras < 1:
+        raise UserError(f"--max-loras must be at least 1, got {inp.max_loras}")
+    if inp.max_lora_rank < 1:
+        raise UserError(f"--max-lora-rank must be at least 1, got {inp.max_lora_rank}")
+    if inp.max_loras is not None and inp.tp > 1:
+        raise UserError("--max-loras with --tp: the runtime serves LoRA adapters on one device")
     if inp.api_price is not None and inp.gpu_hour_price is None:
         raise UserError("--api-price is compared with self-hosting: pass --gpu-hour-price too")

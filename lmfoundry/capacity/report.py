@@ -20,6 +20,7 @@ from lmfoundry.capacity.arithmetic import (
     human_count,
     kv_bytes_per_token,
     linear_in_features,
+    lora_bytes,
     memory_fit,
     param_counts,
     sharding,
@@ -62,6 +63,8 @@ def build_report(inp: PlanInputs) -> dict[str, Any]:
     gpu_bytes = int(gpu["memory_mib"]) * (1 << 20)
     act = activation_bytes(cfg, inp.tp, inp.batch_tokens)
     overhead = int(inp.overhead_gib * GIB)
+    # LoRA slots, allocated at start: counted with each precision's weights in the fit
+    adapters = lora_bytes(cfg, inp.max_loras, inp.max_lora_rank) if inp.max_loras else 0
     weights: dict[str, dict[str, Any]] = {  # precision -> layout (str) and byte counts by part
         p: {
             "layout": specs[p].describe(),
@@ -83,7 +86,7 @@ def build_report(inp: PlanInputs) -> dict[str, Any]:
             fit = memory_fit(
                 gpu_bytes,
                 inp.gpu_util,
-                weights[p]["per_gpu_bytes"]["total"],
+                weights[p]["per_gpu_bytes"]["total"] + adapters,
                 act,
                 overhead,
                 kv[k]["bytes_per_token_per_gpu"],
@@ -136,6 +139,8 @@ def build_report(inp: PlanInputs) -> dict[str, Any]:
         "weights": weights,
         "kv": kv,
         "activation_bytes_per_gpu": act,
+        "lora": ({"max_loras": inp.max_loras, "max_rank": inp.max_lora_rank, "bytes": adapters,
+                  "bytes_per_adapter": adapters // inp.max_loras} if inp.max_loras else None),
         "selected": selected,
         "table": table,
         # batch 1 streams every weight once per token; an MoE token only its top-k experts' (+ the rest)
@@ -282,9 +287,15 @@ def render(report: dict[str, Any]) -> str:
         f"{_gib(sel['kv_bytes_per_sequence'])} per {s['context']:,}-token sequence"
     )
     per = " per GPU" if s["tp"] > 1 else ""
+    lora = report.get("lora")
+    if lora:
+        lines.append(
+            f"LoRA: {lora['max_loras']} adapter slots x rank {lora['max_rank']} (A and B of every linear, 16-bit, "
+            f"zero padded) = {_gib(lora['bytes'])} ({_gib(lora['bytes_per_adapter'])} an adapter), with the weights"
+        )
     lines.append(
         f"Memory{per}: {_gib(sel['gpu_bytes'])} x {s['gpu_util']:.2f} = {_gib(sel['usable_bytes'])}"
-        f" - weights {_gib(sel['weight_bytes'])} - activations {_gib(sel['activation_bytes'])}"
+        f" - weights{' + LoRA' if lora else ''} {_gib(sel['weight_bytes'])} - activations {_gib(sel['activation_bytes'])}"
         f" - overhead {_gib(sel['overhead_bytes'])} = {_gib(sel['kv_room_bytes'])} for KV"
     )
     lines.append(

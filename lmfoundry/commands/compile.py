@@ -31,9 +31,15 @@ from lmfoundry.errors import UserError
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel degree: write one bundle per rank (rank<r>/), each with that rank's share of "
                    "the weights and the kernels for its shapes; serve it with the same --tp.")
+@click.option("--max-loras", type=click.IntRange(min=1), default=None,
+              help="Build the LoRA kernels (the gathered shrink/expand pair of every adapted product) so that "
+                   "`serve ENGINE --lora ...` runs up to this many adapters at once on the GPU.")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=16, show_default=True,
+              help="With --max-loras: the largest adapter rank the kernels take.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, weights: str, workers: int,
-                block_size: int, dtype: str, tune: bool, max_tokens: int | None, tp: int, quiet: bool) -> None:
+                block_size: int, dtype: str, tune: bool, max_tokens: int | None, tp: int, quiet: bool,
+                max_loras: int | None = None, max_lora_rank: int = 16) -> None:
     """Cross-compile the Triton kernels CHECKPOINT needs into an engine bundle (no GPU needed).
 
     \b
@@ -50,6 +56,9 @@ def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, wei
         if tp > 1:
             raise UserError(f"--arch cpu compiles one process's step; --tp {tp} serves the checkpoint (or a GPU "
                             "arch's bundle) split over CPU processes without a compiled step")
+        if max_loras is not None:
+            raise UserError("--max-loras builds GPU kernels; an --arch cpu bundle serves adapters without them "
+                            "(`serve ENGINE --lora ...` runs steps with adapter rows on its eager layers)")
         from lmfoundry.compile.cpu_step import DEFAULT_MAX_TOKENS, build_cpu_engine
 
         step_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
@@ -66,7 +75,7 @@ def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, wei
 
     result = build_engine(checkpoint, list(archs), output, weights=weights, workers=workers, block_size=block_size,
                           dtype=None if dtype == "auto" else dtype, tune=tune, progress=not quiet,
-                          log=log, tp=tp)
+                          log=log, tp=tp, lora=(max_loras, max_lora_rank) if max_loras is not None else None)
     kernels = result.kernels
     per_arch = Counter(k["sm"] for k in kernels)
     fusions = [f["name"] for f in result.fusions if f["applied"]]
@@ -74,3 +83,5 @@ def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, wei
     click.echo(f"kernels: {len(kernels)} ({', '.join(f'{sm}: {n}' for sm, n in sorted(per_arch.items()))}), "
                f"SASS checks passed, built in {result.seconds:.1f} s")
     click.echo(f"fusions: {', '.join(fusions) or 'none'}")
+    if max_loras is not None:
+        click.echo(f"lora: kernels for {max_loras} adapter(s) up to rank {max_lora_rank}")

@@ -43,10 +43,14 @@ from lmfoundry.runtime.dtypes import DTYPES
                    "--deterministic` with the same --dtype scores exactly what the gate scored. CPU, one process.")
 @click.option("--skip-verify", is_flag=True,
               help="Do not check each checkpoint's files against the sha256 in its lmfoundry.json first.")
+@click.option("--lora", default=None, metavar="NAME=PATH",
+              help="Run this PEFT LoRA adapter on both models (as `serve --lora` runs it): gates the adapter on "
+                   "the quantized CANDIDATE against the adapter on the float --baseline, the question before "
+                   "promoting a QLoRA deployment. Refused in one line if it does not fit either model.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
               no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str, tp: int,
-              deterministic: bool, skip_verify: bool) -> None:
+              deterministic: bool, skip_verify: bool, lora: str | None = None) -> None:
     """Evaluate CANDIDATE and --baseline on the same documents through the serving engine, in the
     dtype and on the execution path `serve` runs them with (recorded in the report): lm-eval tasks (accuracy and flips), perplexity windows with the per-token
     KL divergence, same-top-token rate and Δp against the baseline's next-token distributions
@@ -66,6 +70,9 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     check_tensor_parallel(tp, device, (candidate, baseline))
     if deterministic and (device != "cpu" or tp > 1):
         raise UserError("--deterministic runs the CPU engine in one process; drop --device / --tp")
+    from lmfoundry.commands.lora_options import parse_spec
+
+    adapter = parse_spec(lora, "--lora") if lora is not None else None
     if not skip_verify:  # before either model is evaluated (a bundle is checked against engine.json at load)
         for spec in (candidate, baseline):
             if Path(spec).is_dir() and not is_engine_bundle(spec):
@@ -74,7 +81,7 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
                    use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
                    write_promotion=not no_promotion, progress=not quiet, device=check_device(device),
-                   dtype=dtype, tp=tp, deterministic=deterministic)
+                   dtype=dtype, tp=tp, deterministic=deterministic, lora=adapter)
     for m in res.report["metrics"]:
         if m["gated"]:
             click.echo(f"{m['verdict']:>12}  {m['name']}: {m['statistic']} {m['point']:.4f} "

@@ -63,6 +63,10 @@ INT, FLOAT = _Number(int), _Number(float)
 @click.option("--concurrency", type=INT, default=None, help="Use this concurrency level of --bench.")
 @click.option("--gpu-hour-price", metavar="USD", type=FLOAT, default=None, help="Price of one GPU-hour (the deployment pays for --tp of them).")
 @click.option("--api-price", metavar="USD", type=FLOAT, default=None, help="API price per million output tokens.")
+@click.option("--max-loras", type=INT, default=None,
+              help="LoRA adapter slots the server holds (serve --max-loras): their stacked weights count with the "
+                   "weights.")
+@click.option("--max-lora-rank", type=INT, default=16, show_default=True, help="Largest adapter rank (serve --max-lora-rank).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--list-gpus", is_flag=True, help="Print the GPU table and exit.")
 def plan(model_or_checkpoint: str | None, as_json: bool, list_gpus: bool, **options: Any) -> None:
@@ -75,7 +79,8 @@ def plan(model_or_checkpoint: str | None, as_json: bool, list_gpus: bool, **opti
     head_dim x bytes; sequences that fit in memory x --gpu-util after weights, an activation
     workspace and --overhead-gib. --tp splits weights and KV heads (a KV head is replicated when
     tp > KV heads). With --throughput or --bench plus --gpu-hour-price: cost per million output
-    tokens, and with --api-price the monthly break-even volume.
+    tokens, and with --api-price the monthly break-even volume. With --max-loras N: N LoRA slots of
+    rank --max-lora-rank, A [r, in] and B [out, r] of every linear in 16 bits, count with the weights.
     """
     if list_gpus:
         gpus = load_gpus()

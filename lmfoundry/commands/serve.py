@@ -185,6 +185,7 @@ def _print_runtime(name: str, info: EngineInfo) -> None:
 
 @click.command("serve")
 @click.argument("model")
+@click.argument("extra", nargs=-1, metavar="")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port (0: any free port).")
 @click.option("--api-key", default=None, envvar="LMFOUNDRY_API_KEY",
@@ -271,6 +272,21 @@ def _print_runtime(name: str, info: EngineInfo) -> None:
 @click.option("--skip-verify", is_flag=True,
               help="Do not check the checkpoint's files against the sha256 in its lmfoundry.json before loading "
                    "(engine bundles are always checked against engine.json).")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PATH",
+              help="Serve a LoRA adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors) on "
+                   "MODEL under NAME: a request whose model is NAME runs it, in the same batches as the base and "
+                   "the other adapters. Repeat for several. Each is checked against MODEL first (rank, shapes, "
+                   "targets, kind) and refused in one line if it does not fit. vLLM's --lora-modules NAME=PATH "
+                   "[NAME=PATH ...] is accepted too.")
+@click.option("--lora-modules", "lora_modules", multiple=True, hidden=True)
+@click.option("--enable-lora", is_flag=True,
+              help="LoRA on without --lora (adapters loaded at run time through POST /v1/load_lora_adapter).")
+@click.option("--max-loras", type=int, default=None,
+              help="Adapters held at once (slots of the stacked adapter weights, allocated at start; "
+                   "`lmfoundry plan --max-loras` counts their memory). Default: the number of --lora given, at "
+                   "least 1.")
+@click.option("--max-lora-rank", type=int, default=16, show_default=True,
+              help="Largest adapter rank the slots hold; an adapter of higher rank is refused.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_http_options
@@ -281,6 +297,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
           ngram_max: int, deterministic: bool, threads: int | None, tp: int, tp_backend: str, max_request_mb: float,
           timeout_read: float, timeout_keep_alive: float, shutdown_timeout: float, skip_verify: bool, log_level: str,
+          extra: tuple[str, ...] = (), loras: tuple[str, ...] = (), lora_modules: tuple[str, ...] = (),
+          enable_lora: bool = False, max_loras: int | None = None, max_lora_rank: int = 16,
           **http_flags: Any) -> None:
     """Serve MODEL with an OpenAI-compatible API. MODEL is a checkpoint folder, a known model name,
     or an engine bundle folder (`lmfoundry compile` output) whose kernels run on --device.
@@ -292,6 +310,10 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
                           timeout_keep_alive, shutdown_timeout)
     api_options = _api_options(**http_flags)
+    from lmfoundry.commands.lora_options import lora_config, parse_spec, split_positionals
+
+    model, lora_modules = split_positionals(model, extra, lora_modules)
+    adapter_specs = [parse_spec(v, "--lora") for v in loras] + [parse_spec(v, "--lora-modules") for v in lora_modules]
     from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
     from lmfoundry.runtime.engine.core import EngineSpec, freeze_heap
@@ -312,6 +334,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
         split_heads(whole_model_config(model), tp)  # before anything starts
     run_dtype = resolve_dtype(dtype, model, device)
+    lora_slots, adapters = lora_config(model, adapter_specs, enable_lora, max_loras, max_lora_rank,
+                                       served_model_name or os.path.basename(os.path.normpath(model)), tp, device)
     if not skip_verify and not is_engine_bundle(model):
         from pathlib import Path
 
@@ -350,7 +374,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         kv_cache_dtype=kv_cache_dtype, cuda_graphs=not enforce_eager,
         num_threads=threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or (os.cpu_count() if tp > 1 else None),
         speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max,
-        tensor_parallel_size=tp, tp_backend=tp_backend, deterministic=deterministic)
+        tensor_parallel_size=tp, tp_backend=tp_backend, deterministic=deterministic, max_loras=lora_slots,
+        max_lora_rank=max_lora_rank, lora_modules=adapters)
     died: list[int | None] = []
     server: Any = None
 

@@ -1,7 +1,9 @@
 """Fixed-size KV blocks with reference counts and a hash-chained prefix cache.
 
 Each full block of computed tokens is named by a hash chained over all tokens before it, so two
-requests that share a prompt prefix map the same leading blocks. A block whose last owner leaves
+requests that share a prompt prefix map the same leading blocks; a request run with a LoRA
+adapter chains from that adapter's load (`chain_root`), so it shares blocks only with requests of
+the same adapter. A block whose last owner leaves
 returns to the free list but keeps its contents and its hash entry: it is reused as-is if the same
 prefix comes back, and only overwritten when the free list hands it out for new tokens. The free
 list is ordered least-recently-freed first, which makes that overwrite an LRU eviction.
@@ -18,13 +20,14 @@ from lmfoundry.runtime.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "lora_key")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
+        self.lora_key = 0  # the adapter load whose K/V the block holds (0: the base)
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, cached={self.hash is not None})"
@@ -32,6 +35,12 @@ class Block:
 
 def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((prev, token_ids))
+
+
+def chain_root(lora_key: int) -> int | None:
+    """What a sequence's first block hash chains from: nothing for the base, the adapter load's
+    key otherwise (the same tokens under another adapter have other K/V)."""
+    return hash(("lora", lora_key)) if lora_key else None
 
 
 class BlockManager:
@@ -66,7 +75,7 @@ class BlockManager:
         """Chain hash of seq's i-th full block (memoized on the sequence; its tokens never change)."""
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
-            prev = seq.block_hashes[j - 1] if j else None
+            prev = seq.block_hashes[j - 1] if j else chain_root(seq.lora_key)
             ids = tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
             seq.block_hashes.append(chain_hash(prev, ids))
         return seq.block_hashes[i]
@@ -83,7 +92,8 @@ class BlockManager:
         matched: list[int] = []
         for i in range(limit // bs):
             block_id = self.cached.get(self._block_hash(seq, i))
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]) \
+                    or self.blocks[block_id].lora_key != seq.lora_key:
                 break
             matched.append(block_id)
         return matched
@@ -128,6 +138,7 @@ class BlockManager:
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
             block.hash = block.token_ids = None
+            block.lora_key = 0
         block.ref_count = 1
         return block_id
 
@@ -163,6 +174,7 @@ class BlockManager:
                 continue  # same content computed concurrently elsewhere; keep the first copy
             block.hash = h
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block.lora_key = seq.lora_key
             self.cached[h] = block.block_id
 
     def free_seq(self, seq: Sequence) -> None:

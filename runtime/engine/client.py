@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable
 
-from lmfoundry.runtime.engine.outputs import EmbeddingResult, StepEvent
+from lmfoundry.runtime.engine.outputs import EmbeddingResult, LoRAResult, StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 
 
@@ -65,6 +65,8 @@ class EngineInfo:
     device: str = "cpu"
     cpu_isa: str | None = None  # the CPU kernels' vector path (amx, avx512, avx2), on a CPU device
     weight_format: str = ""  # e.g. "w4a16 g64 (int4 C product)"
+    loras: tuple[str, ...] = ()  # LoRA adapters loaded at start (requests name them as their model)
+    max_loras: int = 0  # adapter slots (0: LoRA off)
 
 
 @dataclass
@@ -134,7 +136,7 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def _send(self, command: tuple) -> None:
-        """Hand ("add", EngineRequest) or ("abort", request_id) to the engine."""
+        """Hand ("add", EngineRequest), ("abort", request_id), ("embed", ...) or ("lora", ...) to the engine."""
 
     def submit(self, request: EngineRequest) -> RequestStream:
         """Enqueue a validated request now (raising QueueFull, EngineDead or ValueError for a
@@ -148,6 +150,13 @@ class EngineClient(abc.ABC):
         """Ask for the embeddings of validated prompts; the stream yields one EmbeddingResult."""
         stream = self._open(request_id, 1)
         self._send(("embed", request_id, prompts))
+        return stream
+
+    def lora(self, request_id: str, op: str, name: str, path: str | None = None) -> RequestStream:
+        """Load ("load", name, path) or unload ("unload", name) a LoRA adapter between steps; the
+        stream yields one `LoRAResult`. Takes no queue capacity."""
+        stream = self._open(request_id, 0)
+        self._send(("lora", request_id, op, name, path))
         return stream
 
     def _open(self, request_id: str, num_seqs: int) -> RequestStream:
@@ -169,7 +178,7 @@ class EngineClient(abc.ABC):
             self._send(("abort", request_id))
 
     # ---- engine side ------------------------------------------------------------------------
-    def deliver(self, items: Iterable[tuple[str, StepEvent | EmbeddingResult | BaseException]]) -> None:
+    def deliver(self, items: Iterable[tuple[str, StepEvent | EmbeddingResult | LoRAResult | BaseException]]) -> None:
         """Hand one step's events (or a request's failure) to their streams, from any thread: one
         wake-up of each event loop per step, not one per event."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}

@@ -23,11 +23,11 @@ from typing import Any, Callable
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.client import EngineDead, EngineRequest, RequestFailed
 from lmfoundry.runtime.engine.llm_engine import LLMEngine
-from lmfoundry.runtime.engine.outputs import EmbeddingResult, StepEvent
+from lmfoundry.runtime.engine.outputs import EmbeddingResult, LoRAResult, StepEvent
 
 log = logging.getLogger(__name__)
 
-Delivery = list[tuple[str, "StepEvent | EmbeddingResult | BaseException"]]
+Delivery = list[tuple[str, "StepEvent | EmbeddingResult | LoRAResult | BaseException"]]
 PARENT_CHECK_MS = 1000  # an idle engine process looks this often whether its API process still exists
 
 
@@ -40,8 +40,12 @@ class EngineCore:
         return self.engine.has_unfinished()
 
     def apply(self, command: tuple) -> Delivery:
-        """("add", EngineRequest), ("abort", request_id) or ("embed", request_id, prompts); what the
+        """("add", EngineRequest), ("abort", request_id), ("embed", request_id, prompts) or ("lora",
+        request_id, "load" | "unload", name, path); what the
         caller must be told."""
+        if command[0] == "lora":
+            _, request_id, op, name, path = command
+            return [(request_id, self.engine.lora_command(request_id, op, name, path))]
         if command[0] == "embed":  # scheduled with the other requests, a step's budget at a time
             _, request_id, prompts = command
             try:

@@ -1,5 +1,5 @@
 """Engine knobs: KV block size and count, batch limits, queue bound, KV storage dtype, speculative
-decoding, batch-invariant (deterministic) execution."""
+decoding, batch-invariant (deterministic) execution, LoRA adapters."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ class EngineConfig:
     # Batch-invariant execution (batch_invariant.py): a request's tokens and logprobs are bit for bit
     # the same whatever else is in its batch and whether its prefix came from the cache; slower.
     deterministic: bool = False
+    # LoRA adapters (lora.py): slots of the stacked adapter weights (0: LoRA off), the largest rank
+    # they hold, and the adapters loaded at start as (name, PEFT folder) pairs.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     @property
     def rank_threads(self) -> int | None:

@@ -31,6 +31,7 @@ from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
 
 if TYPE_CHECKING:
     from lmfoundry.model.reference import CausalLM, DecoderLayer
+    from lmfoundry.runtime.engine.lora import LoRAStack
 
 CASCADE_MIN_TOKENS = 64  # shared-prefix length from which decode attention is split (cascade)
 
@@ -48,6 +49,7 @@ class StepInputs:
     offsets: list[int]
     num_decode: int
     block_size: int
+    lora_rows: torch.Tensor | None = None  # int32 [T]: each row's LoRA slot (-1: base); None: all base
 
     @property
     def decode_items(self) -> list[tuple[int, int, list[int]]]:
@@ -139,6 +141,7 @@ class ReferenceModelExecutor:
         self.prefill_kernel = None if self.deterministic else self._prefill_kernel()
         if self.deterministic and self.decode_kernel is None:
             raise UserError(f"--deterministic: {self._no_decode_kernel()}")
+        self.lora: LoRAStack | None = None  # set by the engine's LoRAManager: adapters over this model
 
     def _check_deterministic(self, model: CausalLM, on_cpu: bool) -> None:
         """The deterministic mode's module swap (`batch_invariant.py`), or one line saying why
@@ -307,6 +310,11 @@ class ReferenceModelExecutor:
                                  chunks, batch, prefill)
         ids = torch.tensor(step.ids, dtype=torch.long)
         positions = torch.tensor(step.positions, dtype=torch.long)
+        lora = self.lora
+        if lora is not None and (step.lora_rows is not None or lora.default_slot is not None):
+            # the adapters wrap the eager model's linears, not a compiled step's
+            with lora.active(step.lora_rows):
+                return self.model.hidden_states(ids, positions, context)
         if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:
             self.compiled_steps += 1
             return self.compiled_step(ids, positions, context)
@@ -339,6 +347,7 @@ class KernelModelExecutor:
         self.caches: list = []
         self._graphs: DecodeGraphs | None = None
         self.context_limit = self.config.kernel_context_limit  # plain causal kernels: exact up to a window
+        self.lora: LoRAStack | None = None  # set by the engine's LoRAManager (a bundle with LoRA kernels)
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
@@ -374,6 +383,11 @@ class KernelModelExecutor:
         return ids, positions, attn
 
     def forward(self, step: StepInputs) -> torch.Tensor:
+        lora = self.lora
+        if lora is not None and (step.lora_rows is not None or lora.default_slot is not None):
+            ids, positions, attn = self.attention_inputs(step)  # the captured graphs hold no LoRA deltas
+            with lora.active(step.lora_rows):
+                return self.model.hidden_states(ids, positions, attn, self.caches)
         if self.graphs is not None and step.num_decode == len(step.items):
             hidden = self.graphs.run(step)
             if hidden is not None:

@@ -124,6 +124,9 @@ class KernelModel:
     # rank's own shapes; the ranks meet after o_proj and down_proj, in the embedding and the logits.
     share: Any = None  # lmfoundry.model.tensor_parallel.RankShard
     comm: Any = None  # its Collectives
+    # LoRA adapters (`runtime.engine.lora.LoRAStack`, with a bundle compiled with --max-loras): each
+    # GEMM's output gets the step's per-row deltas through the bundle's shrink/expand kernels
+    lora: Any = None
 
     def join(self, share: Any, comm: Any) -> None:
         """Make this model (loaded from rank `share.rank`'s bundle) one rank of a tensor-parallel group."""
@@ -220,9 +223,12 @@ class KernelModel:
         x = self._embed(ids)
         residual: torch.Tensor | None = None
         t = x.shape[0]
+        lora = self.lora if self.lora is not None and self.lora.engaged else None
         for i, layer in enumerate(self.layers):
             h, hq, residual = self._norm(x, layer.input_norm, residual, layer.qkv, self.norm_quant["input_layernorm"])
             parts = [self._gemm(g, h, hq) for g in layer.qkv]
+            if lora is not None:
+                self._add_lora(lora, layer.qkv, parts, h, residual, layer.input_norm)
             if len(parts) == 1:
                 qkv = parts[0]
                 q = qkv[:, : hq_heads * d].view(t, hq_heads, d)
@@ -243,14 +249,34 @@ class KernelModel:
             if nd < t:
                 ks.paged_prefill(q[nd:], caches[i], attn.prefill_tables, attn.cu_seqlens, attn.prefill_lens,
                                  attn.max_q_len, out=out[nd:])
-            x = self._reduce(self._gemm(layer.o_proj, out.view(t, hq_heads * d)))
+            attn_out = out.view(t, hq_heads * d)
+            x = self._gemm(layer.o_proj, attn_out)
+            if lora is not None:
+                lora.add(layer.o_proj.name, attn_out, x)
+            x = self._reduce(x)
             h, hq, residual = self._norm(x, layer.post_norm, residual, layer.gate_up,
                                          self.norm_quant["post_attention_layernorm"])
             parts = [self._gemm(g, h, hq) for g in layer.gate_up]
+            if lora is not None:
+                self._add_lora(lora, layer.gate_up, parts, h, residual, layer.post_norm)
             gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-            x = self._reduce(self._gemm(layer.down, ks.silu_mul(gate_up)))
+            act = ks.silu_mul(gate_up)
+            x = self._gemm(layer.down, act)
+            if lora is not None:
+                lora.add(layer.down.name, act, x)
+            x = self._reduce(x)
         out, _, _ = ks.rmsnorm_quant(x, self.final_norm, cfg.rms_norm_eps, residual=residual)
         return out
+
+    def _add_lora(self, lora: Any, gemms: list[Gemm], outs: list[torch.Tensor], h: torch.Tensor | None,
+                  residual: torch.Tensor, norm: torch.Tensor) -> None:
+        """The LoRA deltas of a norm's consumers. Where the norm quantized its output for them
+        (W8A8 / FP8) the adapters read the unquantized normed input, as on the float model: the
+        norm of `residual` (the stream the fused norm normalized) again, without quantization."""
+        if h is None:
+            h = self.kernels.rmsnorm_quant(residual, norm, self.config.rms_norm_eps)[0]
+        for g, y in zip(gemms, outs, strict=True):
+            lora.add(g.name, h, y)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:

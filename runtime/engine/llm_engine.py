@@ -33,8 +33,9 @@ from lmfoundry.runtime.engine.detokenizer import Detokenizer
 from lmfoundry.runtime.engine.embedding import EmbeddingJob
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
+from lmfoundry.runtime.engine.lora import AdapterInUse, LoRAManager
 from lmfoundry.runtime.engine.model_runner import ModelRunner
-from lmfoundry.runtime.engine.outputs import CompletionOutput, EmbeddingResult, RequestOutput, StepEvent
+from lmfoundry.runtime.engine.outputs import CompletionOutput, EmbeddingResult, LoRAResult, RequestOutput, StepEvent
 from lmfoundry.runtime.engine.sampler import Sampler
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.scheduler import Scheduler
@@ -87,6 +88,12 @@ class LLMEngine:
         if self.max_model_len > capacity:
             raise UserError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
                             f"{self.max_model_len}; give it more memory or lower max_model_len")
+        self.loras: LoRAManager | None = None
+        if config.max_loras or config.lora_modules:
+            self.loras = LoRAManager.for_executor(self.runner.executor, model.config, config.max_loras,
+                                                  config.max_lora_rank)
+            for name, path in config.lora_modules:
+                self.loras.load(name, path)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = _as_set(model.config.eos_token_id) | _as_set(getattr(tokenizer, "eos_token_id", None))
@@ -97,7 +104,9 @@ class LLMEngine:
                                hidden_size=model.config.hidden_size,
                                eos_token_ids=frozenset(self.eos_token_ids),
                                capacity=config.max_num_seqs + config.max_waiting_requests,
-                               **runtime_form(model, self.runner.executor.dtype))
+                               **runtime_form(model, self.runner.executor.dtype),
+                               loras=tuple(self.loras.adapters) if self.loras else (),
+                               max_loras=self.loras.max_loras if self.loras else 0)
         self.validator = RequestValidator(self.info, tokenizer, self.grammars)
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, list[Sequence]] = {}
@@ -166,9 +175,11 @@ class LLMEngine:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         params = request.params
+        slot, key = self._lora_of(params)
         seqs = [Sequence(request.request_id, i, request.prompt_ids, params, request.arrival_time)
                 for i in range(params.n)]
         for seq in seqs:
+            seq.lora_slot, seq.lora_key = slot, key
             if params.constraint is not None:
                 seq.grammar = self.grammars.matcher(params.constraint)
             self.detokenizer.start(seq)
@@ -206,6 +217,51 @@ class LLMEngine:
             if job.finished:
                 del self._embeddings[seq.request_id]
                 self._pooled.append(job.result())
+    def _lora_of(self, params: SamplingParams) -> tuple[int, int]:
+        """(slot, key) of the request's adapter; (-1, 0) for the base. ValueError for an adapter
+        that is not loaded (the caller's check raced an unload, or LoRA is off)."""
+        if params.lora is None:
+            return -1, 0
+        if self.loras is None:
+            raise ValueError(f"no LoRA adapter named {params.lora!r}: this engine serves none (LoRA is off)")
+        adapter = self.loras.resolve(params.lora)
+        return adapter.slot, adapter.key
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA folder as adapter `name` (UserError, and nothing loaded, when it does
+        not fit the base or no slot is free)."""
+        if self.loras is None:
+            raise UserError("LoRA is off in this engine: start it with max_loras (serve --max-loras or --lora)")
+        self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`; refused (UserError) while a request uses it."""
+        if self.loras is None or name not in self.loras.adapters:
+            raise KeyError(name)
+        key = self.loras.adapters[name].key
+        users = sum(1 for seqs in self._requests.values() if any(s.lora_key == key for s in seqs))
+        if users:
+            raise AdapterInUse(f"the LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
+        self.loras.unload(name)
+
+    def lora_command(self, request_id: str, op: str, name: str, path: str | None) -> LoRAResult:
+        """A run-time load or unload (`EngineClient.lora`), answered with the HTTP status to give."""
+        try:
+            if op == "load":
+                self.load_lora(name, str(path))
+                message = f"Success: LoRA adapter '{name}' added successfully."
+            elif op == "unload":
+                self.unload_lora(name)
+                message = f"Success: LoRA adapter '{name}' removed successfully."
+            else:
+                raise ValueError(f"unknown LoRA operation {op!r}")
+            status = 200
+        except KeyError:
+            status, message = 404, f"the LoRA adapter {name!r} is not loaded"
+        except UserError as exc:
+            status, message = 409 if isinstance(exc, AdapterInUse) else 400, str(exc)
+        return LoRAResult(request_id, status, message, tuple(self.loras.adapters) if self.loras else ())
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it was not running."""
@@ -486,4 +542,22 @@ class LLMEngine:
             "spec_draft_tokens": self.speculator.num_draft_tokens if self.speculator else 0,
             "spec_accepted_tokens": self.speculator.num_accepted_tokens if self.speculator else 0,
             "spec_acceptance_rate": self.speculator.acceptance_rate if self.speculator else 0.0,
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict[str, float]:
+        """Per adapter: "lora_running:NAME" / "lora_waiting:NAME" sequences and "lora_requests:NAME"
+        requests added so far; "lora_max" slots (nothing when LoRA is off)."""
+        if self.loras is None:
+            return {}
+        out: dict[str, float] = {"lora_max": float(self.loras.max_loras)}
+        slots = {a.slot: name for name, a in self.loras.adapters.items()}
+        for name, count in self.loras.requests.items():
+            out[f"lora_requests:{name}"] = float(count)
+        for name in self.loras.adapters:
+            out[f"lora_running:{name}"] = out[f"lora_waiting:{name}"] = 0.0
+        for state, seqs in (("running", self.scheduler.running), ("waiting", self.scheduler.waiting)):
+            for seq in seqs:
+                if seq.lora_slot in slots:
+                    out[f"lora_{state}:{slots[seq.lora_slot]}"] += 1
+        return out

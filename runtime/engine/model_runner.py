@@ -22,6 +22,7 @@ import torch
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.executor import StepInputs, make_executor
+from lmfoundry.runtime.engine.lora import step_rows
 from lmfoundry.runtime.engine.scheduler import ScheduledBatch
 from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
 
@@ -84,7 +85,8 @@ class ModelRunner:
             slots.extend(self._slots(seq, c, c + n))
             items.append((c, n, seq.block_table))
         num_decode = sum(1 for _, n in ordered if n == 1)
-        return ordered, StepInputs(ids, positions, slots, items, offsets, num_decode, self.block_size)
+        return ordered, StepInputs(ids, positions, slots, items, offsets, num_decode, self.block_size,
+                                   step_rows(ordered))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:

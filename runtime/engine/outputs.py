@@ -37,6 +37,18 @@ class EmbeddingResult:
 
 
 @dataclass
+class LoRAResult:
+    """The outcome of loading or unloading a LoRA adapter at run time (`EngineClient.lora`):
+    `status` is the HTTP status the server answers with (200, or the refusal's)."""
+
+    request_id: str
+    status: int
+    message: str
+    adapters: tuple[str, ...] = ()  # the adapters loaded afterwards
+    request_finished: bool = True
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""

@@ -87,6 +87,8 @@ class SamplingParams:
     # Whether the engine turns tokens into text and ends the output at stop strings. A server sets
     # it off: its API process does both (output_processor.py), off the engine's cores.
     detokenize: bool = True
+    # The LoRA adapter (its served name) this request runs with; None: the base model.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -145,6 +147,8 @@ class SamplingParams:
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be an adapter name, got {self.lora!r}")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise ValueError(f"json_schema must be a JSON schema object (a dict), got {type(self.json_schema).__name__}")
 

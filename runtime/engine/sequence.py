@@ -107,6 +107,11 @@ class Sequence:
         # hidden state is pooled into the request's result and the sequence finishes, never sampled.
         self.pooling = False
 
+        # LoRA (lora.py): the slot of the request's adapter in the stacked weights (-1: the base)
+        # and its load's key, the root the prefix cache chains this sequence's block hashes from.
+        self.lora_slot = -1
+        self.lora_key = 0
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

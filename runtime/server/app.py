@@ -65,6 +65,7 @@ from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.background import DEFAULT_READ_TIMEOUT
+from lmfoundry.runtime.server.lora_routes import model_entries, register_lora_routes
 from lmfoundry.runtime.server.metrics import ServerMetrics
 from lmfoundry.runtime.server.protocol import (
     ChatCompletionRequest,
@@ -132,6 +133,9 @@ class OpenAIServer:
         self.created = int(time.time())
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
         self.draining = False
+        # LoRA adapters a request's `model` may name (lora_routes.py keeps the set in step with the engine)
+        self.lora_enabled = engine.info.max_loras > 0
+        self.adapters: set[str] = set(engine.info.loras)
 
     def runtime(self) -> dict[str, Any]:
         """What the engine runs (`EngineInfo`, read from the loaded model): the `lmfoundry` object of
@@ -154,7 +158,7 @@ class OpenAIServer:
 
     # ---- shared checks ----------------------------------------------------------------------
     def _check_common_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
+        if model is not None and model not in self.names and model not in self.adapters:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", code="model_not_found", param="model")
 
@@ -178,8 +182,7 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-    @staticmethod
-    def _params(req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                 ) -> SamplingParams:
         """The request's SamplingParams; a malformed field (a logit_bias key that is not a token
         id, a response_format or tool_choice that cannot be honoured) is a 400 naming it."""
@@ -188,6 +191,7 @@ class OpenAIServer:
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         params.detokenize = False  # text and stop strings are worked out here, not in the engine
+        params.lora = req.model if req.model in self.adapters else None  # `model` names an adapter or the base
         return params
 
     def _check_schema(self, schema: dict[str, Any] | None, param: str) -> None:
@@ -427,9 +431,13 @@ class OpenAIServer:
         raise ClientGone()
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "lmfoundry",
-            "max_model_len": self.max_model_len, "lmfoundry": self.runtime()}]}
+        base = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lmfoundry",
+                "max_model_len": self.max_model_len, "lmfoundry": self.runtime()}
+        return {"object": "list", "data": [base, *model_entries(self, base)]}
+
+    def response_model(self, requested: str | None) -> str:
+        """The `model` a response reports: the adapter a request named, else the served name."""
+        return requested if requested in self.adapters else self.model_name
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -557,10 +565,11 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     async def model(request: Request, model_id: str) -> dict:
         """openai's `models.retrieve`: the served model under its name or an alias, else 404."""
         authorize(request)
-        if model_id not in server.names:
+        if model_id not in server.names and model_id not in server.adapters:
             raise APIError(404, f"the model {model_id!r} does not exist; this server serves {server.model_name!r}",
                            code="model_not_found", param="model")
-        return {**server.models()["data"][0], "id": model_id}
+        entries = server.models()["data"]
+        return next((e for e in entries if e["id"] == model_id), {**entries[0], "id": model_id})
 
     @app.get("/version")
     async def version() -> dict:
@@ -582,6 +591,8 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     async def detokenize(request: Request) -> dict:
         authorize(request)
         return await server.detokenize(request)
+
+    register_lora_routes(app, server, authorize)
 
     @app.get("/health")
     @app.get("/ping")

@@ -37,6 +37,7 @@ class CompletionBuilder:
 
     def __init__(self, server: Any, req: CompletionRequest, prompts: list[list[int]], rid: str) -> None:
         self.s, self.req, self.prompts, self.rid = server, req, prompts, rid
+        self.model = server.response_model(req.model)  # the adapter the request named, or the served name
         self.created = int(time.time())
         self.completion_tokens = 0
         self.text_offsets: dict[int, int] = {}
@@ -101,10 +102,10 @@ class CompletionBuilder:
                 continue  # text held back (partial UTF-8 character or possible stop string)
             choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
             yield {"id": self.rid, "object": "text_completion", "created": self.created,
-                   "model": self.s.model_name, "choices": [choice]}
+                   "model": self.model, "choices": [choice]}
         if self.req.stream_options and self.req.stream_options.include_usage:
             yield {"id": self.rid, "object": "text_completion", "created": self.created,
-                   "model": self.s.model_name, "choices": [], "usage": self._usage()}
+                   "model": self.model, "choices": [], "usage": self._usage()}
 
     def _usage(self) -> dict:
         return _usage(sum(len(p) for p in self.prompts), self.completion_tokens)
@@ -122,7 +123,7 @@ class CompletionBuilder:
                     for k, v in c["logprobs"].items():
                         acc["logprobs"][k].extend(v)
                 acc["finish_reason"] = c["finish_reason"] or acc["finish_reason"]
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.s.model_name,
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [choices[i] for i in sorted(choices)], "usage": self._usage()}
 
 
@@ -131,6 +132,7 @@ class ChatBuilder:
 
     def __init__(self, server: Any, req: ChatCompletionRequest, prompt: list[int], rid: str) -> None:
         self.s, self.req, self.prompt, self.rid = server, req, prompt, rid
+        self.model = server.response_model(req.model)  # the adapter the request named, or the served name
         self.created = int(time.time())
         self.completion_tokens = 0
         plan = req.tool_plan()  # validated when the request was prepared
@@ -150,7 +152,7 @@ class ChatBuilder:
 
     def _chunk(self, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.s.model_name, "choices": choices}
+                "model": self.model, "choices": choices}
 
     async def _choices(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
         """One choice delta per event that has something to say."""
@@ -194,5 +196,5 @@ class ChatBuilder:
         for c in choices.values():
             if c["message"].get("tool_calls") and not c["message"]["content"]:
                 c["message"]["content"] = None  # OpenAI: a message that only calls tools has no content
-        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.s.model_name,
+        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": list(choices.values()), "usage": _usage(len(self.prompt), self.completion_tokens)}

@@ -244,7 +244,7 @@ async def create_response(server: Any, request: Request, body: bytes) -> Respons
                 output.feed(choice["delta"])
                 finish = choice["finish_reason"] or finish
             output.finish(status_of(finish))
-            return _response(rid, created, server.model_name, output.public(), status_of(finish), usage(), req)
+            return _response(rid, created, builder.model, output.public(), status_of(finish), usage(), req)
 
         return JSONResponse(await server._collect(request, whole()))
 
@@ -256,7 +256,7 @@ async def create_response(server: Any, request: Request, body: bytes) -> Respons
             seq += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-        started = _response(rid, created, server.model_name, [], "in_progress", None, req)
+        started = _response(rid, created, builder.model, [], "in_progress", None, req)
         yield event("response.created", {"response": started})
         yield event("response.in_progress", {"response": started})
         finish = None
@@ -271,7 +271,7 @@ async def create_response(server: Any, request: Request, body: bytes) -> Respons
         status = status_of(finish)
         for kind, fields in output.finish(status):
             yield event(kind, fields)
-        final = _response(rid, created, server.model_name, output.public(), status, usage(), req)
+        final = _response(rid, created, builder.model, output.public(), status, usage(), req)
         yield event("response.completed" if status == "completed" else "response.incomplete", {"response": final})
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",

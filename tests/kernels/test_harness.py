@@ -33,6 +33,8 @@ CASES = {
     "paged_decode_split": ({"act": F16, "kv": "i8"}, {"NUM_Q_HEADS": 6, "NUM_KV_HEADS": 2, "HEAD_DIM": 64, "PAGE": 16,
                                                       "KV_QUANT": 1}, {"B": 2, "ctx": 70, "splits": 3}),
     "paged_decode_reduce": ({"act": BF}, {"NUM_Q_HEADS": 4, "HEAD_DIM": 64}, {"B": 2, "ctx": 90, "splits": 4, "Hkv": 2}),
+    "lora_shrink": ({"act": BF}, {}, {"T": 7, "K": 96, "S": 48}),
+    "lora_expand": ({"act": F16}, {"PARTS": 3}, {"T": 6, "N": 160, "R": 16}),
 }
 
 

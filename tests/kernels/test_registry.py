@@ -33,7 +33,7 @@ def test_params_follow_the_kernel_signature(name):
 @pytest.mark.parametrize("name", sorted(registry.KERNELS))
 def test_grid_rules_evaluate(name):
     kd = registry.kernel(name)
-    names = {n: 7 for rule in kd.grid for n in ("M", "N", "T", "B", "max_q_len", "INTER", "num_splits")}
+    names = {n: 7 for rule in kd.grid for n in ("M", "N", "S", "T", "B", "max_q_len", "INTER", "num_splits")}
     names.update({n: 16 for n in (*kd.semantics, *kd.tiles)})
     for rule in kd.grid:
         assert eval_grid_rule(rule, names) >= 1
@@ -58,7 +58,7 @@ def test_every_family_has_a_test_module():
     tested = {
         "w4a16": "test_w4a16.py", "w8a8": "test_w8a8.py", "fp8": "test_fp8.py", "rmsnorm_quant": "test_norm_quant.py",
         "silu_mul": "test_activation.py", "rotary": "test_rotary.py", "kv_cache": "test_paged_attention.py",
-        "paged_attention": "test_paged_attention.py",
+        "paged_attention": "test_paged_attention.py", "lora": "test_lora.py",
     }
     assert set(tested) == set(registry.FAMILIES)
     for module in tested.values():

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from helpers import assert_promtool_accepts
 from prometheus_client.parser import text_string_to_metric_families
 
 from .test_server import metric
@@ -190,19 +191,7 @@ def test_vllm_series_are_exported_with_vllm_names_types_and_labels(live) -> None
 
 @pytest.mark.slow
 def test_promtool_accepts_our_series(live) -> None:
-    """Prometheus's own linter (`promtool check metrics`, Debian's prometheus package; .ci/run
-    installs it) on a live /metrics. vLLM's series are left out: their names carry ':' by vLLM's
-    design, which promtool flags for every vLLM server too; every other series must pass."""
-    import shutil
-    import subprocess
-
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
-    text = httpx.get(f"{live.url}/metrics").text
-    ours = "\n".join(line for line in text.splitlines() if "vllm:" not in line) + "\n"
-    assert "lmfoundry_requests_total" in ours
-    result = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_promtool_accepts(live.url, "lmfoundry_requests_total")
 
 
 @pytest.mark.slow
