@@ -55,6 +55,20 @@ def _step(calls: list[Callable[[], Any]]) -> None:
         call()
 
 
+def time_alternating(paths: dict[str, list[Callable[[], Any]]], rounds: int, steps: int) -> dict[str, list[float]]:
+    """ms per step of each path (a step: its calls in order), `rounds` samples each, the paths
+    alternating A B ..., then ... B A, each sample the mean of `steps` steps after one warm-up."""
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for r in range(rounds):
+        for path in (list(paths) if r % 2 == 0 else list(reversed(paths))):
+            _step(paths[path])  # warm-up
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                _step(paths[path])
+            samples[path].append((time.perf_counter() - t0) / steps * 1e3)
+    return samples
+
+
 def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: int, rows: list[int],
             steps: int, rounds: int, threads: int) -> list[dict[str, Any]]:
     import torch
@@ -100,14 +114,7 @@ def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: in
             assert_within(ys[idx], ref, bound, f"C product {shapes[idx]} M={m}")
         paths = {name: make(xs) for name, make in baselines.items()}
         paths["C"] = c
-        samples: dict[str, list[float]] = {name: [] for name in paths}
-        for r in range(rounds):
-            for path in (list(paths) if r % 2 == 0 else list(reversed(paths))):
-                _step(paths[path])  # warm-up
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    _step(paths[path])
-                samples[path].append((time.perf_counter() - t0) / steps * 1e3)
+        samples = time_alternating(paths, rounds, steps)
         row = {"M": m, "ms": {name: statistics.median(v) for name, v in samples.items()}, "rounds": samples}
         row["ratio"] = {name: row["ms"]["C"] / row["ms"][name] for name in baselines}
         out.append(row)

@@ -23,18 +23,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_gemv import model_shapes  # noqa: E402
-
-
-def _step(calls: list[Callable[[], Any]]) -> None:
-    for call in calls:
-        call()
+from cpu_gemv import model_shapes, time_alternating  # noqa: E402
 
 
 def measure(layer: list[tuple[str, int, int]], layers: int, rows: list[int], group: int, steps: int, rounds: int,
@@ -80,14 +74,7 @@ def measure(layer: list[tuple[str, int, int]], layers: int, rows: list[int], gro
             "bf16 oneDNN": [partial(torch.ops.mkldnn._linear_pointwise, xs[k], p, None, "none", [], "")
                             for (_, k), p in zip(shapes, onednn, strict=True)],
         }
-        samples: dict[str, list[float]] = {name: [] for name in paths}
-        for r in range(rounds):
-            for path in (list(paths) if r % 2 == 0 else list(reversed(paths))):
-                _step(paths[path])  # warm-up
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    _step(paths[path])
-                samples[path].append((time.perf_counter() - t0) / steps * 1e3)
+        samples = time_alternating(paths, rounds, steps)
         row = {"M": m, "ms": {name: statistics.median(v) for name, v in samples.items()}, "rounds": samples}
         row["speedup"] = {name: row["ms"][name] / row["ms"]["int4 C"] for name in paths if name != "int4 C"}
         out.append(row)
