@@ -35,11 +35,11 @@ cd "$(dirname "$0")/.."
 # Distributions lmfoundry imports on the lease's path that the GPU image (device tool, KINDS.md) lacks:
 # quantize reads compressed-tensors (+ pydantic, loguru); serve runs fastapi (+ starlette,
 # opentelemetry-api) on uvicorn, the engine process talks over pyzmq, structured output compiles with
-# llguidance; setuptools >= 77 builds lmfoundry there. tests/benchmarks/test_gpu_lease.py checks this
-# list against what that path imports.
-WHEELS=(compressed-tensors==0.20.1 loguru==0.7.3 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
-        typing-inspection==0.4.5 setuptools==84.2.1 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2
-        uvicorn==0.55.0 pyzmq==27.3.0 llguidance==1.9.1)
+# llguidance; setuptools >= 77 builds lmfoundry there. They are the lines of constraints.txt marked
+# "lease", so the tests' venv has the versions carried here; tests/benchmarks/test_gpu_lease.py
+# checks this list against what that path imports.
+mapfile -t WHEELS < <(sed -n 's/^\([A-Za-z0-9_.-]*==[^ #]*\).*#[[:space:]]*lease[[:space:]]*$/\1/p' constraints.txt)
+[ "${#WHEELS[@]}" -gt 0 ] || { echo "no lines marked '# lease' in constraints.txt" >&2; exit 2; }
 WHEELHOUSE=${WHEELHOUSE:-$PWD/.whl}
 
 if [ "${1:-}" = "wheels" ]; then

@@ -117,11 +117,10 @@ def norm(name: str) -> str:
 
 
 def lease_wheels() -> dict[str, str]:
-    """The WHEELS array of benchmarks/gpu_lease.sh: {distribution: version}."""
-    text = (REPO / "benchmarks" / "gpu_lease.sh").read_text()
-    block = re.search(r"^WHEELS=\((.*?)\)", text, re.S | re.M)
-    assert block, "no WHEELS=( ... ) in gpu_lease.sh"
-    return {norm(w.split("==")[0]): w.split("==")[1] for w in block.group(1).split()}
+    """The WHEELS benchmarks/gpu_lease.sh carries: constraints.txt's lines marked `# lease`."""
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)\s+#\s*lease\s*$", (REPO / "constraints.txt").read_text(), re.M)
+    assert pins, "no lines marked '# lease' in constraints.txt"
+    return {norm(name): version for name, version in pins}
 
 
 def image_closure() -> set[str]:
