@@ -96,6 +96,16 @@ MAX_EMBEDDING_TOKENS = 300_000
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+# Characters str.splitlines() ends a line at that JSON leaves raw: a client that reads the event
+# stream with it (httpx's iter_lines does) would cut a chunk whose text holds one of them in two.
+# SSE itself ends lines at CR and LF only, which JSON always escapes.
+_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
+
+
+def sse_event(payload: Any) -> str:
+    """One server-sent event of a JSON payload; non-ASCII text stays UTF-8, except the characters
+    some line readers split at, which are escaped (the payload decodes to the same value)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 @dataclass(frozen=True)
@@ -395,11 +405,11 @@ class OpenAIServer:
         async def sse() -> AsyncIterator[str]:
             try:
                 async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                    yield sse_event(chunk)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
                 code = "server_shutting_down" if isinstance(exc, ShuttingDown) else None
                 err = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
-                yield f"data: {json.dumps(err)}\n\n"
+                yield sse_event(err)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream",

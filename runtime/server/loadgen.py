@@ -19,7 +19,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import httpx
 
@@ -99,6 +99,19 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "mean": sum(xs) / len(xs)}
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream, ended at LF (a CR before it dropped) as SSE ends them. Not
+    httpx's aiter_lines: it also ends lines at U+0085, U+2028 and U+2029, which a peer server may
+    send raw inside a chunk's JSON text."""
+    pending = ""
+    async for text in resp.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
+
+
 async def one_request(client: httpx.AsyncClient, base_url: str, model: str, prompt: str, max_tokens: int,
                       headers: dict[str, str]) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -112,7 +125,7 @@ async def one_request(client: httpx.AsyncClient, base_url: str, model: str, prom
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return res
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import httpx
 import pytest
 
-from lmfoundry.runtime.server.loadgen import RequestResult, is_shared, make_prompts, percentiles, time_per_token
+from lmfoundry.runtime.server.loadgen import (
+    RequestResult,
+    is_shared,
+    make_prompts,
+    one_request,
+    percentiles,
+    time_per_token,
+)
 
 
 def test_percentiles_interpolate() -> None:
@@ -60,3 +71,25 @@ def test_time_per_token_does_not_depend_on_chunking() -> None:
     assert time_per_token(one) == pytest.approx(0.1) and time_per_token(two) == pytest.approx(0.1)
     assert time_per_token(RequestResult(ttft=0.5, output_tokens=1)) is None
     assert time_per_token(RequestResult(output_tokens=5)) is None
+
+
+def test_one_request_reads_chunks_whose_text_holds_unicode_line_separators() -> None:
+    """A peer that sends U+2028 / U+0085 raw inside a chunk's JSON (valid SSE: lines end at LF/CR
+    only), its events split across network reads at arbitrary bytes: every chunk counts, no error."""
+    events = [{"choices": [{"index": 0, "text": t}]} for t in ("a\u2028b", "\x85", "c\u2029", "\r")]
+    events.append({"choices": [], "usage": {"completion_tokens": 4}})
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]\n\n"
+    raw = body.encode()
+
+    async def pieces():
+        for i in range(0, len(raw), 7):  # splits UTF-8 sequences too
+            yield raw[i:i + 7]
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=pieces()))
+
+    async def run() -> RequestResult:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await one_request(client, "http://peer/v1", "m", "p", 4, {})
+
+    res = asyncio.run(run())
+    assert res.error is None and res.output_tokens == 4 and len(res.itl) == 3 and res.ttft is not None

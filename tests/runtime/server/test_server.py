@@ -71,6 +71,19 @@ def test_completions_stream_and_batch(server) -> None:
     assert all(v <= 0 for v in lp.token_logprobs[1:])
 
 
+def test_a_streamed_chunk_stays_one_line_for_line_readers(server) -> None:
+    """Text holding U+0085, U+2028 or U+2029 (a model can sample them): str.splitlines(), which
+    httpx's iter_lines uses, ends a line at each, so the server escapes them inside the JSON;
+    every data line parses and the echoed text comes back unchanged."""
+    prompt = "a\u2028b\x85c\u2029d é"
+    body = {"model": "toy", "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).startswith(prompt)
+
+
 def test_chat_logprobs_and_models(server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     assert [m.id for m in client.models.list()] == ["toy"]
