@@ -75,7 +75,7 @@ def test_kernel_executor_serves_adapters_like_the_reference_executor(bundle) -> 
             executor = reference.runner.executor
             slot = -1 if lora is None else reference.loras.adapters[lora].slot
             with torch.inference_mode(), executor.lora.active(torch.full((len(ids),), slot, dtype=torch.int32)):
-                h = executor.prompt_hidden(ids).float()
+                h = executor.model.hidden_states(torch.tensor([ids]))[0].float()
             bounds = 2 * k * U_BF16 * (h.abs() @ w.abs().t()).amax(dim=-1)
             for pos, (r, q) in enumerate(zip(ref_lp, ker_lp, strict=True)):
                 bound = float(bounds[pos])
