@@ -27,7 +27,9 @@ def test_serve_tp2_answers_and_a_lost_rank_is_503_and_exit(tmp_path) -> None:
 
     shm_before = set(glob.glob("/dev/shm/lmfoundry-tp-*"))
     folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
-    proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
+    # a context long enough that the request the kill lands in is still generating half a second
+    # after it started (240 tokens of this toy model could finish first on a quiet machine)
+    proc = start_serve([str(folder), "--port", "0", "--max-model-len", "4096", "--kv-cache-gb", "0.01",
                         "--dtype", "float32", "--skip-verify", "--tp", "2", "--threads", "2"])
     try:
         url = wait_for_url(proc).removesuffix("/v1")
@@ -37,7 +39,7 @@ def test_serve_tp2_answers_and_a_lost_rank_is_503_and_exit(tmp_path) -> None:
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
         caller, result = post_in_background(f"{url}/v1/completions",
-                                            {"prompt": "x", "max_tokens": 240, "ignore_eos": True})
+                                            {"prompt": "x", "max_tokens": 4000, "ignore_eos": True})
         time.sleep(0.5)
         workers[0].send_signal(signal.SIGKILL)
         caller.join(timeout=60)
