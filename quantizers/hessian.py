@@ -28,8 +28,8 @@ def token_energy_factor(x: torch.Tensor, cap: float) -> torch.Tensor | None:
     """Per-row factors [N] that scale rows of x [N, C] down so none has more than `cap` × the
     median squared norm (None: nothing to scale, cap <= 0).
 
-    Why: a few "massive activation" tokens (attention sinks) can carry >99% of XᵀX for some
-    down_proj inputs (measured on SmolLM2: 16 of 2048 tokens), so the plain Hessian fits the
+    Why: a few "massive activation" tokens (attention sinks) can carry nearly all of XᵀX for
+    some down_proj inputs, so the plain Hessian fits the
     quantization to those tokens alone and the rest of the text pays. Capping their weight keeps
     them in the objective without letting them dominate."""
     if cap <= 0:
@@ -50,15 +50,14 @@ class HessianAccumulator:
     `hessian()` returns 2·XᵀX/N (float32).
 
     XᵀX is symmetric, so it is accumulated with BLAS `ssyrk` (one triangle, half the products of
-    a matmul) and mirrored once at the end: measured 0.81x the CPU time of the block-triangular
-    matmuls used before (and 0.51x a full matmul) for a 1536-wide down_proj input, with float32
-    sums; the Hessians are still about a quarter of GPTQ's calibration CPU time.
+    a matmul) and mirrored once at the end, with float32 sums (benchmarks/results/
+    quant_quality_w4a16_32x512_v4.md has where GPTQ's calibration CPU time goes).
 
     Each batch's XᵀX is made in float32 on its own and added into a float64 sum. A sum of a few
     float32 values in float64 is exact, so it does not depend on the order of the batches: a
     data-parallel run, whose ranks each sum their own batches and then all-reduce, gets the same
-    Hessian bits as one process (float32 accumulation across batches flipped 32 % of down_proj's
-    GPTQ codes between 1 and 2 ranks on SmolLM2; GPTQ's error feedback amplifies the last bit)."""
+    Hessian bits as one process (float32 accumulation across batches changes the last bits with
+    the rank count, and GPTQ's error feedback turns those into different codes)."""
 
     def __init__(self, token_cap: float = 0.0) -> None:
         self.sum: Any = None  # CPU: numpy float64 [C, C], Fortran order, upper triangle valid
@@ -251,19 +250,19 @@ def received_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin:
 
     Why: a key/value token's error reaches every query in proportion to the attention it gets.
     The first token of a sequence (the "attention sink") gets about half of all attention but is
-    1/T of the tokens, so an unweighted Hessian lets GPTQ push error into its direction: measured
-    on SmolLM2, plain GPTQ raised position 0's v_proj output error from 0.29 (RTN) to 0.53 while
-    lowering everyone else's, and lost to RTN in perplexity. Weighting K/V rows by received
+    1/T of the tokens, so an unweighted Hessian lets GPTQ push error into its direction: plain
+    GPTQ can raise position 0's v_proj output error above RTN's while lowering everyone else's,
+    and then lose to RTN in perplexity. Weighting K/V rows by received
     attention makes the Hessian see what the attention output sees.
 
     Cost: the scores are computed `chunk` queries at a time against only the keys they can see
     (the causal lower triangle: ~(1 + 1/n)/2 of the full T×T for n chunks), each query head
-    grouped with its KV head instead of repeating K; measured 2.6x less CPU time than a full
-    masked [Hq, T, T] softmax per sequence at T = 512, same sums up to float32 rounding.
+    grouped with its KV head instead of repeating K, rather than a full masked [Hq, T, T]
+    softmax per sequence: the same sums up to float32 rounding, for less than half the work.
     `low_precision` (default: where bf16 matmuls are native, see `fast_bf16_matmul`) computes
     q, k and the scores in bf16 (softmax and sums in float32): these are weights of a statistic,
-    not the model's function, and bf16 moves them little — measured on SmolLM2 layers 0-29:
-    median 0.13-0.50 %, 99th percentile <= 1.9 %, max <= 3 % per token — for 0.65x the time."""
+    not the model's function: a score s rounded to bf16 is off by at most |s| 2^-8, which scales
+    its softmax weight by a factor within exp(±|s| 2^-8) before normalisation."""
     if low_precision is None:
         low_precision = fast_bf16_matmul(x.device)
     dtype = torch.bfloat16 if low_precision else torch.float32

@@ -17,7 +17,6 @@ flat inputs of one step.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -455,14 +454,3 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
     cos, sin = rope_tables(inv_freq.to(device), cfg.max_position_embeddings, scaling)
     return KernelModel(cfg, dtype, device, kernels, embed, vec("model.norm.weight"), lm_head, layers, norm_quant,
                        kv_dtype, kv_scales, cos, sin)
-
-
-def engine_manifest(path: str | Path) -> dict[str, Any] | None:
-    """engine.json of a bundle folder, None for anything else (a checkpoint folder, a name)."""
-    f = Path(path) / "engine.json"
-    if not f.is_file():
-        return None
-    try:
-        return json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{f}: unreadable engine manifest ({exc})") from None
