@@ -214,7 +214,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from lmfoundry.calibration.data import eval_token_stream, load_calibration, token_hash
     from lmfoundry.checkpoint.sources import resolve_model
-    from lmfoundry.runtime.loader import load_tokenizer
+    from lmfoundry.checkpoint.tokenizer import load_tokenizer
 
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     if args.peers:

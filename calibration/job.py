@@ -63,8 +63,8 @@ def run_job(job: QuantizeJob) -> str:
     as it found it on any failure: the checkpoint is built in a hidden staging folder next to the
     output, swapped in at the end, and the staging folder and any parent folders created for the
     output are removed when the job fails."""
+    from lmfoundry.devices import check_device
     from lmfoundry.distributed import init_from_environment, shutdown
-    from lmfoundry.runtime.loader import check_device
 
     job.recipe.check()
     if job.offload not in OFFLOAD_CHOICES:
@@ -298,9 +298,9 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     from lmfoundry.calibration.pipeline import current_rss_bytes, run_pipeline
     from lmfoundry.checkpoint.folder import TOKENIZER_FILES, CheckpointWriter, quantized_config
     from lmfoundry.checkpoint.sources import safetensors_files
+    from lmfoundry.checkpoint.tokenizer import load_tokenizer
     from lmfoundry.distributed import ranks
     from lmfoundry.manifest import sha256_file, tool_versions
-    from lmfoundry.runtime.loader import load_tokenizer
 
     t0 = time.time()
     baseline_rss = current_rss_bytes()

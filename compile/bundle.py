@@ -16,10 +16,8 @@ that is refused, fails or is interrupted leaves neither a half-written bundle no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -34,28 +32,12 @@ from lmfoundry.compile.kernel_plan import Plan, make_plan
 from lmfoundry.compile.rank_shares import write_share
 from lmfoundry.compile.source import Checkpoint, load_checkpoint
 from lmfoundry.errors import UserError
-from lmfoundry.gpus import ARCH_OF_CAPABILITY, COMPILE_ARCH_NAMES, SM_NAME
-from lmfoundry.manifest import verify_artifact
+from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_NAME, parse_compile_arch
+from lmfoundry.manifest import sha256_file, verify_artifact
 from lmfoundry.model.tensor_parallel import RankShard
+from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, MANIFEST_NAME, is_rank_folder, rank_folder
 
-ENGINE_FORMAT = "lmfoundry-engine/1"
-_RANK_FOLDER = re.compile(r"rank[0-9]+")
 WEIGHT_MODES = ("link", "copy", "repack")
-
-
-def parse_arch(name: str) -> int:
-    try:
-        return COMPILE_ARCH_NAMES[name.strip().lower()]
-    except KeyError:
-        raise UserError(f"unknown arch {name!r}; choose from ampere (sm_80), ada (sm_89), hopper (sm_90a), or cpu alone") from None
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def default_output(checkpoint: Path) -> Path:
@@ -88,7 +70,7 @@ def _is_engine_bundle(folder: Path) -> bool:
     """Whether `folder` holds one of our bundles (an engine.json object of our format): only then
     may a rebuild replace its kernels/, weights/ and engine.json."""
     try:
-        manifest = json.loads((folder / "engine.json").read_bytes())
+        manifest = json.loads((folder / MANIFEST_NAME).read_bytes())
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("format") == ENGINE_FORMAT
@@ -143,8 +125,8 @@ def _install(stage: Path, out: Path) -> None:
     if not out.exists():
         os.replace(stage, out)
         return
-    (out / "engine.json").unlink(missing_ok=True)
-    ranks = {p.name for folder in (out, stage) for p in folder.iterdir() if _RANK_FOLDER.fullmatch(p.name)}
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    ranks = {p.name for folder in (out, stage) for p in folder.iterdir() if is_rank_folder(p.name)}
     for sub in ("kernels", "weights", "cpu", *sorted(ranks)):
         if (out / sub).is_symlink() or (out / sub).is_file():
             (out / sub).unlink()
@@ -152,7 +134,7 @@ def _install(stage: Path, out: Path) -> None:
             shutil.rmtree(out / sub)
         if (stage / sub).exists():
             os.replace(stage / sub, out / sub)
-    os.replace(stage / "engine.json", out / "engine.json")
+    os.replace(stage / MANIFEST_NAME, out / MANIFEST_NAME)
     shutil.rmtree(stage, ignore_errors=True)
 
 
@@ -218,7 +200,7 @@ def build_engine(
         raise UserError("name at least one --arch (ampere, ada, hopper)")
     if weights not in WEIGHT_MODES:
         raise UserError(f"--weights must be one of {', '.join(WEIGHT_MODES)}")
-    caps = list(dict.fromkeys(parse_arch(a) for a in archs))
+    caps = list(dict.fromkeys(parse_compile_arch(a) for a in archs))
     src = Path(checkpoint)
     final = Path(output) if output is not None else default_output(src)
     _check_output(final, src)  # before any work; nothing is created until the checks below pass
@@ -247,7 +229,7 @@ def build_engine(
         shutil.rmtree(stage, ignore_errors=True)
         _remove_dirs(created)
         raise
-    ranks = [BuildResult(final / f"rank{i}", r.manifest, r.seconds) for i, r in enumerate(built.ranks)]
+    ranks = [BuildResult(final / rank_folder(i), r.manifest, r.seconds) for i, r in enumerate(built.ranks)]
     return BuildResult(final, built.manifest, time.perf_counter() - t0, ranks)
 
 
@@ -275,12 +257,12 @@ def _write_tp_bundle(out: Path, ck: Checkpoint, caps: list[int], src: Path, tp: 
     with tempfile.TemporaryDirectory(prefix="lmfoundry-triton-") as cache:
         for rank in range(tp):
             log(f"rank {rank} of {tp}: writing its share")
-            share = write_share(src, RankShard(ck.config, rank, tp), shares / f"rank{rank}")
+            share = write_share(src, RankShard(ck.config, rank, tp), shares / rank_folder(rank))
             rck = load_checkpoint(share, dtype)
             plan = _plan(rck, caps, block_size, tune, log)
-            (out / f"rank{rank}").mkdir()
+            (out / rank_folder(rank)).mkdir()
             source = {**_source_record(src, ck), "tensor_parallel": {"rank": rank, "size": tp}}
-            ranks.append(_write_bundle(out / f"rank{rank}", rck, plan, caps, share, weights, workers, tune, progress,
+            ranks.append(_write_bundle(out / rank_folder(rank), rck, plan, caps, share, weights, workers, tune, progress,
                                        log, t0, triton_cache=Path(cache), source=source))
             shutil.rmtree(share)
     shares.rmdir()
@@ -288,12 +270,12 @@ def _write_tp_bundle(out: Path, ck: Checkpoint, caps: list[int], src: Path, tp: 
         "format": ENGINE_FORMAT,
         "source": _source_record(src, ck),
         "tensor_parallel": {"size": tp, "ranks": [
-            {"path": f"rank{rank}", "engine_sha256": sha256_file(out / f"rank{rank}" / "engine.json")}
+            {"path": rank_folder(rank), "engine_sha256": sha256_file(out / rank_folder(rank) / MANIFEST_NAME)}
             for rank in range(tp)]},
         "archs": ranks[0].manifest["archs"],
         "build": {"seconds": round(time.perf_counter() - t0, 2), "workers": workers, "tuned": tune},
     }
-    (out / "engine.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     return BuildResult(out, manifest, time.perf_counter() - t0, ranks)
 
 
@@ -385,5 +367,5 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
     }
     if plan.lora is not None:  # only then: a bundle without adapters stays byte for byte what it was
         manifest["lora"] = plan.lora
-    (out / "engine.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     return BuildResult(out, manifest, time.perf_counter() - t0)

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from lmfoundry.compile.bundle import (
-    ENGINE_FORMAT,
     _check_output,
     _install,
     _remove_dirs,
@@ -41,6 +40,7 @@ from lmfoundry.compile.bundle import (
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import sha256_file, verify_artifact
 from lmfoundry.model.config import ModelConfig
+from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, MANIFEST_NAME, is_engine_bundle
 
 STEP_FILE = "step.pt2"
 DEFAULT_MAX_TOKENS = 8192  # the compiled step's largest flat batch (--max-num-batched-tokens above it: eager)
@@ -155,7 +155,7 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
             "weights": {"mode": "copy", "files": files},
             "kernels": [],
         }
-        (stage / "engine.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        (stage / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         _install(stage, final)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -183,7 +183,7 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
            "torch": torch.__version__, "compiler": compiler_version(), "format": ENGINE_FORMAT}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     engine = cache_dir() / "cpu-steps" / digest
-    if (engine / "engine.json").is_file():
+    if is_engine_bundle(engine):
         return engine, False
     log_line(f"compiling the CPU step of {checkpoint} once (minutes); it is kept in {engine}")
     build_cpu_engine(folder, engine, block_size=block_size, max_tokens=max_tokens, log_line=log_line)

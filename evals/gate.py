@@ -206,12 +206,13 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     with the whole model's config)."""
     from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.model.config import ModelConfig
-    from lmfoundry.runtime.loader import bundle_degree, whole_model_config
+    from lmfoundry.runtime.bundle_manifest import is_engine_bundle, weights_folder
+    from lmfoundry.runtime.loader import whole_model_config
 
     path = Path(spec).expanduser()
-    bundle = allow_bundle and (path / "engine.json").is_file()
+    bundle = allow_bundle and is_engine_bundle(path)
     if bundle:
-        folder = path / ("rank0/weights" if bundle_degree(path) > 1 else "weights")
+        folder = weights_folder(path)
         config = whole_model_config(path)
     else:
         folder = resolve_model(spec)
@@ -269,7 +270,7 @@ def _fingerprint_of(files: dict[str, str]) -> dict[str, Any]:
 
 def bundle_fingerprint(engine: Path) -> dict[str, Any]:
     """`fingerprint` of an engine bundle's weights: every rank's of a tensor-parallel bundle."""
-    from lmfoundry.runtime.loader import bundle_degree
+    from lmfoundry.runtime.bundle_manifest import bundle_degree
 
     degree = bundle_degree(engine)
     if degree == 1:
@@ -318,7 +319,8 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     import torch
 
     from lmfoundry.checkpoint.sources import resolve_model
-    from lmfoundry.runtime.loader import is_engine_bundle, resolve_dtype
+    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+    from lmfoundry.runtime.loader import resolve_dtype
 
     tasks, ppl, gen = tier.tasks, tier.perplexity, tier.generation
     bundle = is_engine_bundle(spec)
@@ -580,9 +582,10 @@ def _model_summary(ev: dict[str, Any]) -> dict[str, Any]:
 def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md_path: Path) -> bool:
     """Write the verdict into the candidate's lmfoundry.json (`promotion`), if it has one."""
     from lmfoundry.manifest import MANIFEST, sha256_file, update_manifest
+    from lmfoundry.runtime.bundle_manifest import MANIFEST_NAME
 
     folder = Path(report["candidate"]["path"])
-    engine = folder / "engine.json"
+    engine = folder / MANIFEST_NAME
     if not (folder / MANIFEST).exists() and not engine.is_file():
         return False
     record = {

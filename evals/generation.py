@@ -112,7 +112,7 @@ def answer_is_valid(prompt: Prompt, text: str) -> bool | None:
         except (ValueError, jsonschema.ValidationError):
             return False
         return True
-    from lmfoundry.runtime.server.tools import parse_tool_calls
+    from lmfoundry.runtime.engine.tool_calls import parse_tool_calls
 
     functions = {t["name"]: t.get("parameters") or {} for t in prompt.tools}
     calls = parse_tool_calls(text, functions)  # the forms the server accepts, <tool_call> tags included

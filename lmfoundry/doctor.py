@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmfoundry.errors import UserError
-from lmfoundry.gpus import ARCH_NAMES, FP8_MIN_CAPABILITY
+from lmfoundry.gpus import FP8_MIN_CAPABILITY, parse_arch
 from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
 from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, Scheme
 from lmfoundry.recipe import Recipe
@@ -91,16 +91,6 @@ class DoctorReport:
 
 
 # ------------------------------------------------------------------------------------- parsing
-def parse_arch(text: str) -> tuple[str, int]:
-    """`hopper`, `h100`, `sm_90`, `sm90a`, `8.9`, `89` -> (name, compute capability)."""
-    t = text.strip().lower()
-    if t in ARCH_NAMES:
-        return t, ARCH_NAMES[t]
-    m = re.fullmatch(r"(?:sm_?)?(\d)\.?(\d{1,2})a?", t)
-    if m:
-        cc = int(m.group(1)) * 10 + int(m.group(2)) if len(m.group(2)) == 1 else int(m.group(1) + m.group(2))
-        return f"sm_{cc}", cc
-    raise UserError(f"unknown --arch {text!r}; use a name ({', '.join(sorted(ARCH_NAMES))}) or sm_XY")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -243,7 +233,7 @@ def check_kv_plan(report: DoctorReport, kv: QuantArgs | None, config: ModelConfi
     if kv is None:
         report.add("kv cache", INFO, "not quantized (16-bit KV)")
         return
-    from lmfoundry.quantizers.kv_scales import check_kv_args
+    from lmfoundry.model.kv_quant import check_kv_args
 
     try:
         per_head = check_kv_args(kv)

@@ -16,6 +16,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -101,6 +102,26 @@ SM_NAME: dict[int, str] = {a.capability: a.sm for a in ARCHITECTURES}
 ARCH_OF_CAPABILITY: dict[int, str] = {a.capability: a.family for a in ARCHITECTURES}
 SM_COUNT: dict[int, int] = {a.capability: a.sms for a in ARCHITECTURES if a.sms}
 SM_LIMITS: dict[int, SmLimits] = {a.capability: a.limits for a in ARCHITECTURES if a.limits is not None}
+
+
+def parse_arch(text: str) -> tuple[str, int]:
+    """`doctor --arch`: `hopper`, `h100`, `sm_90`, `sm90a`, `8.9`, `89` -> (name, compute capability)."""
+    t = text.strip().lower()
+    if t in ARCH_NAMES:
+        return t, ARCH_NAMES[t]
+    m = re.fullmatch(r"(?:sm_?)?(\d)\.?(\d{1,2})a?", t)
+    if m:
+        cc = int(m.group(1)) * 10 + int(m.group(2)) if len(m.group(2)) == 1 else int(m.group(1) + m.group(2))
+        return f"sm_{cc}", cc
+    raise UserError(f"unknown --arch {text!r}; use a name ({', '.join(sorted(ARCH_NAMES))}) or sm_XY")
+
+
+def parse_compile_arch(name: str) -> int:
+    """`compile --arch`: a name of COMPILE_ARCH_NAMES -> the compute capability to build for."""
+    try:
+        return COMPILE_ARCH_NAMES[name.strip().lower()]
+    except KeyError:
+        raise UserError(f"unknown arch {name!r}; choose from ampere (sm_80), ada (sm_89), hopper (sm_90a), or cpu alone") from None
 
 
 # ------------------------------------------------------------------------- products (gpus.yaml)

@@ -18,32 +18,13 @@ import torch
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.kv_quant import (
-    PER_HEAD,
-    PER_TENSOR,
-    dequantize_kv,
+    check_kv_args,
+    kv_round_trip_from_checkpoint,
     kv_scales_from_absmax,
-    quantize_kv,
 )
 from lmfoundry.model.reference import DecoderLayer
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult
 from lmfoundry.quantizers.scheme import QuantArgs
-
-KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def check_kv_args(args: QuantArgs) -> bool:
-    """Validate a KV scheme; returns True for per-head scales."""
-    if args.num_bits != 8 or args.type not in ("int", "float"):
-        raise UserError(f"KV cache quantization supports int8 and fp8 only, got {args.describe()}")
-    if not args.symmetric:
-        raise UserError("KV cache quantization is symmetric only (vLLM refuses asymmetric KV scales)")
-    if args.dynamic:
-        raise UserError("KV cache scales are static (calibrated); a dynamic KV scheme is not supported")
-    if args.strategy in PER_TENSOR:
-        return False
-    if args.strategy in PER_HEAD:
-        return True
-    raise UserError(f"KV cache strategy {args.strategy!r}: expected 'tensor' or 'attn_head' (per head)")
 
 
 class KVObserver:
@@ -65,26 +46,6 @@ class KVObserver:
         self.k_absmax = ka if self.k_absmax is None else torch.maximum(self.k_absmax, ka)
         self.v_absmax = va if self.v_absmax is None else torch.maximum(self.v_absmax, va)
         return k, v
-
-
-def kv_round_trip_from_checkpoint(kv_args: QuantArgs, k_scale: torch.Tensor, v_scale: torch.Tensor) -> KVRoundTrip:
-    """fn(k, v) -> what a cache with these scales hands back (quantize on write, dequantize on
-    read). k/v: [..., T, Hkv, D]; scales [1] / 0-d (per tensor) or [Hkv] / [Hkv, 1, 1] (per head)."""
-    per_head = check_kv_args(kv_args)
-    kind = kv_args.type
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not per_head and s.numel() != 1:
-            raise UserError(f"per-tensor KV scheme but {name} has shape {list(s.shape)}")
-        if not torch.isfinite(s.float()).all() or (s.float() <= 0).any():
-            raise UserError(f"KV {name} must be finite and positive, got {s.flatten()[:4].tolist()}")
-    ks, vs = k_scale.detach().float().clone(), v_scale.detach().float().clone()
-
-    def round_trip(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (dequantize_kv(quantize_kv(k, ks, kind), ks, k.dtype),
-                dequantize_kv(quantize_kv(v, vs, kind), vs, v.dtype))
-
-    round_trip.k_scale, round_trip.v_scale, round_trip.kv_args = ks, vs, kv_args  # type: ignore[attr-defined]
-    return round_trip
 
 
 def calibrate_kv_scales(layer: DecoderLayer, calib: LayerCalibration, kv_args: QuantArgs,

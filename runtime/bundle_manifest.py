@@ -5,7 +5,8 @@ checks the type of every field the runtime reads; `verify` checks each kernel fi
 `verify_weights` each weights file against the sha256 recorded at build time, so a modified or
 planted file refuses the bundle (`EngineIntegrityError`); `bundle_problems` lists every mismatch
 for `lmfoundry inspect`. Compile writes these files (`lmfoundry.compile.bundle`); this module is
-what the runtime and `inspect` read them with.
+what the runtime and `inspect` read them with, and the one place that says what the format is: its
+name and version, what makes a folder a bundle, and where a tensor-parallel bundle keeps each rank.
 """
 
 from __future__ import annotations
@@ -28,7 +29,64 @@ class EngineIntegrityError(UserError):
     exit_code = 4
 
 
+ENGINE_FORMAT = "lmfoundry-engine/1"  # engine.json's "format": compile writes it, read_manifest requires it
+MANIFEST_NAME = "engine.json"
 ENGINE_JSON_MAX_BYTES = 64 << 20  # a real engine.json is a few hundred KiB
+_RANK_FOLDER = re.compile(r"rank[0-9]+")
+
+
+def is_engine_bundle(path: str | Path) -> bool:
+    """Whether `path` is a bundle folder (it has an engine.json): what every command asks before
+    choosing the bundle path over the checkpoint path; `read_manifest` then checks the file."""
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+def rank_folder(rank: int) -> str:
+    """The folder of rank `rank`'s own bundle inside a tensor-parallel bundle."""
+    return f"rank{rank}"
+
+
+def is_rank_folder(name: str) -> bool:
+    return _RANK_FOLDER.fullmatch(name) is not None
+
+
+def weights_folder(path: str | Path) -> Path:
+    """The bundle's weights/ folder whose config.json the model is read from: rank 0's in a
+    tensor-parallel bundle (its share names the whole model), the bundle's own otherwise."""
+    top = Path(path)
+    return (top / rank_folder(0) if bundle_degree(top) > 1 else top) / "weights"
+
+
+def bundle_degree(path: str | Path) -> int:
+    """The tensor-parallel degree an engine bundle was compiled for (1: one device)."""
+    from lmfoundry.manifest import parse_json_object, read_bounded
+
+    manifest_path = Path(path) / MANIFEST_NAME
+    manifest = parse_json_object(read_bounded(manifest_path, ENGINE_JSON_MAX_BYTES), manifest_path)
+    if "tensor_parallel" not in manifest:
+        return 1
+    record = manifest["tensor_parallel"]
+    size = record.get("size") if isinstance(record, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+        raise UserError(f"{manifest_path}: malformed tensor_parallel record (a size of 2 or more is expected)")
+    return size
+
+
+def rank_bundle(path: str | Path, rank: int) -> Path:
+    """Rank `rank`'s bundle inside a tensor-parallel bundle, once its engine.json is the one the
+    bundle's manifest records (each rank's own manifest then checks its files)."""
+    from lmfoundry.manifest import parse_json_object, read_bounded
+
+    engine = Path(path)
+    manifest = parse_json_object(read_bounded(engine / MANIFEST_NAME, ENGINE_JSON_MAX_BYTES), engine / MANIFEST_NAME)
+    ranks = manifest["tensor_parallel"].get("ranks")
+    entry = ranks[rank] if isinstance(ranks, list) and rank < len(ranks) else None
+    if not isinstance(entry, dict) or entry.get("path") != rank_folder(rank):
+        raise UserError(f"{engine}/engine.json: malformed tensor_parallel record (no entry rank{rank})")
+    folder = engine / rank_folder(rank)
+    if not (folder / MANIFEST_NAME).is_file() or sha256_file(folder / MANIFEST_NAME) != entry.get("engine_sha256"):
+        raise EngineIntegrityError(f"{folder}/engine.json: missing, or not the one {engine}/engine.json records")
+    return folder
 _KIND_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "true or false"}
 
 
@@ -53,7 +111,7 @@ def check_manifest(manifest: Any, manifest_path: Path) -> dict[str, Any]:
     are only checked lexically here (plain names under weights/); `verify` resolves kernel files."""
     if not isinstance(manifest, dict):
         raise _malformed(manifest_path, f"the top level must be an object, got {type(manifest).__name__}")
-    if manifest.get("format") != "lmfoundry-engine/1":
+    if manifest.get("format") != ENGINE_FORMAT:
         raise UserError(f"{manifest_path}: unknown engine format {manifest.get('format')!r}")
     f = functools.partial(_field, manifest_path=manifest_path)
     model = f(manifest, "model", dict, "engine.json")

@@ -17,32 +17,15 @@ from torch import nn
 
 from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
 from lmfoundry.checkpoint.sources import resolve_model
+from lmfoundry.checkpoint.tokenizer import has_tokenizer, load_tokenizer
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.linears import build_linear, dense_linear
 from lmfoundry.model.reference import CausalLM, DecoderLayer, RotaryEmbedding
 from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_modules, share_of
+from lmfoundry.runtime.bundle_manifest import bundle_degree, is_engine_bundle, rank_bundle, weights_folder
 
 log = logging.getLogger("lmfoundry.runtime")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(folder: str | Path) -> Any:
-    """The folder's tokenizer; missing or unreadable tokenizer files are one UserError line
-    (transformers raises anything from OSError to TypeError or a Rust panic's exception)."""
-    from transformers import AutoTokenizer
-
-    folder = Path(folder)
-    if not any((folder / n).is_file() for n in TOKENIZER_FILES):
-        raise UserError(f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the tokenizer of the "
-                        "model the weights came from into the folder")
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except Exception as exc:  # noqa: BLE001 - every failure here is a bad tokenizer file, said in one line
-        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise UserError(f"{folder}: cannot load the tokenizer ({detail})") from None
 
 
 def load_model(
@@ -73,22 +56,6 @@ def load_model(
     return model, load_tokenizer(folder)
 
 
-def check_device(device: str) -> str:
-    """A --device value as torch understands it, or a one-line error (cuda asked on a machine
-    without one included). `auto` is the GPU where there is one, else the CPU."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {device!r}: use cpu or cuda[:N]") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"--device {device!r}: use cpu or cuda[:N]")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: this machine has no CUDA GPU (use --device cpu)")
-    return str(dev)
-
-
 def check_tensor_parallel(tp: int, device: str, models: Any) -> None:
     """Refuse a --tp the runtime cannot honour, before any model is loaded (the split itself is
     checked against each model's heads when its ranks start): an engine bundle runs at the
@@ -115,45 +82,11 @@ def _degree_refusal(spec: str | Path, degree: int, tp: int) -> str:
     return f"{spec}: this engine bundle was compiled for --tp {degree}; run it with --tp {degree}"
 
 
-def bundle_degree(path: str | Path) -> int:
-    """The tensor-parallel degree an engine bundle was compiled for (1: one device)."""
-    from lmfoundry.manifest import parse_json_object, read_bounded
-    from lmfoundry.runtime.bundle_manifest import ENGINE_JSON_MAX_BYTES
-
-    manifest_path = Path(path) / "engine.json"
-    manifest = parse_json_object(read_bounded(manifest_path, ENGINE_JSON_MAX_BYTES), manifest_path)
-    if "tensor_parallel" not in manifest:
-        return 1
-    record = manifest["tensor_parallel"]
-    size = record.get("size") if isinstance(record, dict) else None
-    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
-        raise UserError(f"{manifest_path}: malformed tensor_parallel record (a size of 2 or more is expected)")
-    return size
-
-
-def rank_bundle(path: str | Path, rank: int) -> Path:
-    """Rank `rank`'s bundle inside a tensor-parallel bundle, once its engine.json is the one the
-    bundle's manifest records (each rank's own manifest then checks its files)."""
-    from lmfoundry.manifest import parse_json_object, read_bounded, sha256_file
-    from lmfoundry.runtime.bundle_manifest import ENGINE_JSON_MAX_BYTES, EngineIntegrityError
-
-    engine = Path(path)
-    manifest = parse_json_object(read_bounded(engine / "engine.json", ENGINE_JSON_MAX_BYTES), engine / "engine.json")
-    ranks = manifest["tensor_parallel"].get("ranks")
-    entry = ranks[rank] if isinstance(ranks, list) and rank < len(ranks) else None
-    if not isinstance(entry, dict) or entry.get("path") != f"rank{rank}":
-        raise UserError(f"{engine}/engine.json: malformed tensor_parallel record (no entry rank{rank})")
-    folder = engine / f"rank{rank}"
-    if not (folder / "engine.json").is_file() or sha256_file(folder / "engine.json") != entry.get("engine_sha256"):
-        raise EngineIntegrityError(f"{folder}/engine.json: missing, or not the one {engine}/engine.json records")
-    return folder
-
-
 def whole_model_config(path: str | Path) -> ModelConfig:
     """The config of the whole model behind a model spec: a checkpoint's own, a bundle's
     weights', and for a tensor-parallel bundle the one its rank 0's share names."""
     if is_engine_bundle(path):
-        weights = Path(path) / ("rank0/weights" if bundle_degree(path) > 1 else "weights")
+        weights = weights_folder(path)
         config = ModelConfig.from_file(weights)
         shard = share_of(config.raw, str(weights))
         return shard.config if shard is not None else config
@@ -220,12 +153,7 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
                                   lambda member: shapes[member.split(".", 3)[3]][0])
         reader = InMemoryCheckpoint(weights, reader.config, tensors)
     model = load_causal_lm(reader, dtype or reader.dtype)
-    has_tokenizer = any((weights / n).is_file() for n in TOKENIZER_FILES)
-    return model, load_tokenizer(weights) if has_tokenizer else None
-
-
-def is_engine_bundle(path: str | Path) -> bool:
-    return (Path(path) / "engine.json").is_file()
+    return model, load_tokenizer(weights) if has_tokenizer(weights) else None
 
 
 def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret: bool | None = None,
@@ -256,8 +184,7 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
     kernels = load_engine(engine, device, interpret=interpret)
     model = load_kernel_model(engine, kernels, device)
     weights = engine / "weights"
-    has_tokenizer = any((weights / n).is_file() for n in TOKENIZER_FILES)
-    return model, load_tokenizer(weights) if has_tokenizer else None
+    return model, load_tokenizer(weights) if has_tokenizer(weights) else None
 
 
 @torch.no_grad()
@@ -340,7 +267,7 @@ def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader, shard: Ran
     plan = reader.plan
     if plan is None or plan.kv_cache is None:
         return
-    from lmfoundry.quantizers.kv_scales import kv_round_trip_from_checkpoint
+    from lmfoundry.model.kv_quant import kv_round_trip_from_checkpoint
 
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}.self_attn"

@@ -489,8 +489,9 @@ def kernel_model_rank(engine: str, rank: int, tp: int, folder: str, ids: list[in
 
     from lmfoundry.model.config import ModelConfig
     from lmfoundry.model.tensor_parallel import share_of
+    from lmfoundry.runtime.bundle_manifest import rank_bundle
     from lmfoundry.runtime.engine.collectives import ShmCollectives
-    from lmfoundry.runtime.loader import load_bundle, rank_bundle
+    from lmfoundry.runtime.loader import load_bundle
 
     torch.set_num_threads(1)
     try:

@@ -16,7 +16,7 @@ FOLDERS = {"lmfoundry": "lmfoundry", "lmfoundry.quantizers": "quantizers", "lmfo
 LAYERS = [
     (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.outputs", "lmfoundry.resources",
          "lmfoundry.gpus", "lmfoundry.recipe", "lmfoundry.checkpoint.headers", "lmfoundry.recipes",
-         "lmfoundry.child_python")),
+         "lmfoundry.child_python", "lmfoundry.devices")),
     (2, ("lmfoundry.kernels",)),
     (3, ("lmfoundry.model", "lmfoundry.quantizers.scheme", "lmfoundry.quantizers.qmath", "lmfoundry.quantizers.base")),
     (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.checkpoint")),
@@ -27,12 +27,18 @@ LAYERS = [
     (9, ("lmfoundry.evals",)),
     # the quantize job (calibration/job.py) composes every stage and runs the doctor: a verb's layer
     (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.doctor",
-          "lmfoundry.calibration.job",
-          "lmfoundry.capacity", "lmfoundry")),
+          "lmfoundry.calibration.job", "lmfoundry.export",
+          "lmfoundry.capacity")),
 ]
+# The package itself (its __init__ imports nothing): placed by name only, never as a prefix, so a
+# new module under lmfoundry/ stays unplaced until LAYERS says where it belongs.
+ROOT_PACKAGE = "lmfoundry"
 
 
 def layer_of(module: str) -> int:
+    """The module's layer; 0 where no prefix of LAYERS places it."""
+    if module == ROOT_PACKAGE:
+        return 1
     best, layer = -1, 0
     for n, prefixes in LAYERS:
         for p in prefixes:
@@ -90,6 +96,40 @@ def test_no_stage_imports_a_later_stage() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+# Stages that must not reach into each other at all, whatever their layers allow: serving reads
+# checkpoints, never the quantizers or calibration that wrote them; calibration and the quantizers
+# never load through the serving runtime; evals drive the engine, not the HTTP server. The
+# quantizers' shared types at the model's layer (scheme, qmath, base) are the checkpoint format.
+SEPARATE = [
+    ("lmfoundry.runtime", ("lmfoundry.quantizers", "lmfoundry.calibration")),
+    ("lmfoundry.calibration", ("lmfoundry.runtime",)),
+    ("lmfoundry.quantizers", ("lmfoundry.runtime",)),
+    ("lmfoundry.evals", ("lmfoundry.runtime.server",)),
+]
+
+
+def crossings(mods: dict[str, Path]) -> list[str]:
+    wrong = []
+    for name, path in mods.items():
+        for source, banned in SEPARATE:
+            if not (name == source or name.startswith(source + ".")):
+                continue
+            for target, _ in imports(path, name):
+                if target in mods and layer_of(target) != 3 and any(
+                        target == b or target.startswith(b + ".") for b in banned):
+                    wrong.append(f"{name} imports {target}")
+    return sorted(set(wrong))
+
+
+def test_separate_stages_do_not_import_each_other() -> None:
+    assert not crossings(modules()), "\n".join(crossings(modules()))
+    # the rule bites: a serving module that imported the calibration pipeline would be reported
+    planted = {"lmfoundry.runtime.x": ROOT / "calibration" / "job.py", **modules()}
+    assert crossings(planted) == [f"lmfoundry.runtime.x imports {t}" for t in sorted(
+        {t for t, _ in imports(ROOT / "calibration" / "job.py", "") if t in planted
+         and t.startswith(("lmfoundry.calibration", "lmfoundry.quantizers")) and layer_of(t) != 3})]
+
+
 def test_module_level_imports_have_no_cycle() -> None:
     mods = modules()
     graph = {name: sorted({t for t, top in imports(path, name) if top and t in mods and t != name})
@@ -115,4 +155,7 @@ def test_module_level_imports_have_no_cycle() -> None:
 
 
 def test_every_module_is_placed() -> None:
-    assert all(layer_of(m) for m in modules())
+    unplaced = sorted(m for m in modules() if not layer_of(m))
+    assert not unplaced, f"modules no prefix of LAYERS places: {unplaced}"
+    # a module nobody placed yet, in the package and in a stage folder, is caught
+    assert layer_of("lmfoundry.something_new") == 0 and layer_of("lmfoundry.runtime.something_new") == 7

@@ -71,9 +71,10 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
     through the serving engine with --deterministic. With several models, the first is the
     baseline of the printed ratios."""
     from lmfoundry.calibration.data import eval_token_stream
+    from lmfoundry.devices import check_device
     from lmfoundry.evals.gate import check_context, check_model
     from lmfoundry.evals.perplexity import perplexity
-    from lmfoundry.runtime.loader import check_device, check_tensor_parallel, load_model, resolve_dtype
+    from lmfoundry.runtime.loader import check_tensor_parallel, load_model, resolve_dtype
 
     device = check_device(device)
     check_tensor_parallel(tp, device, models)

@@ -63,9 +63,11 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     Exit codes: 0 pass, 1 fail, 2 inconclusive (configurable) or error."""
     from pathlib import Path
 
+    from lmfoundry.devices import check_device
     from lmfoundry.evals.gate import run_gate
     from lmfoundry.manifest import verify_artifact
-    from lmfoundry.runtime.loader import check_device, check_tensor_parallel, is_engine_bundle
+    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+    from lmfoundry.runtime.loader import check_tensor_parallel
 
     check_tensor_parallel(tp, device, (candidate, baseline))
     if deterministic and (device != "cpu" or tp > 1):

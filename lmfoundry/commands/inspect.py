@@ -26,11 +26,12 @@ def inspect_cmd(folder: str, as_json: bool) -> None:
     """Print what FOLDER holds (recipe, scheme, source, calibration, errors) and verify the sha256
     of every file against lmfoundry.json. Exits 1 naming each file that does not match."""
     from lmfoundry.manifest import read_manifest, recorded_files, verify_files
+    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
 
     path = Path(folder)
     if not path.is_dir():
         raise UserError(f"{folder}: no such folder")
-    if (path / "engine.json").exists() and not (path / "lmfoundry.json").exists():
+    if is_engine_bundle(path) and not (path / "lmfoundry.json").exists():
         _inspect_engine(path, as_json)
         return
     manifest = read_manifest(path)
@@ -53,8 +54,7 @@ def inspect_cmd(folder: str, as_json: bool) -> None:
 def _inspect_engine(path: Path, as_json: bool) -> None:
     """An engine bundle: what it was built for, and every file against engine.json (every rank's
     of a tensor-parallel bundle, each rank's engine.json against the top one)."""
-    from lmfoundry.runtime.bundle_manifest import bundle_problems, read_manifest
-    from lmfoundry.runtime.loader import bundle_degree, rank_bundle
+    from lmfoundry.runtime.bundle_manifest import bundle_degree, bundle_problems, rank_bundle, read_manifest
 
     degree = bundle_degree(path)
     problems: list[str] = []

@@ -52,16 +52,16 @@ def _print_url(host: str, port: int, api_key: str | None) -> None:
 def _bundle_block_size(path: str) -> int:
     from pathlib import Path
 
-    from lmfoundry.runtime.bundle_manifest import read_manifest
-    from lmfoundry.runtime.loader import bundle_degree
+    from lmfoundry.runtime.bundle_manifest import bundle_degree, rank_folder, read_manifest
 
-    return int(read_manifest(Path(path) / "rank0" if bundle_degree(path) > 1 else path)["kv_cache"]["block_size"])
+    folder = Path(path) / rank_folder(0) if bundle_degree(path) > 1 else Path(path)
+    return int(read_manifest(folder)["kv_cache"]["block_size"])
 
 
 def _compiled_step_bundle(model: str, device: str, block_size: int | None) -> str:
     """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new)."""
     from lmfoundry.compile.cpu_step import cached_cpu_engine
-    from lmfoundry.runtime.loader import is_engine_bundle
+    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
 
     if device != "cpu":
         raise UserError("--compile-step compiles the CPU step; on a GPU serve a `lmfoundry compile` bundle")
@@ -314,11 +314,13 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
     model, lora_modules = split_positionals(model, extra, lora_modules)
     adapter_specs = [parse_spec(v, "--lora") for v in loras] + [parse_spec(v, "--lora-modules") for v in lora_modules]
+    from lmfoundry.devices import check_device
     from lmfoundry.runtime import cpu_isa
+    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
     from lmfoundry.runtime.engine.core import EngineSpec, freeze_heap
     from lmfoundry.runtime.engine.core_client import EngineCoreClient
-    from lmfoundry.runtime.loader import check_device, check_tensor_parallel, is_engine_bundle, resolve_dtype
+    from lmfoundry.runtime.loader import check_tensor_parallel, resolve_dtype
     from lmfoundry.runtime.server.app import create_app
     from lmfoundry.runtime.server.background import uvicorn_config
 

@@ -340,7 +340,7 @@ def added_special_tokens(folder: Path) -> dict[str, bool]:
     "eos": llama.cpp's `tokenizer.ggml.add_bos_token` / `add_eos_token`), read off what the
     tokenizer itself does rather than its config files (SmolLM2's says nothing, and llama.cpp then
     prepends a BOS the model never saw)."""
-    from lmfoundry.runtime.loader import load_tokenizer
+    from lmfoundry.checkpoint.tokenizer import load_tokenizer
 
     tok = load_tokenizer(folder)
     plain = tok.encode("a", add_special_tokens=False)

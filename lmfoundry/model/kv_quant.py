@@ -13,7 +13,17 @@ Scales are per tensor (shape [1], compressed-tensors strategy "tensor") or per K
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
+
+from lmfoundry.errors import UserError
+
+if TYPE_CHECKING:
+    from lmfoundry.quantizers.scheme import QuantArgs
+
+# fn(k, v) -> what the cache hands back for them (quantize on write, dequantize on read)
+KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -80,3 +90,38 @@ def kv_scales_from_absmax(absmax: torch.Tensor, kind: str, dtype: torch.dtype, p
         low = stored.float() < s
         stored = torch.where(low, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored)
     return stored.reshape(-1, 1, 1) if per_head else stored.reshape(1)
+
+
+def check_kv_args(args: QuantArgs) -> bool:
+    """Validate a KV scheme; returns True for per-head scales."""
+    if args.num_bits != 8 or args.type not in ("int", "float"):
+        raise UserError(f"KV cache quantization supports int8 and fp8 only, got {args.describe()}")
+    if not args.symmetric:
+        raise UserError("KV cache quantization is symmetric only (vLLM refuses asymmetric KV scales)")
+    if args.dynamic:
+        raise UserError("KV cache scales are static (calibrated); a dynamic KV scheme is not supported")
+    if args.strategy in PER_TENSOR:
+        return False
+    if args.strategy in PER_HEAD:
+        return True
+    raise UserError(f"KV cache strategy {args.strategy!r}: expected 'tensor' or 'attn_head' (per head)")
+
+
+def kv_round_trip_from_checkpoint(kv_args: QuantArgs, k_scale: torch.Tensor, v_scale: torch.Tensor) -> KVRoundTrip:
+    """fn(k, v) -> what a cache with these scales hands back (quantize on write, dequantize on
+    read). k/v: [..., T, Hkv, D]; scales [1] / 0-d (per tensor) or [Hkv] / [Hkv, 1, 1] (per head)."""
+    per_head = check_kv_args(kv_args)
+    kind = kv_args.type
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not per_head and s.numel() != 1:
+            raise UserError(f"per-tensor KV scheme but {name} has shape {list(s.shape)}")
+        if not torch.isfinite(s.float()).all() or (s.float() <= 0).any():
+            raise UserError(f"KV {name} must be finite and positive, got {s.flatten()[:4].tolist()}")
+    ks, vs = k_scale.detach().float().clone(), v_scale.detach().float().clone()
+
+    def round_trip(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantize_kv(quantize_kv(k, ks, kind), ks, k.dtype),
+                dequantize_kv(quantize_kv(v, vs, kind), vs, v.dtype))
+
+    round_trip.k_scale, round_trip.v_scale, round_trip.kv_args = ks, vs, kv_args  # type: ignore[attr-defined]
+    return round_trip

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmfoundry.model.config import ModelConfig
+from lmfoundry.model.kv_quant import KVRoundTrip
 
 if TYPE_CHECKING:
     from lmfoundry.model.cpu_linears import FusedPrepackedLinear
@@ -156,7 +157,6 @@ class AttentionContext(Protocol):
 
 # A KV quantizer maps (k, v) to what the cache would hand back after a quantize-on-write,
 # dequantize-on-read round trip. Set on an `Attention` by `lmfoundry.quantizers.kv_scales`.
-KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Attention(nn.Module):

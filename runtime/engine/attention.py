@@ -34,17 +34,16 @@ path reads whole block tables (no cascade split): correctness over the shared-pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from lmfoundry.kernels.cpu.paged_decode import PagedDecode
 from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill
+from lmfoundry.model.kv_quant import KVRoundTrip
 from lmfoundry.model.reference import AttentionSpec, spec_attention
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers
 
-KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # SDPA's CPU flash kernel, which also returns each query's log-sum-exp (cascade merging needs it).
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

@@ -34,15 +34,14 @@ that starts otherwise streams as content.
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lmfoundry.runtime.engine.tool_calls import TOOL_CALL_TAG, parse_tool_calls
+
 NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
-TOOL_CALL_TAG = "<tool_call>"
-_TAGGED = re.compile(r"\s*<tool_call>(.*?)</tool_call>\s*", re.S)
 # A function without `parameters` takes no arguments (OpenAI): its arguments are `{}`.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -88,38 +87,6 @@ def calls_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> dict[s
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def parse_tool_calls(text: str, names: set[str] | dict[str, Any]) -> list[tuple[str, str]] | None:
-    """(name, arguments as a JSON string) of every call when the whole of `text` is tool calls
-    naming functions in `names` (see the module docstring for the accepted forms); None when it is
-    not, or names an unknown function."""
-    stripped = text.strip()
-    if stripped.startswith(TOOL_CALL_TAG):
-        bodies = _TAGGED.findall(stripped)
-        if not bodies or _TAGGED.sub("", stripped).strip():
-            return None
-    else:
-        bodies = [stripped]
-    calls: list[tuple[str, str]] = []
-    for body in bodies:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        for item in value if isinstance(value, list) else [value]:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in names:
-                return None
-            args = item.get("arguments", item.get("parameters", {}))
-            if isinstance(args, str):  # some models write the arguments as a JSON string
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    return None
-            if not isinstance(args, dict):
-                return None
-            calls.append((item["name"], json.dumps(args, ensure_ascii=False)))
-    return calls or None
 
 
 def _call_delta(index: int, call_id: str | None, name: str | None, arguments: str) -> dict[str, Any]:

@@ -301,7 +301,7 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 def calibration_windows(folder: Path) -> torch.Tensor:
     """The token windows the job calibrated on, rebuilt from its manifest (and checked by hash)."""
     from lmfoundry.calibration.data import load_calibration, token_hash
-    from lmfoundry.runtime.loader import load_tokenizer
+    from lmfoundry.checkpoint.tokenizer import load_tokenizer
 
     c = json.loads((folder / "lmfoundry.json").read_text())["calibration"]
     ids = load_calibration(c["source"], load_tokenizer(folder), c["num_samples"], c["seq_len"], c["seed"]).token_ids

@@ -149,7 +149,7 @@ def test_a_rank_bundle_that_is_not_the_recorded_one_is_refused(w4a16_tp2, tmp_pa
     that rank's files; `inspect` checks both levels and names the rank."""
     import shutil
 
-    from lmfoundry.runtime.loader import rank_bundle
+    from lmfoundry.runtime.bundle_manifest import rank_bundle
 
     copy = tmp_path / "engine"
     shutil.copytree(w4a16_tp2, copy)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lmfoundry.compile.bundle import parse_arch as compile_arch
-from lmfoundry.doctor import parse_arch as doctor_arch
 from lmfoundry.gpus import ARCH_NAMES, ARCH_OF_CAPABILITY, ARCHITECTURES, COMPILE_ARCH_NAMES, SM_NAME
+from lmfoundry.gpus import parse_arch as doctor_arch
+from lmfoundry.gpus import parse_compile_arch as compile_arch
 
 
 def test_doctor_and_compile_arch_names_are_the_documented_sets():

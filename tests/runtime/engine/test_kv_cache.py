@@ -120,7 +120,7 @@ def test_engine_with_quantized_kv_equals_reference(kind: str, per_head: bool) ->
 def test_engine_with_checkpoint_round_trip(kind: str, strategy: str) -> None:
     """The loader's path: a kv_round_trip built from checkpoint scales (quantizers.kv_scales) is
     enough for the engine to pick the storage dtype and scales on its own ("auto")."""
-    from lmfoundry.quantizers.kv_scales import kv_round_trip_from_checkpoint
+    from lmfoundry.model.kv_quant import kv_round_trip_from_checkpoint
     from lmfoundry.quantizers.scheme import QuantArgs
 
     model = toy_model(seed=5)

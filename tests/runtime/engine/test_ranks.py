@@ -169,7 +169,7 @@ def test_smollm2_at_tp3_decodes_like_one_process(which: str) -> None:
     from helpers import w4a16_checkpoint
 
     from lmfoundry.checkpoint.sources import resolve_model
-    from lmfoundry.runtime.loader import load_tokenizer
+    from lmfoundry.checkpoint.tokenizer import load_tokenizer
 
     target = "smollm2-135m" if which == "float" else str(w4a16_checkpoint())
     tok = load_tokenizer(resolve_model(target))

@@ -15,9 +15,10 @@ import pytest
 from toy import byte_tokenizer
 
 from lmfoundry.runtime.engine import SamplingParams
+from lmfoundry.runtime.engine.tool_calls import parse_tool_calls
 from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.protocol import ChatMessage
-from lmfoundry.runtime.server.tools import ToolCallStream, ToolPlan, parse_tool_calls
+from lmfoundry.runtime.server.tools import ToolCallStream, ToolPlan
 
 from .test_sampling_params import reference_ids
 from .test_server import assert_healthy
