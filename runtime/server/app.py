@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -511,13 +511,17 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     if options.openapi:
         app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:
+        """--api-key: every route of `api` (all but /health, /ping, /version and /metrics) asks
+        for it before its handler runs; async, so the check stays on the event loop."""
         if api_key is None:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
                            type_="authentication_error", code="invalid_api_key")
+
+    api = APIRouter(dependencies=[Depends(authorize)])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -544,37 +548,31 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         # A bug: uvicorn still logs the traceback; the client gets the OpenAI error shape.
         return await api_error(request, APIError(500, f"internal error: {exc}", type_="server_error"))
 
-    @app.post("/v1/completions")
+    @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        authorize(request)
         return await server.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        authorize(request)
         return await server.chat(request)
 
-    @app.post("/v1/responses")
+    @api.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        authorize(request)
         from lmfoundry.runtime.server.responses_api import create_response
 
         return await create_response(server, request, await server._body(request))
 
-    @app.post("/v1/embeddings")
+    @api.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        authorize(request)
         return await server.embeddings(request)
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models(request: Request) -> dict:
-        authorize(request)
         return server.models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @api.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict:
         """openai's `models.retrieve`: the served model under its name or an alias, else 404."""
-        authorize(request)
         if model_id not in server.names and model_id not in server.adapters:
             raise APIError(404, f"the model {model_id!r} does not exist; this server serves {server.model_name!r}",
                            code="model_not_found", param="model")
@@ -587,22 +585,20 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
 
         return {"version": __version__}
 
-    @app.get("/tokenizer_info")
+    @api.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> dict:
-        authorize(request)
         return server.tokenizer_info()
 
-    @app.post("/tokenize")
+    @api.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        authorize(request)
         return await server.tokenize(request)
 
-    @app.post("/detokenize")
+    @api.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        authorize(request)
         return await server.detokenize(request)
 
-    register_lora_routes(app, server, authorize)
+    register_lora_routes(api, server)
+    app.include_router(api)
 
     @app.get("/health")
     @app.get("/ping")

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict
@@ -70,17 +70,16 @@ async def _apply(server: OpenAIServer, op: str, name: str, path: str | None) -> 
     raise APIError(500, f"the engine did not answer the LoRA {op}", type_="server_error")
 
 
-def register_lora_routes(app: FastAPI, server: OpenAIServer, authorize: Callable[[Request], None]) -> None:
-    """The two routes and the metrics collector (see module doc)."""
+def register_lora_routes(api: APIRouter, server: OpenAIServer) -> None:
+    """The two routes, on the app's authorized router, and the metrics collector (see module doc)."""
     server.metrics.registry.register(LoRACollector(server.engine.stats, server.model_name))
 
     def enabled() -> None:
         if not server.lora_enabled:
             raise APIError(400, "LoRA is off on this server: start it with --max-loras N (or --lora NAME=PATH)")
 
-    @app.post("/v1/load_lora_adapter")
+    @api.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        authorize(request)
         req: LoadLoRAAdapterRequest = parse_body(await server._body(request), LoadLoRAAdapterRequest)
         enabled()
         if req.lora_name in server.names:
@@ -91,9 +90,8 @@ def register_lora_routes(app: FastAPI, server: OpenAIServer, authorize: Callable
         result = await _apply(server, "load", req.lora_name, req.lora_path)
         return PlainTextResponse(result.message)
 
-    @app.post("/v1/unload_lora_adapter")
+    @api.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        authorize(request)
         req: UnloadLoRAAdapterRequest = parse_body(await server._body(request), UnloadLoRAAdapterRequest)
         enabled()
         result = await _apply(server, "unload", req.lora_name, None)

@@ -12,6 +12,7 @@ import pytest
 from toy import byte_tokenizer, toy_model
 
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from lmfoundry.runtime.server.app import ApiOptions
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
@@ -130,6 +131,21 @@ def test_invalid_requests_get_400_and_server_stays_up(server, path: str, body: s
 def test_unknown_model_is_404(server) -> None:
     r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_api_key_guards_every_route_but_the_probes(make_server) -> None:
+    """Every route /openapi.json lists, the LoRA routes included, answers 401 without the key;
+    the probes (health, ping, version, metrics) stay open."""
+    public = {"/health", "/ping", "/version", "/metrics"}
+    with make_server(api_key="s3cret", options=ApiOptions(openapi=True)) as live:
+        paths = httpx.get(f"{live.url}/openapi.json").json()["paths"]
+        routes = [(m.upper(), p.replace("{model_id}", "toy")) for p, ops in paths.items() if p not in public
+                  for m in ops]
+        assert {"/v1/chat/completions", "/v1/load_lora_adapter", "/tokenize"} <= {p for _, p in routes}
+        for method, path in routes:
+            r = httpx.request(method, f"{live.url}{path}", json={})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path, r.text)
+        assert public <= set(paths) and all(httpx.get(f"{live.url}{p}").status_code == 200 for p in public)
 
 
 def test_api_key(make_server) -> None:
