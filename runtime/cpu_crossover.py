@@ -1,5 +1,6 @@
-"""Where a quantized linear's step is faster as dequantize-then-GEMM than as our C product,
-measured on the machine that serves.
+"""Where a quantized linear's step is faster as dequantize-then-GEMM than as its packed product,
+measured on the machine that serves: our C product, or PyTorch's int4pack / int8pack kernel where
+there is none (no AVX-512 BF16, or a block the C product does not take).
 
 The C products (`kernels/cpu/int4_gemm.c`, `int8_gemm.c`) widen the codes once per block of 8 rows
 and multiply with AVX-512 BF16 dot products; the CPU's own GEMM (oneDNN) multiplies a dense bf16
@@ -45,8 +46,9 @@ def _best_of(fn: Callable[[], Any], reps: int = 5) -> float:
 
 
 def measure(linear: Any, rows: tuple[int, ...] = CANDIDATE_ROWS) -> int | None:
-    """The fewest rows from which `linear` (a `CProductLinear`) computes faster dequantized than
-    through its C product, by MARGIN at that row count and every larger one measured (None: never)."""
+    """The fewest rows from which `linear` (a `CProductLinear`, `Int4PackLinear` or
+    `Int8PackLinear`: each switches at `dense_from` rows) computes faster dequantized than through
+    its packed product, by MARGIN at that row count and every larger one measured (None: never)."""
     gen = torch.Generator().manual_seed(0)
     saved = linear.dense_from
     dense_wins = []
@@ -77,7 +79,7 @@ def _cache_file(shapes: list[Shape], threads: int) -> Path:
 
 
 def set_dense_rows(linears: list[Any]) -> dict[Shape, int | None]:
-    """Give each `CProductLinear` the rows from which its steps run dequantized (`dense_from`):
+    """Give each quantized linear the rows from which its steps run dequantized (`dense_from`):
     the override, else the cached measurement of its shape, else measured now (on the first
     linear of each shape) and cached. Returns the table by shape."""
     shapes = sorted({lin.shape for lin in linears})

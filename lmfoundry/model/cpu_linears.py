@@ -21,10 +21,12 @@ would make the quantized artifact as large and as slow as the float model; these
   product each. Above a crossover timed on the serving machine (`runtime.cpu_crossover`: on AMX
   CPUs a long prompt chunk is faster as one dequantization plus an AMX GEMM) it dequantizes.
 
-PyTorch's eager kernels cost a fixed time per input row (a GEMV each), so from `DEQUANT_ROWS` rows on
+PyTorch's eager kernels cost a fixed time per input row (a GEMV each), so from `dense_from` rows on
 (prefill, perplexity windows) the layer is dequantized from the same packed codes into a transient
-bf16 matrix for one AMX/AVX512 GEMM instead; the crossover was measured on the 2-core dev box
-(benchmarks/cpu_packed.py prints both paths). Nothing dense is kept between calls. Traced for
+bf16 matrix for one AMX/AVX512 GEMM instead. Serving times that crossover on its own machine for
+every quantized linear it keeps, C product or not (`runtime.cpu_crossover`); other callers take
+`DEQUANT_ROWS`, a default (benchmarks/cpu_packed.py prints both paths). Nothing dense is kept
+between calls. Traced for
 `compile --arch cpu`, the op stays whole: Inductor's C++ WOQ GEMM template serves every size.
 
 `packed_linear` returns the module or the reason the codes do not fit a kernel (the caller then
@@ -54,7 +56,7 @@ from lmfoundry.model.config import FUSED_LINEARS
 from lmfoundry.quantizers.base import QuantizedWeight
 
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu accepts
-DEQUANT_ROWS = 128  # from this many input rows, dequantize-then-GEMM beats the per-row kernel
+DEQUANT_ROWS = 128  # dense_from where no crossover was measured (serving measures its own)
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' vectorized paths (their fp32 paths are scalar)
 MAX_ROWS_ANY = 2**31 - 1  # a C product that serves every row count
 
@@ -132,8 +134,9 @@ class Int4PackLinear(nn.Module):
     perm: torch.Tensor | None
     bias: torch.Tensor | None
     # from this many rows the product is dequantize-then-GEMM; None: always the per-row kernel
-    # (`make_batch_invariant`)
-    dequantize_rows: int | None = DEQUANT_ROWS
+    # (`make_batch_invariant`). Serving sets it from a crossover measured on its machine
+    # (`runtime.cpu_crossover`); DEQUANT_ROWS elsewhere (perplexity windows, calibration).
+    dense_from: int | None = DEQUANT_ROWS
 
     def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
                  out_features: int, perm: torch.Tensor | None, bias: torch.Tensor | None) -> None:
@@ -180,6 +183,11 @@ class Int4PackLinear(nn.Module):
         return cls(packed, scale_zeros, group, k, n, perm,
                    None if bias is None else bias.to(COMPUTE_DTYPE))
 
+    @property
+    def shape(self) -> tuple[str, int, int, int, bool]:
+        """(kind, out_features, in_features, group, act-order): what the crossover is measured for."""
+        return "int4pack", self.out_features, self.in_features, self.group, self.perm is not None
+
     def dequantized_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] in the input order of the stored checkpoint."""
         w = self._blocked_weight().permute(1, 0, 2).reshape(self.in_features, self.out_features).t()
@@ -204,7 +212,7 @@ class Int4PackLinear(nn.Module):
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         x2 = x2.to(COMPUTE_DTYPE)
-        if _dequantize_first(x2, self.dequantize_rows) and self.out_features % int4_layout()[0] == 0:
+        if _dequantize_first(x2, self.dense_from) and self.out_features % int4_layout()[0] == 0:
             y = _gemm(x2, self._blocked_weight()).transpose(0, 1).reshape(-1, self.out_features)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,
@@ -225,7 +233,7 @@ class Int8PackLinear(nn.Module):
     scale: torch.Tensor
     zero_scaled: torch.Tensor | None
     bias: torch.Tensor | None
-    dequantize_rows: int | None = DEQUANT_ROWS  # as Int4PackLinear's
+    dense_from: int | None = DEQUANT_ROWS  # as Int4PackLinear's
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero_scaled: torch.Tensor | None,
                  bias: torch.Tensor | None) -> None:
@@ -251,6 +259,11 @@ class Int8PackLinear(nn.Module):
         return cls(qw.q.to(torch.int8).contiguous(), scale.to(COMPUTE_DTYPE).contiguous(), zero_scaled,
                    None if bias is None else bias.to(COMPUTE_DTYPE))
 
+    @property
+    def shape(self) -> tuple[str, int, int, int, bool]:
+        """(kind, out_features, in_features, group, asymmetric): what the crossover is measured for."""
+        return "int8pack", self.out_features, self.in_features, self.in_features, self.zero_scaled is not None
+
     def dequantized_weight(self) -> torch.Tensor:
         w = self.codes.float() * self.scale.float()[:, None]
         if self.zero_scaled is not None:
@@ -260,7 +273,7 @@ class Int8PackLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape[:-1], x.dtype
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if _dequantize_first(x2, self.dequantize_rows):
+        if _dequantize_first(x2, self.dense_from):
             y = _gemm(x2, (self.codes.to(COMPUTE_DTYPE) * self.scale[:, None]).t())
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.codes, self.scale)

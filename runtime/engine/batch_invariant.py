@@ -62,7 +62,7 @@ def _invariant(module: nn.Module) -> bool | None:
     if isinstance(module, (FloatPanelLinear, PrepackedPart)):
         return True
     if isinstance(module, (Int4PackLinear, Int8PackLinear)):
-        return module.dequantize_rows is None
+        return module.dense_from is None
     if isinstance(module, CProductLinear):  # each row its own fixed sum, unless switched to the dense GEMM
         return module.dense_from is None
     if isinstance(module, ActivationQuantizedLinear):  # int8: exact integer products, per-token scales
@@ -92,7 +92,7 @@ def make_batch_invariant(model: CausalLM) -> None:
         raise DeterminismUnavailable(str(exc)) from None
     for m in model.modules():
         if isinstance(m, (Int4PackLinear, Int8PackLinear)):
-            m.dequantize_rows = None
+            m.dense_from = None
     kernel = load_norm_act()
     if kernel is None:
         raise DeterminismUnavailable("the native SiLU kernel is not built (no C compiler, or "

@@ -22,7 +22,14 @@ from lmfoundry.kernels.cpu.paged_decode import PagedDecode, load_paged_decode
 from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
 from lmfoundry.kernels.spec import DIVISIBILITY
 from lmfoundry.model.cpu_elementwise import swap_native_elementwise
-from lmfoundry.model.cpu_linears import CProductLinear, can_prepack, prepack_c_products, prepack_dense_linears
+from lmfoundry.model.cpu_linears import (
+    CProductLinear,
+    Int4PackLinear,
+    Int8PackLinear,
+    can_prepack,
+    prepack_c_products,
+    prepack_dense_linears,
+)
 from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention, PrefillBatch
 from lmfoundry.runtime.engine.batch_invariant import DeterminismUnavailable, make_batch_invariant
 from lmfoundry.runtime.engine.engine_config import EngineConfig
@@ -119,10 +126,13 @@ class ReferenceModelExecutor:
             # serving-time module swap: oneDNN reorders each weight once; q/k/v and gate/up run as
             # one product each
             prepack_dense_linears(model, fuse=True)
-            if prepack_c_products(model, fuse=True):  # 4/8-bit codes: widened once per block of rows (C)
+            prepack_c_products(model, fuse=True)  # 4/8-bit codes: widened once per block of rows (C)
+            packed = (CProductLinear, Int4PackLinear, Int8PackLinear)
+            quantized = [m for m in model.modules() if isinstance(m, packed)]
+            if quantized:  # from how many rows each runs dequantized, timed on this machine
                 from lmfoundry.runtime.cpu_crossover import set_dense_rows
 
-                set_dense_rows([m for m in model.modules() if isinstance(m, CProductLinear)])
+                set_dense_rows(quantized)
             swap_native_elementwise(model)  # RMSNorm, SiLU(gate) * up and rotary: one C pass each
         self.engine_config = config
         self.config = model.config

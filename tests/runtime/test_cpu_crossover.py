@@ -1,5 +1,6 @@
-"""The crossover of the quantized C products (`runtime/cpu_crossover.py`): measured once per shape
-and cached, the override, and the dense path it switches to computing what the C product computes."""
+"""The crossover of the quantized linears (`runtime/cpu_crossover.py`): measured once per shape
+and cached, the override, and the dense path it switches to computing what the packed product
+computes; for our C products and for PyTorch's int4pack / int8pack linears where there is none."""
 
 from __future__ import annotations
 
@@ -7,15 +8,15 @@ import pytest
 import torch
 
 from lmfoundry.kernels.cpu.int4_gemm import load_int4_gemm
-from lmfoundry.model.cpu_linears import CProductLinear, packed_linear
+from lmfoundry.model.cpu_linears import DEQUANT_ROWS, CProductLinear, Int4PackLinear, Int8PackLinear, packed_linear
 from lmfoundry.quantizers.base import QuantizedWeight
 from lmfoundry.quantizers.scheme import QuantArgs
 from lmfoundry.runtime import cpu_crossover
 
-pytestmark = pytest.mark.skipif(load_int4_gemm() is None, reason="no AVX-512 BF16 C product here")
+needs_c_product = pytest.mark.skipif(load_int4_gemm() is None, reason="no AVX-512 BF16 C product here")
 
 
-def c_product(n: int, k: int, bits: int = 4, seed: int = 3) -> CProductLinear:
+def pytorch_packed(n: int, k: int, bits: int = 4, seed: int = 3) -> Int4PackLinear | Int8PackLinear:
     gen = torch.Generator().manual_seed(seed)
     if bits == 4:
         args = QuantArgs(4, "int", False, "group", 64)
@@ -26,9 +27,16 @@ def c_product(n: int, k: int, bits: int = 4, seed: int = 3) -> CProductLinear:
         args = QuantArgs(8, "int", True, "channel", None)
         q = torch.randint(-127, 128, (n, k), generator=gen)
         scale, zp = torch.rand(n, 1, generator=gen) * 0.01 + 0.001, None
-    return CProductLinear([packed_linear(QuantizedWeight(q, scale, zp, args), None)])
+    linear = packed_linear(QuantizedWeight(q, scale, zp, args), None)
+    assert isinstance(linear, (Int4PackLinear, Int8PackLinear)), linear
+    return linear
 
 
+def c_product(n: int, k: int, bits: int = 4, seed: int = 3) -> CProductLinear:
+    return CProductLinear([pytorch_packed(n, k, bits, seed)])
+
+
+@needs_c_product
 def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path))
     monkeypatch.delenv(cpu_crossover.ENV, raising=False)
@@ -50,6 +58,7 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch) -> None:
     assert len(calls) == 2  # the second start read the cache
 
 
+@needs_c_product
 def test_the_override(monkeypatch) -> None:
     linear = c_product(64, 256)
     monkeypatch.setenv(cpu_crossover.ENV, "300")
@@ -63,12 +72,14 @@ def test_the_override(monkeypatch) -> None:
         cpu_crossover.set_dense_rows([linear])
 
 
+@needs_c_product
 def test_measure_answers_a_candidate_or_never() -> None:
     linear = c_product(64, 256)
     assert cpu_crossover.measure(linear, rows=(64, 128)) in (None, 64, 128)
     assert linear.dense_from is None  # left as it was
 
 
+@needs_c_product
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_dense_path_computes_what_the_c_product_does(bits) -> None:
     """Dequantized weight (each element rounded once to bf16) times x in the CPU's GEMM against the
@@ -84,3 +95,32 @@ def test_the_dense_path_computes_what_the_c_product_does(bits) -> None:
     assert ((dense.double() - c_out.double()).abs() <= bound).all()
     module.dense_from = 71
     assert torch.equal(module(x), c_out)  # below the crossover: the C product
+
+
+def test_pytorch_packed_linears_get_their_own_measured_crossover(tmp_path, monkeypatch) -> None:
+    """Where no C product takes a linear, PyTorch's int4pack / int8pack kernel serves it: its
+    crossover is measured and cached per shape the same way, instead of the DEQUANT_ROWS default."""
+    monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_crossover.ENV, raising=False)
+    calls = []
+
+    def measure(linear, rows=cpu_crossover.CANDIDATE_ROWS):
+        calls.append(linear.shape)
+        return 512 if linear.shape[0] == "int4pack" else None
+
+    monkeypatch.setattr(cpu_crossover, "measure", measure)
+    linears = [pytorch_packed(64, 256), pytorch_packed(64, 256, seed=5), pytorch_packed(32, 128, bits=8)]
+    assert all(lin.dense_from == DEQUANT_ROWS for lin in linears)
+    table = cpu_crossover.set_dense_rows(linears)
+    assert table == {("int4pack", 64, 256, 64, False): 512, ("int8pack", 32, 128, 128, False): None}
+    assert [lin.dense_from for lin in linears] == [512, 512, None] and len(calls) == 2
+    fresh = [pytorch_packed(64, 256), pytorch_packed(32, 128, bits=8)]  # the next start of the same model
+    assert cpu_crossover.set_dense_rows(fresh) == table and fresh[0].dense_from == 512
+    assert len(calls) == 2  # read from the cache
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_measuring_a_pytorch_packed_linear_leaves_it_as_it_was(bits) -> None:
+    linear = pytorch_packed(64, 256, bits)
+    assert cpu_crossover.measure(linear, rows=(64, 128)) in (None, 64, 128)
+    assert linear.dense_from == DEQUANT_ROWS
