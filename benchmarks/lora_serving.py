@@ -41,6 +41,8 @@ from typing import Any
 import httpx
 import psutil
 
+import lmfoundry  # noqa: F401 - the installed package first: tests/ (below) holds a namespace `lmfoundry`
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "peers"))
