@@ -95,9 +95,8 @@ def peer_command(peer: str, args: argparse.Namespace, folder: Path, port: int) -
     max_len = str(args.max_model_len)
     if peer in ("ours", "ours-noprefix", "ours-float", "ours-bundle") or _tp_degree(peer):
         # ours-float: the float model the checkpoint came from; ours-bundle: the checkpoint's `--arch cpu` bundle
-        # (lora_serving.py runs only "ours": its arguments name no float model or bundle)
-        served = {"ours-float": getattr(args, "float_model", None),
-                  "ours-bundle": getattr(args, "bundle", None)}.get(peer) or args.model
+        # (only serve_peers.py has those arguments; lora_serving.py runs "ours")
+        served = args.float_model if peer == "ours-float" else args.bundle if peer == "ours-bundle" else args.model
         cmd = [sys.executable, "-m", "lmfoundry.cli", "serve", served, "--port", str(port), "--threads", n,
                "--dtype", args.dtype, "--max-model-len", max_len, "--kv-cache-gb", f"{args.kv_cache_gb:g}",
                "--served-model-name", SERVED, *args.ours_arg]
