@@ -48,7 +48,7 @@ def make_model(folder: Path, layers: int, shape: dict = LLAMA3_8B, tokenizer: Pa
 
 def predicted_bytes(model: Path, method: str, num_samples: int, seq_len: int) -> int:
     """The doctor's estimate of the pipeline's peak (what it adds to the process baseline)."""
-    from lmfoundry.doctor import diagnose
+    from lmfoundry.preflight import diagnose
     from lmfoundry.recipe import Recipe
 
     rec = Recipe().with_overrides(method=method, scheme="w4a16", group_size=128)

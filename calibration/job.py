@@ -101,7 +101,7 @@ def _compute_device(spec: str) -> Any:
 
 def _run_writer(job: QuantizeJob, device: Any) -> str:
     """`run_job` on the writing process (the only one, or rank 0)."""
-    from lmfoundry.outputs import refuse_overlap
+    from lmfoundry.output_paths import refuse_overlap
 
     refuse_overlap(job.output, job_inputs(job))
     out = check_output(job.output, job.overwrite)
@@ -265,7 +265,7 @@ def _read_inputs(job: QuantizeJob) -> _Inputs:
     quantizer = build_quantizer(q, plan)
     folder = resolve_model(job.model, allow_pickle=job.allow_pickle)
     if job.output is not None:  # a .gguf or built-in model resolves to a converted folder in the cache
-        from lmfoundry.outputs import refuse_overlap
+        from lmfoundry.output_paths import refuse_overlap
 
         refuse_overlap(job.output, [folder])
     reader = CheckpointReader(folder)
@@ -276,7 +276,7 @@ def _read_inputs(job: QuantizeJob) -> _Inputs:
     fit_plan(plan, config)
     check_plan(plan, config)
     if job.doctor:
-        from lmfoundry.doctor import preflight
+        from lmfoundry.preflight import preflight
 
         preflight(config, plan, quantizer, job.recipe, reader.dtype)
     return _Inputs(folder, reader, config, plan, quantizer)

@@ -42,7 +42,7 @@ WEIGHT_MODES = ("link", "copy", "repack")
 
 def default_output(checkpoint: Path) -> Path:
     """CHECKPOINT-engine next to the checkpoint (beside its real folder when named through links)."""
-    from lmfoundry.outputs import resolved
+    from lmfoundry.output_paths import resolved
 
     checkpoint = resolved(checkpoint)
     return checkpoint.parent / f"{checkpoint.name}-engine"
@@ -79,7 +79,7 @@ def _is_engine_bundle(folder: Path) -> bool:
 def _check_output(out: Path, checkpoint: Path) -> None:
     """Refuse an -o that cannot receive the engine, before any work (nothing is created here):
     one that is, lies inside, holds or links into the checkpoint, or a folder of other files."""
-    from lmfoundry.outputs import refuse_overlap
+    from lmfoundry.output_paths import refuse_overlap
 
     refuse_overlap(out, [checkpoint])
     if out.exists() or out.is_symlink():

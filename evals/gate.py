@@ -370,7 +370,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     lm = RuntimeLM(model, tokenizer, add_bos=gate.add_bos, serving=True, deterministic=deterministic,
                    progress=progress)
     if lora is not None:
-        from lmfoundry.runtime.engine.lora import attach_adapter
+        from lmfoundry.runtime.engine.lora_adapters import attach_adapter
 
         # the engine's executor first: its serving swap (prepacked, fused q/k/v) is the model the adapter wraps
         attach_adapter(lm.engine().runner.executor, model.config, lora[1])
@@ -445,7 +445,7 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     With `lora` (name, PEFT folder), both models run the adapter (see the module doc)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from lmfoundry.evals.report import write_markdown, write_plot
+    from lmfoundry.evals.gate_report import write_markdown, write_plot
 
     gate = load_gate(gate_spec)
     plan = gate.tier(tier)
@@ -558,7 +558,7 @@ def _check_output_folder(out: Path, inputs: list[Any]) -> None:
     """Refuse an -o that cannot take the report before evaluating anything, without creating it
     yet (a refused or failed gate leaves no empty report folder behind): one that is, lies inside
     or links into an input (the report inside the candidate would break its manifest)."""
-    from lmfoundry.outputs import refuse_overlap
+    from lmfoundry.output_paths import refuse_overlap
 
     refuse_overlap(out, inputs, holds_inputs_ok=True)
     if out.exists() and not out.is_dir():

@@ -10,7 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lmfoundry.kernels import activation, fp8, norm_quant, paged_attention, paged_kv, rotary, w4a16, w4a16_tiled, w8a8
+from lmfoundry.kernels import (
+    activation,
+    fp8_gemm,
+    norm_quant,
+    paged_attention,
+    paged_kv,
+    rotary,
+    w4a16,
+    w4a16_tiled,
+    w8a8,
+)
 from lmfoundry.kernels import lora as lora_kernels
 from lmfoundry.kernels.spec import KernelDef, Support
 
@@ -33,7 +43,7 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("w4a16", w4a16, w4a16.SUPPORT, (w4a16_tiled.TILED, w4a16.GEMM, w4a16.GEMV)),
         Family("w8a8", w8a8, w8a8.SUPPORT, (w8a8.KERNEL,)),
-        Family("fp8", fp8, fp8.SUPPORT, (fp8.KERNEL,)),
+        Family("fp8", fp8_gemm, fp8_gemm.SUPPORT, (fp8_gemm.KERNEL,)),
         Family("rmsnorm_quant", norm_quant, norm_quant.SUPPORT, (norm_quant.KERNEL,)),
         Family("silu_mul", activation, activation.SUPPORT, (activation.KERNEL,)),
         Family("rotary", rotary, rotary.SUPPORT, (rotary.KERNEL,)),

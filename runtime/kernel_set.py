@@ -243,7 +243,7 @@ class CountingExecutor:
 def _ops() -> dict[str, Callable[..., Any]]:
     from lmfoundry.kernels import (
         activation,
-        fp8,
+        fp8_gemm,
         lora,
         norm_quant,
         paged_attention,
@@ -259,8 +259,8 @@ def _ops() -> dict[str, Callable[..., Any]]:
         "w4a16_tiled_linear": w4a16_tiled.w4a16_tiled_linear,
         "w8a8_gemm": w8a8.w8a8_gemm,
         "w8a8_linear": w8a8.w8a8_linear,
-        "fp8_gemm": fp8.fp8_gemm,
-        "fp8_linear": fp8.fp8_linear,
+        "fp8_gemm": fp8_gemm.fp8_gemm,
+        "fp8_linear": fp8_gemm.fp8_linear,
         "rmsnorm_quant": norm_quant.rmsnorm_quant,
         "silu_mul": activation.silu_mul,
         "apply_rotary": rotary.apply_rotary,

@@ -14,7 +14,7 @@ FOLDERS = {"lmfoundry": "lmfoundry", "lmfoundry.quantizers": "quantizers", "lmfo
            "lmfoundry.evals": "evals", "lmfoundry.recipes": "recipes"}
 # (layer, module prefixes), earliest first: the longest matching prefix decides
 LAYERS = [
-    (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.outputs", "lmfoundry.resources",
+    (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.output_paths", "lmfoundry.resources",
          "lmfoundry.gpus", "lmfoundry.recipe", "lmfoundry.checkpoint.headers", "lmfoundry.recipes",
          "lmfoundry.child_python", "lmfoundry.devices")),
     (2, ("lmfoundry.kernels",)),
@@ -26,7 +26,7 @@ LAYERS = [
     (8, ("lmfoundry.compile",)),  # --arch cpu traces the runtime's step; the runtime reads no compile code
     (9, ("lmfoundry.evals",)),
     # the quantize job (calibration/job.py) composes every stage and runs the doctor: a verb's layer
-    (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.doctor",
+    (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.preflight",
           "lmfoundry.calibration.job", "lmfoundry.export",
           "lmfoundry.capacity")),
 ]

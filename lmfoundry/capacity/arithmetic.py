@@ -257,7 +257,7 @@ def activation_bytes(
 
 
 def lora_bytes(cfg: ModelConfig, max_loras: int, max_rank: int, element_bytes: int = 2) -> int:
-    """The stacked LoRA weights the runtime allocates at start (`runtime/engine/lora.py`): for each
+    """The stacked LoRA weights the runtime allocates at start (`runtime/engine/lora_adapters.py`): for each
     of `max_loras` slots and every layer's seven linears, A [max_rank, in] and B [out, max_rank] in
     the model dtype (zero padded to max_rank whatever an adapter's rank), whether a slot is used."""
     per_layer = sum(out + in_ for out, in_ in cfg.linear_shapes.values())

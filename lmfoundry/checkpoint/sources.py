@@ -50,7 +50,7 @@ def resolve_model(spec: str | os.PathLike, allow_pickle: bool = False) -> Path:
     path = Path(spec).expanduser()
     if not path.exists():
         if path.is_symlink():
-            from lmfoundry.outputs import resolved
+            from lmfoundry.output_paths import resolved
 
             resolved(path)  # a loop of links is said as such
             raise UserError(f"{spec}: a symbolic link to {os.readlink(path)}, which does not exist")

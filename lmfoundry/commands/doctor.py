@@ -32,7 +32,7 @@ def doctor(model: str, arch: str | None, gpu_mem: str | None, ctx: int | None, t
     """Check that quantizing MODEL this way will work and be servable on the target GPU, before
     spending any time on calibration (or check an existing checkpoint). Takes the same options as
     `quantize`."""
-    from lmfoundry.doctor import diagnose, parse_arch, parse_bytes
+    from lmfoundry.preflight import diagnose, parse_arch, parse_bytes
 
     if arch is not None:
         parse_arch(arch)  # refuse a typo before any work

@@ -32,7 +32,7 @@ def export_cmd(checkpoint: str, fmt: str, output: str, tokenizer_pre: str, embed
     `--dtype float16` for fp16 scales, which Q4_0/Q8_0 then carry bit-exactly."""
     from lmfoundry.export.gguf import export_gguf
     from lmfoundry.manifest import sha256_file
-    from lmfoundry.outputs import refuse_overlap
+    from lmfoundry.output_paths import refuse_overlap
 
     out = Path(output).expanduser()
     refuse_overlap(out, [checkpoint])  # before --overwrite is considered: an input is never replaced

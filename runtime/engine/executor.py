@@ -38,7 +38,7 @@ from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
 
 if TYPE_CHECKING:
     from lmfoundry.model.reference import CausalLM, DecoderLayer
-    from lmfoundry.runtime.engine.lora import LoRAStack
+    from lmfoundry.runtime.engine.lora_adapters import LoRAStack
 
 CASCADE_MIN_TOKENS = 64  # shared-prefix length from which decode attention is split (cascade)
 

@@ -33,7 +33,7 @@ from lmfoundry.runtime.engine.detokenizer import Detokenizer
 from lmfoundry.runtime.engine.embedding import EmbeddingJob
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
-from lmfoundry.runtime.engine.lora import AdapterInUse, LoRAManager
+from lmfoundry.runtime.engine.lora_adapters import AdapterInUse, LoRAManager
 from lmfoundry.runtime.engine.model_runner import ModelRunner
 from lmfoundry.runtime.engine.outputs import CompletionOutput, EmbeddingResult, LoRAResult, RequestOutput, StepEvent
 from lmfoundry.runtime.engine.sampler import Sampler

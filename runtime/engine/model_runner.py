@@ -22,7 +22,7 @@ import torch
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.executor import StepInputs, make_executor
-from lmfoundry.runtime.engine.lora import step_rows
+from lmfoundry.runtime.engine.lora_adapters import step_rows
 from lmfoundry.runtime.engine.scheduler import ScheduledBatch
 from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
 

@@ -56,7 +56,7 @@ def test_every_family_has_a_test_module():
 
     here = Path(__file__).parent
     tested = {
-        "w4a16": "test_w4a16.py", "w8a8": "test_w8a8.py", "fp8": "test_fp8.py", "rmsnorm_quant": "test_norm_quant.py",
+        "w4a16": "test_w4a16.py", "w8a8": "test_w8a8.py", "fp8": "test_fp8_gemm.py", "rmsnorm_quant": "test_norm_quant.py",
         "silu_mul": "test_activation.py", "rotary": "test_rotary.py", "kv_cache": "test_paged_attention.py",
         "paged_attention": "test_paged_attention.py", "lora": "test_lora.py",
     }

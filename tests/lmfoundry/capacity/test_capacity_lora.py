@@ -13,7 +13,7 @@ from lmfoundry.capacity.arithmetic import lora_bytes
 from lmfoundry.capacity.inputs import PlanInputs
 from lmfoundry.capacity.report import build_report
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.runtime.engine.lora import LoRAStack
+from lmfoundry.runtime.engine.lora_adapters import LoRAStack
 
 from .test_capacity import LLAMA3_8B, run_cli, write_model
 

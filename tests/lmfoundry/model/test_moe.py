@@ -276,7 +276,7 @@ def test_engine_serves_quantized_moe(moe: Path, tmp_path: Path) -> None:
 def test_doctor_splits_each_expert_for_tensor_parallel(tmp_path: Path) -> None:
     """vLLM's fused MoE splits every expert's intermediate (32 wide here; the config's dense 128 is
     not used by any layer): at tp 2 each rank holds 2 x 16 gate/up rows of each expert."""
-    from lmfoundry.doctor import WARN, diagnose
+    from lmfoundry.preflight import WARN, diagnose
 
     src = build("qwen3_moe", tmp_path / "src")
     report = diagnose(str(src), recipe("rtn", {"scheme": "w4a16", "group_size": 32}), tp=2)

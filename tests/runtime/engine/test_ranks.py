@@ -12,9 +12,9 @@ from toy import save_toy_checkpoint
 
 from lmfoundry.capacity.arithmetic import default_quant_specs, kv_bytes_per_token, weight_bytes
 from lmfoundry.cli import cli
-from lmfoundry.doctor import tp_partitions
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
+from lmfoundry.preflight import tp_partitions
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.ranks import ShardSpec, load_sharded
 from lmfoundry.runtime.loader import load_model

@@ -15,7 +15,7 @@ from toy import toy_model
 from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.engine.lora import LoRAManager, LoRAStack
+from lmfoundry.runtime.engine.lora_adapters import LoRAManager, LoRAStack
 from lmfoundry.runtime.loader import load_causal_lm
 
 

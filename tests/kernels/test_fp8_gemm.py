@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.kernels import fp8, scaled_mm
+from lmfoundry.kernels import fp8_gemm, scaled_mm
 from lmfoundry.kernels.error_bounds import (
     U32,
     Accumulation,
@@ -46,9 +46,9 @@ def test_gemm_matches_reference(m, n, k, per_token, per_channel, bias, dtype, ge
     lin = ScaledLinear(wq, ws, None if per_token else xs, b)
     lin_d = ScaledLinear(wq.to(device), ws.to(device), None if per_token else xs.to(device), None if b is None else b.to(device))
     out = poisoned((m, n), dtype, device)
-    fp8.fp8_gemm(xq.to(device), xs.to(device), lin_d, dtype, out=out)
+    fp8_gemm.fp8_gemm(xq.to(device), xs.to(device), lin_d, dtype, out=out)
     assert_written(out, "fp8")
-    ref = fp8.reference(xq, xs, lin, dtype)
+    ref = fp8_gemm.reference(xq, xs, lin, dtype)
     # e4m3 products are exact in fp32; the sum carries γ_K, the epilogue two products and a bias.
     abs_products = (xq.double().abs() @ wq.double().abs().t()) * xs.double().reshape(-1, 1) * ws.double().reshape(1, -1)
     if bias:
@@ -65,7 +65,7 @@ def test_linear_error_is_the_quantization_error(gen, device):
     ws = (w_float.abs().amax(-1, keepdim=True) / 448).to(dtype)
     wq = (w_float / ws.float()).clamp(-448, 448).to(E4M3)
     lin = ScaledLinear(wq.to(device), ws.to(device))
-    out = fp8.fp8_linear(x.to(device), lin).cpu()
+    out = fp8_gemm.fp8_linear(x.to(device), lin).cpu()
     w = wq.double() * ws.double()
     exact = x.double() @ w.t()
     s = x.double().abs().amax(-1, keepdim=True) / 448
@@ -78,4 +78,4 @@ def test_linear_error_is_the_quantization_error(gen, device):
 def test_rejects_int8_operands():
     lin = ScaledLinear(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1))
     with pytest.raises(TypeError):
-        fp8.fp8_gemm(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2), lin, torch.float16)
+        fp8_gemm.fp8_gemm(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2), lin, torch.float16)

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.commands.doctor import doctor
-from lmfoundry.doctor import FAIL, diagnose, parse_arch, parse_bytes
 from lmfoundry.errors import UserError
+from lmfoundry.preflight import FAIL, diagnose, parse_arch, parse_bytes
 from lmfoundry.recipe import Recipe
 
 
@@ -132,7 +132,7 @@ def _status(report, name):
 
 def test_tensor_parallel_splits_of_a_smollm2_shaped_model(tmp_path):
     """SmolLM2-135M's shape (hidden 576, 9 / 3 heads of 64, intermediate 1536), W4A16 g64."""
-    from lmfoundry.doctor import OK, WARN
+    from lmfoundry.preflight import OK, WARN
 
     aligned = str(tiny_model_folder(tmp_path / "aligned", "llama", hidden_size=512, intermediate_size=1024,
                                     num_attention_heads=8, num_key_value_heads=2, head_dim=64))

@@ -23,7 +23,7 @@ import pytest
 from helpers import assert_one_error, run_cli
 
 from lmfoundry.errors import UserError
-from lmfoundry.outputs import refuse_overlap
+from lmfoundry.output_paths import refuse_overlap
 
 QUANT = ["--quiet", "--scheme", "w4a16", "--group-size", "32", "--num-samples", "2", "--seq-len", "16"]
 WAYS = ["same", "inside", "symlink", "hardlink"]
