@@ -191,10 +191,32 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
 
 def freeze_heap() -> None:
     """Move every object allocated so far (modules, the model's and tokenizer's Python objects) out
-    of the garbage collector's reach. Serving allocates and frees objects per token; without this
-    each full collection walks all those long-lived objects again (vLLM's processes do the same)."""
+    of the garbage collector's reach, then hand the start-up's freed heap back to the system.
+    Serving allocates and frees objects per token; without the freeze each full collection walks
+    all those long-lived objects again (vLLM's processes do the same)."""
     gc.collect()
     gc.freeze()
+    release_free_heap()
+
+
+def release_free_heap() -> bool:
+    """Return the heap pages that freed memory left behind to the system; False where the C
+    library has no way to (not glibc). Starting a server frees far more than it keeps (checkpoint
+    tensors decoded, weights repacked, products timed on scratch buffers), and glibc keeps freed
+    pages mapped in the process for reuse unless asked: resident memory would count them for the
+    server's whole life."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:
