@@ -89,7 +89,7 @@ def server_command(peer: str, target: str, args: argparse.Namespace, port: int) 
 def measure(peer: str, target: str, args: argparse.Namespace, levels: list[int], requests: int | None = None,
             max_tokens: int | None = None) -> dict[str, Any]:
     """Start one server, run each level (`requests` of `max_tokens`, default the CLI's), stop it."""
-    from lmfoundry.runtime.server.loadgen import run_bench
+    from lmfoundry.benchmarking.loadgen import run_bench
 
     port = free_port()
     cmd = server_command(peer, target, args, port)

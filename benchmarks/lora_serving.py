@@ -81,7 +81,7 @@ def lora_args(peer: str, loras: list[tuple[str, Path]], rank: int) -> list[str]:
 
 async def run_mix(url: str, mix: str, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """--requests requests at --concurrency, request i to the model `mix` assigns it."""
-    from lmfoundry.runtime.server.loadgen import one_request, percentiles, time_per_token
+    from lmfoundry.benchmarking.loadgen import one_request, percentiles, time_per_token
 
     models = [SERVED] if mix == "base" else [f"a{i}" for i in range(int(mix))]
     sem = asyncio.Semaphore(args.concurrency)
@@ -106,8 +106,8 @@ async def run_mix(url: str, mix: str, prompts: list[str], args: argparse.Namespa
 def run_peer(peer: str, round_: int, loras: list[tuple[str, Path]], args: argparse.Namespace,
              numbering: list[int]) -> dict[str, Any]:
     """Start `peer` with the adapters, warm it up, run every mix, stop it."""
+    from lmfoundry.benchmarking.loadgen import make_prompts
     from lmfoundry.checkpoint.sources import resolve_model
-    from lmfoundry.runtime.server.loadgen import make_prompts
 
     port = free_port()
     cmd, extra = peer_command(peer, args, resolve_model(args.model), port)

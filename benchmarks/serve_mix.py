@@ -64,10 +64,10 @@ def _instrument(engine: Any) -> None:
 def run_level(concurrency: int, requests: int, max_tokens: int, threads: int, model: str) -> dict[str, Any]:
     import torch
 
+    from lmfoundry.benchmarking.loadgen import make_prompts
     from lmfoundry.commands.serve import default_step_tokens
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
     from lmfoundry.runtime.loader import resolve_dtype
-    from lmfoundry.runtime.server.loadgen import make_prompts
 
     torch.set_num_threads(threads)
     config = EngineConfig(kv_cache_memory_gb=1.0, max_num_batched_tokens=default_step_tokens("cpu"))

@@ -23,7 +23,7 @@ Servers ("peers"), each its own process (group) on 127.0.0.1, started and stoppe
   hf             a naive server: one request at a time through transformers     }
 Every server gets --threads N (default: all cores) and the same KV-cache memory (--kv-cache-gb).
 
-The load (lmfoundry.runtime.server.loadgen): streamed /v1/completions, greedy, --max-tokens output
+The load (lmfoundry.benchmarking.loadgen): streamed /v1/completions, greedy, --max-tokens output
 tokens with ignore_eos; a fraction (--shared-fraction, 0.75) of the prompts share a system prompt of
 about --system-tokens (430) tokens plus a short question, the others are distinct prompts of the same
 length. Each level gets fresh prompts (a server never finds a whole prompt cached from an earlier
@@ -85,7 +85,7 @@ from serve_peers_report import mean_result, summarize, targets, write_markdown  
 
 # ---- one peer, one round ----------------------------------------------------------------------
 def level_prompts(args: argparse.Namespace, n: int, start: int) -> list[str]:
-    from lmfoundry.runtime.server.loadgen import make_prompts
+    from lmfoundry.benchmarking.loadgen import make_prompts
 
     return make_prompts(n, args.prefix_words, shared_fraction=args.shared_fraction, start=start)
 
@@ -96,7 +96,7 @@ def requests_for(args: argparse.Namespace, c: int) -> int:
 
 def run_peer(peer: str, rnd: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """Start `peer`, warm it up, run every level (CPU seconds of its process tree per level), stop it."""
-    from lmfoundry.runtime.server.loadgen import format_level, run_level
+    from lmfoundry.benchmarking.loadgen import format_level, run_level
 
     port = free_port()
     cmd, extra = peer_command(peer, args, folder, port)
@@ -146,7 +146,7 @@ def calibrate_prefix_words(folder: Path, system_tokens: int) -> tuple[int, Any]:
     tokenizer (the smallest count reaching it); also returns the tokenizer for the report."""
     from transformers import AutoTokenizer
 
-    from lmfoundry.runtime.server.loadgen import make_prompts
+    from lmfoundry.benchmarking.loadgen import make_prompts
 
     tok = AutoTokenizer.from_pretrained(folder)
 
@@ -165,7 +165,7 @@ def calibrate_prefix_words(folder: Path, system_tokens: int) -> tuple[int, Any]:
 
 def prompt_lengths(args: argparse.Namespace, tok: Any) -> dict[str, int | None]:
     """Token counts of the shared system prompt, the question after it and a distinct prompt."""
-    from lmfoundry.runtime.server.loadgen import is_shared, make_prompts
+    from lmfoundry.benchmarking.loadgen import is_shared, make_prompts
 
     if tok is None:
         return {"system_tokens": None, "question_tokens": None, "distinct_tokens": None}
@@ -297,7 +297,7 @@ def main() -> None:
     print(args.out.with_suffix(".md").read_text())
     ran = [p for p in peers if any(r["peer"] == p for r in runs)]
     if ran:
-        from lmfoundry.runtime.bench_plot import plot
+        from lmfoundry.benchmarking.bench_plot import plot
 
         plot([mean_result(p, runs) for p in ran], args.out.with_suffix(".png"), labels=ran)
     print(f"wrote {args.out}, {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")

@@ -27,7 +27,7 @@ LAYERS = [
     (9, ("lmfoundry.evals",)),
     # the quantize job (calibration/job.py) composes every stage and runs the doctor: a verb's layer
     (10, ("lmfoundry.commands", "lmfoundry.cli", "lmfoundry.preflight",
-          "lmfoundry.calibration.job", "lmfoundry.export",
+          "lmfoundry.calibration.job", "lmfoundry.export", "lmfoundry.benchmarking",
           "lmfoundry.capacity")),
 ]
 # The package itself (its __init__ imports nothing): placed by name only, never as a prefix, so a

@@ -44,8 +44,8 @@ def bench(url: str, model: str | None, concurrency: str, requests_per_level: int
     """Load-test the OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000)."""
     import httpx
 
-    from lmfoundry.runtime.bench_plot import plot
-    from lmfoundry.runtime.server.loadgen import run_bench
+    from lmfoundry.benchmarking.bench_plot import plot
+    from lmfoundry.benchmarking.loadgen import run_bench
 
     levels = parse_levels(concurrency)
     if max_tokens < 1:

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from lmfoundry.runtime.server.loadgen import (
+from lmfoundry.benchmarking.loadgen import (
     RequestResult,
     is_shared,
     make_prompts,
