@@ -21,7 +21,7 @@ import errno
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -295,7 +295,7 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     from lmfoundry.calibration.data import load_calibration
     from lmfoundry.calibration.journal import LayerJournal, run_key
     from lmfoundry.calibration.memory import activations_offload
-    from lmfoundry.calibration.pipeline import current_rss_bytes, run_pipeline
+    from lmfoundry.calibration.pipeline import PipelineOptions, current_rss_bytes, run_pipeline
     from lmfoundry.checkpoint.folder import TOKENIZER_FILES, CheckpointWriter, quantized_config
     from lmfoundry.checkpoint.sources import safetensors_files
     from lmfoundry.checkpoint.tokenizer import load_tokenizer
@@ -327,24 +327,23 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     device = torch.device(device)
     move_out = needs_data and activations_offload(config, -(-c.num_samples // group.world_size), c.seq_len,
                                                   c.batch_size, device, job.offload, q.method)
-    pipeline_args = dict(propagate=c.propagate, batch_size=c.batch_size, extra_layer_passes=extra,
-                         device=device, offload=move_out, experts=c.moe_experts)
+    options = PipelineOptions(propagate=c.propagate, batch_size=c.batch_size, extra_layer_passes=tuple(extra),
+                              device=device, offload=move_out, experts=c.moe_experts, progress=job.progress)
     calib_ids = calib.token_ids if needs_data else None
     if out is None or staging is None:  # a data-parallel rank other than 0: rank 0's work folder and journal
         received: tuple[str, int] | None = group.broadcast(None)
         assert received is not None  # rank 0 always sends its work folder and journal position
         work_name, done = received
         journal = LayerJournal(Path(work_name), key, done=done)
-        run_pipeline(reader, config, plan, inputs.quantizer, None, calib_ids, out_dtype, progress=False,
-                     journal=journal, **pipeline_args)
+        run_pipeline(reader, plan, inputs.quantizer, calib_ids, out_dtype, replace(options, progress=False),
+                     journal=journal)
         return ""
     work, journal = _work_folder(out, key, job.resume)
     group.broadcast((str(work), journal.done))
     try:
         with CheckpointWriter(staging, work=work) as writer:
             resumed_at = journal.done
-            report = run_pipeline(reader, config, plan, inputs.quantizer, writer, calib_ids, out_dtype,
-                                  progress=job.progress, journal=journal, **pipeline_args)
+            report = run_pipeline(reader, plan, inputs.quantizer, calib_ids, out_dtype, options, writer, journal)
             journal.close()
             writer.copy_files(folder, TOKENIZER_FILES)
             source_hashes = {f.name: sha256_file(f) for f in shards}

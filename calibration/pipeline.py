@@ -28,6 +28,7 @@ from lmfoundry.calibration.journal import LayerJournal
 from lmfoundry.checkpoint.folder import CheckpointReader, CheckpointWriter, checkpoint_names, encode_linear
 from lmfoundry.distributed import ranks
 from lmfoundry.errors import UserError
+from lmfoundry.heap import release_free_heap
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.reference import DecoderLayer, ExpertCalibration, RotaryEmbedding, SparseMoE
 from lmfoundry.model.reference import embed as embed_rows
@@ -59,21 +60,6 @@ def peak_rss_bytes() -> int:
 def current_rss_bytes() -> int:
     rss = _proc_status("VmRSS")
     return rss if rss is not None else peak_rss_bytes()
-
-
-def release_memory() -> None:
-    """Hand freed heap back to the OS (glibc keeps it otherwise): once, after the embeddings.
-
-    Not between layers: every layer needs the same amount of memory as the one before, so the heap
-    it frees is what the next reuses, and trimming only made each layer fault its working set in
-    again without lowering the peak (measured for GPTQ 32 x 512 on SmolLM2: 5.2 -> 1.4 s of system
-    time, peak RSS 1.00 GB either way)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass
@@ -251,38 +237,49 @@ def calibration_batches(calib_ids: torch.Tensor, batch_size: int) -> list[torch.
     return group.shard(batches)
 
 
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the layer-by-layer pipeline executes (the recipe's calibration settings and the job's
+    placement), apart from what it quantizes: each rank of a data-parallel job runs the same
+    options over its own share of the batches.
+
+    `extra_layer_passes` are callables `(layer, calib, layer_idx, result)` run after the quantizer
+    on each layer (e.g. KV-cache scale calibration) that may add to `result.extra_tensors`.
+    `device` is where layers, activations and statistics live (default CPU); with `offload` the
+    activations stay in host memory between uses (see `LayerCalibration`). `experts` says which
+    calibration tokens an MoE layer's experts see ("all" of them, or the "routed" ones; see
+    `SparseMoE`)."""
+
+    propagate: Propagate = "quantized"
+    batch_size: int = 8
+    extra_layer_passes: tuple[Any, ...] = ()
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    offload: bool = False
+    experts: ExpertCalibration = "all"
+    progress: bool = True
+
+
 def run_pipeline(
     reader: CheckpointReader,
-    config: ModelConfig,
     plan: QuantizationPlan,
     quantizer: Quantizer,
-    writer: CheckpointWriter | None,
     calib_ids: torch.Tensor | None,
     out_dtype: torch.dtype,
-    propagate: Propagate = "quantized",
-    batch_size: int = 8,
-    extra_layer_passes: list[Any] | None = None,
-    progress: bool = True,
+    options: PipelineOptions,
+    writer: CheckpointWriter | None = None,
     journal: LayerJournal | None = None,
-    device: torch.device | None = None,
-    offload: bool = False,
-    experts: ExpertCalibration = "all",
 ) -> PipelineReport:
     """Quantize every decoder layer of `reader`'s model into `writer`; returns per-layer metrics.
 
-    `extra_layer_passes` are callables `(layer, calib, layer_idx, result)` run after the quantizer
-    on layers (e.g. KV-cache scale calibration) that may add to `result.extra_tensors`. With a
-    `journal`, each finished layer is recorded (its shard, the activations entering the next
-    layer) and a journal that already holds k layers makes the run continue at layer k.
-
-    `device` is where layers, activations and statistics live (default CPU); with `offload` the
-    activations stay in host memory between uses (see `LayerCalibration`). Under torchrun every
-    rank runs this on its share of the batches (`calibration_batches`) and only the writer rank
-    passes a `writer` (the others pass None and write nothing). `experts` says which calibration
-    tokens an MoE layer's experts see ("all" of them, or the "routed" ones; see `SparseMoE`).
+    With a `journal`, each finished layer is recorded (its shard, the activations entering the
+    next layer) and a journal that already holds k layers makes the run continue at layer k.
+    Under torchrun every rank runs this on its share of the batches (`calibration_batches`) and
+    only the writer rank passes a `writer` (the others pass None and write nothing).
     """
     t0 = time.time()
-    device = torch.device(device or "cpu")
+    config = ModelConfig.from_dict(reader.config)
+    device, propagate, experts = options.device, options.propagate, options.experts
+    extra_layer_passes = list(options.extra_layer_passes)
     report = PipelineReport()
     quantizer.scale_dtype = out_dtype
     work_dtype = torch.float32  # calibrate in fp32 whatever the storage dtype
@@ -305,20 +302,22 @@ def run_pipeline(
             # (Gemma's sqrt(hidden) factor applied in the stored dtype too, as the served model does)
             assert calib_ids is not None  # refused above otherwise
             inputs = [embed_rows(config, embed, b).to(work_dtype)
-                      for b in calibration_batches(calib_ids, batch_size)]
+                      for b in calibration_batches(calib_ids, options.batch_size)]
         del embed
     if needs_data:
         assert calib_ids is not None  # refused above otherwise
         positions = torch.arange(calib_ids.shape[1]).unsqueeze(0)
         cos, sin = RotaryEmbedding(config)(positions, work_dtype)
-        stored = torch.device("cpu") if offload else device
+        stored = torch.device("cpu") if options.offload else device
         inputs = [x.to(stored) for x in inputs]
-        calib = LayerCalibration(inputs, cos.to(device), sin.to(device), device=device, offload=offload)
-    release_memory()
+        calib = LayerCalibration(inputs, cos.to(device), sin.to(device), device=device, offload=options.offload)
+    # once, after the embeddings: not between layers, where every layer needs what the one before
+    # freed, so trimming would only make each layer fault its working set in again (same peak)
+    release_free_heap()
 
     quantizer.calib = calib  # one object for the whole run: its inputs advance layer by layer
     bar = tqdm(range(start, config.num_layers), desc=f"{quantizer.name} layers", unit="layer", initial=start,
-               total=config.num_layers, disable=not progress)
+               total=config.num_layers, disable=not options.progress)
     sequential = calib is not None and quantizer.sequential and propagate == "quantized" and not extra_layer_passes
     for idx in bar:
         t_layer = time.time()
@@ -333,7 +332,7 @@ def run_pipeline(
                 layer_metrics: dict[str, Any] = {}
             else:
                 result, layer_metrics = _two_pass_layer(layer, schemes, quantizer, calib, idx, work_dtype,
-                                                        propagate, extra_layer_passes or [])
+                                                        propagate, extra_layer_passes)
         layer_metrics.update({n: qw.metrics for n, qw in result.weights.items()})
         layer_metrics.update(result.metrics)
         report.warnings += [f"layer {idx}: {w}" for w in result.warnings]

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -212,9 +212,9 @@ class CalibrationSection:
     num_samples: int = 128
     seq_len: int = 512
     seed: int = 0
-    propagate: str = "quantized"
+    propagate: Literal["quantized", "float"] = "quantized"  # what feeds the next layer (see calibration.pipeline)
     batch_size: int = 8
-    moe_experts: str = "all"  # the tokens an MoE expert calibrates on: all, or those routed to it
+    moe_experts: Literal["all", "routed"] = "all"  # the tokens an MoE expert calibrates on: all, or those routed to it
 
 
 # the keys of each typed section, in the order the manifest records them

@@ -16,7 +16,7 @@ FOLDERS = {"lmfoundry": "lmfoundry", "lmfoundry.quantizers": "quantizers", "lmfo
 LAYERS = [
     (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.output_paths", "lmfoundry.resources",
          "lmfoundry.gpus", "lmfoundry.recipe", "lmfoundry.checkpoint.headers", "lmfoundry.recipes",
-         "lmfoundry.child_python", "lmfoundry.devices")),
+         "lmfoundry.child_python", "lmfoundry.devices", "lmfoundry.heap")),
     (2, ("lmfoundry.kernels",)),
     (3, ("lmfoundry.model", "lmfoundry.quantizers.scheme", "lmfoundry.quantizers.qmath", "lmfoundry.quantizers.base")),
     (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.checkpoint")),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lmfoundry.errors import UserError
+from lmfoundry.heap import release_free_heap
 from lmfoundry.runtime.engine.client import EngineDead, EngineRequest, RequestFailed
 from lmfoundry.runtime.engine.llm_engine import LLMEngine
 from lmfoundry.runtime.engine.outputs import EmbeddingResult, LoRAResult, StepEvent
@@ -193,30 +194,11 @@ def freeze_heap() -> None:
     """Move every object allocated so far (modules, the model's and tokenizer's Python objects) out
     of the garbage collector's reach, then hand the start-up's freed heap back to the system.
     Serving allocates and frees objects per token; without the freeze each full collection walks
-    all those long-lived objects again (vLLM's processes do the same)."""
+    all those long-lived objects again (vLLM's processes do the same). Start-up frees far more than
+    it keeps; `release_free_heap` stops resident memory counting those pages."""
     gc.collect()
     gc.freeze()
     release_free_heap()
-
-
-def release_free_heap() -> bool:
-    """Return the heap pages that freed memory left behind to the system; False where the C
-    library has no way to (not glibc). Starting a server frees far more than it keeps (checkpoint
-    tensors decoded, weights repacked, products timed on scratch buffers), and glibc keeps freed
-    pages mapped in the process for reuse unless asked: resident memory would count them for the
-    server's whole life."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:

@@ -118,7 +118,7 @@ def test_failed_run_leaves_nothing_behind(artifact, model, calib, tmp_path, caps
     from lmfoundry.calibration import pipeline
     from lmfoundry.errors import UserError
 
-    def failing(reader, config, plan, quantizer, writer, *a, **k):
+    def failing(reader, plan, quantizer, calib_ids, out_dtype, options, writer, journal=None):
         writer.write_shard("model-00001-of-00009.safetensors", {"x": __import__("torch").zeros(4)})
         raise UserError("simulated failure after the first shard")
 
