@@ -205,6 +205,7 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     `load_model` runs) is read from its weights/ folder (rank 0's of a tensor-parallel bundle,
     with the whole model's config)."""
     from lmfoundry.checkpoint.sources import resolve_model
+    from lmfoundry.checkpoint.tokenizer import load_tokenizer
     from lmfoundry.model.config import ModelConfig
     from lmfoundry.runtime.bundle_manifest import is_engine_bundle, weights_folder
     from lmfoundry.runtime.loader import whole_model_config
@@ -217,14 +218,7 @@ def check_model(spec: str, allow_bundle: bool = False) -> CheckedModel:
     else:
         folder = resolve_model(spec)
         config = ModelConfig.from_file(folder)
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for a bad tokenizer
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise UserError(f"{spec}: cannot load its tokenizer ({type(exc).__name__}: {first})") from None
-    return CheckedModel(spec, folder, config, tokenizer, bundle)
+    return CheckedModel(spec, folder, config, load_tokenizer(folder), bundle)
 
 
 def tokenizer_difference(a: Any, b: Any) -> str | None:

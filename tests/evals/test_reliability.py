@@ -262,7 +262,7 @@ def _other_tokenizer(src: Path, dst: Path) -> Path:
 GATE_MODEL_PROBLEMS = {
     "candidate-missing": (lambda src, dst: dst, "no such file or folder"),
     "candidate-without-config": (_no_config, "no config.json"),
-    "candidate-without-tokenizer": (_no_tokenizer, "cannot load its tokenizer"),
+    "candidate-without-tokenizer": (_no_tokenizer, "no tokenizer files"),
     "other-tokenizer": (_other_tokenizer, "different tokenizers (vocabularies differ"),
     "ctx-beyond-limit": (lambda src, dst: shutil.copytree(src, dst) and dst, "exceeds"),
 }
