@@ -1,4 +1,4 @@
-"""Build an engine bundle: plan, cross-compile in worker processes, check the SASS, write files.
+"""Build an engine bundle: select the kernels, cross-compile in worker processes, check the SASS, write files.
 
 Bundle layout:
     engine.json                         manifest: kernels + sha256, archs, toolchain, fusions, source
@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
-from lmfoundry.compile.kernel_plan import Plan, make_plan
+from lmfoundry.compile.kernel_selection import KernelBuild, select_kernels
 from lmfoundry.compile.rank_shares import write_share
 from lmfoundry.compile.source import Checkpoint, load_checkpoint
 from lmfoundry.errors import UserError
@@ -147,7 +147,7 @@ def _keep_log(log_path: Path) -> Path:
     return Path(kept)
 
 
-def _place_weights(ck: Checkpoint, plan: Plan, out: Path, mode: str) -> dict[str, Any]:
+def _place_weights(ck: Checkpoint, build: KernelBuild, out: Path, mode: str) -> dict[str, Any]:
     dst = out / "weights"
     dst.mkdir()
     files = sorted(p for p in ck.path.iterdir() if p.is_file())
@@ -155,7 +155,7 @@ def _place_weights(ck: Checkpoint, plan: Plan, out: Path, mode: str) -> dict[str
     if mode == "repack" and ck.has_weights():
         from lmfoundry.compile.repack import repack
 
-        record["fused_tensors"] = repack(ck, plan, dst / "model.safetensors")
+        record["fused_tensors"] = repack(ck, build, dst / "model.safetensors")
         files = [p for p in files if p.suffix != ".safetensors" and p.name != "model.safetensors.index.json"]
         record["files"]["model.safetensors"] = {"bytes": (dst / "model.safetensors").stat().st_size,
                                                 "sha256": sha256_file(dst / "model.safetensors")}
@@ -207,7 +207,7 @@ def build_engine(
     if src.is_dir():
         verify_artifact(src, "compile")  # before any tensor is read: the bundle records what it reads as good
     ck = load_checkpoint(src, dtype)
-    plan = None
+    build = None
     if lora is not None and tp > 1:
         raise UserError("LoRA kernels with --tp are not implemented; compile the adapters' bundle for one device")
     if tp > 1:
@@ -216,14 +216,14 @@ def build_engine(
             raise UserError(f"--weights link with --tp {tp}: each rank's share is written anew, there is nothing "
                             "to link to; use repack or copy")
     else:
-        plan = _plan(ck, caps, block_size, tune, log, lora)
+        build = _select(ck, caps, block_size, tune, log, lora)
     stage, created = _staging(final)
     try:
-        if plan is None:
+        if build is None:
             built = _write_tp_bundle(stage, ck, caps, src, tp, dtype, block_size, weights, workers, tune, progress,
                                      log, t0)
         else:
-            built = _write_bundle(stage, ck, plan, caps, src, weights, workers, tune, progress, log, t0)
+            built = _write_bundle(stage, ck, build, caps, src, weights, workers, tune, progress, log, t0)
         _install(stage, final)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -233,14 +233,14 @@ def build_engine(
     return BuildResult(final, built.manifest, time.perf_counter() - t0, ranks)
 
 
-def _plan(ck: Checkpoint, caps: list[int], block_size: int, tune: bool, log: Callable[[str], None],
-          lora: tuple[int, int] | None = None) -> Plan:
-    plan = make_plan(ck, caps, block_size, lora)
+def _select(ck: Checkpoint, caps: list[int], block_size: int, tune: bool, log: Callable[[str], None],
+          lora: tuple[int, int] | None = None) -> KernelBuild:
+    build = select_kernels(ck, caps, block_size, lora)
     if tune:
-        from lmfoundry.compile.tune import tune_plan
+        from lmfoundry.compile.tune import tune_build
 
-        tune_plan(plan, log)
-    return plan
+        tune_build(build, log)
+    return build
 
 
 def _source_record(src: Path, ck: Checkpoint) -> dict[str, Any]:
@@ -259,10 +259,10 @@ def _write_tp_bundle(out: Path, ck: Checkpoint, caps: list[int], src: Path, tp: 
             log(f"rank {rank} of {tp}: writing its share")
             share = write_share(src, RankShard(ck.config, rank, tp), shares / rank_folder(rank))
             rck = load_checkpoint(share, dtype)
-            plan = _plan(rck, caps, block_size, tune, log)
+            build = _select(rck, caps, block_size, tune, log)
             (out / rank_folder(rank)).mkdir()
             source = {**_source_record(src, ck), "tensor_parallel": {"rank": rank, "size": tp}}
-            ranks.append(_write_bundle(out / rank_folder(rank), rck, plan, caps, share, weights, workers, tune, progress,
+            ranks.append(_write_bundle(out / rank_folder(rank), rck, build, caps, share, weights, workers, tune, progress,
                                        log, t0, triton_cache=Path(cache), source=source))
             shutil.rmtree(share)
     shares.rmdir()
@@ -279,13 +279,13 @@ def _write_tp_bundle(out: Path, ck: Checkpoint, caps: list[int], src: Path, tp: 
     return BuildResult(out, manifest, time.perf_counter() - t0, ranks)
 
 
-def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: Path, weights: str, workers: int,
+def _write_bundle(out: Path, ck: Checkpoint, build: KernelBuild, caps: list[int], src: Path, weights: str, workers: int,
                   tune: bool, progress: bool, log: Callable[[str], None], t0: float,
                   triton_cache: Path | None = None, source: dict[str, Any] | None = None) -> BuildResult:
     """Compile the kernels and write the whole bundle into `out` (a fresh staging folder).
     `triton_cache`: a Triton cache folder to reuse (default: a fresh one); `source`: the
     manifest's source record (default: `src`'s)."""
-    jobs = [spec.job(i, str(out / "kernels" / spec.sm)) for i, spec in enumerate(plan.specs)]
+    jobs = [spec.job(i, str(out / "kernels" / spec.sm)) for i, spec in enumerate(build.specs)]
     log(f"{len(jobs)} kernel specializations for {', '.join(SM_NAME[c] for c in caps)}")
     if ck.config.kernel_context_limit < ck.config.max_position_embeddings:
         log(f"note: {ck.config.model_type} attends through a sliding window of {ck.config.kernel_context_limit} "
@@ -310,7 +310,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
         kept = _keep_log(out / "compile.log")
         raise UserError(f"{len(failed)} kernels failed to compile; first: {j['kernel']} for {j['sm']}: "
                         f"{(r.get('error') or '?').splitlines()[0]} (details: {kept})", exit_code=3)
-    for spec, reply in zip(plan.specs, replies, strict=True):
+    for spec, reply in zip(build.specs, replies, strict=True):
         sass.check(spec.kernel, spec.sm, spec.expected_sass(), reply["mma"])
         use = reply["resources"]
         if use["stack_bytes"] or use["local_bytes"]:  # correct but slow: name the tile (--tune may pick another)
@@ -320,7 +320,7 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
     (out / "compile.log").unlink(missing_ok=True)
 
     kernels = []
-    for spec, _job, reply in zip(plan.specs, jobs, replies, strict=True):
+    for spec, _job, reply in zip(build.specs, jobs, replies, strict=True):
         rel = Path("kernels") / spec.sm / spec.key()
         files = {ext: str(rel.with_suffix(f".{ext}")) for ext in ("cubin", "ptx", "json")}
         kernels.append({
@@ -347,25 +347,25 @@ def _write_bundle(out: Path, ck: Checkpoint, plan: Plan, caps: list[int], src: P
     manifest = {
         "format": ENGINE_FORMAT,
         "source": source or _source_record(src, ck),
-        "model": {"model_type": cfg.model_type, "dtype": plan.dtype, "hidden_size": cfg.hidden_size,
+        "model": {"model_type": cfg.model_type, "dtype": build.dtype, "hidden_size": cfg.hidden_size,
                   "intermediate_size": cfg.intermediate_size, "num_layers": cfg.num_layers,
                   "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                   "vocab_size": cfg.vocab_size,
                   # plain causal kernels equal a sliding-window model's attention only this far
                   "context_limit": cfg.kernel_context_limit},
         "linears": {g.name: {"n": g.n, "k": g.k, "scheme": g.scheme.describe(), "kind": g.scheme.kind,
-                             "bias": g.bias} for g in plan.gemms},
-        "kv_cache": {"dtype": ck.kv.dtype, "kernel_type": plan.kv_dtype, "block_size": plan.block_size,
+                             "bias": g.bias} for g in build.gemms},
+        "kv_cache": {"dtype": ck.kv.dtype, "kernel_type": build.kv_dtype, "block_size": build.block_size,
                      "strategy": ck.kv.strategy},
         "archs": {ARCH_OF_CAPABILITY[c]: {"capability": c, "sm": SM_NAME[c]} for c in caps},
         "toolchain": {"triton": versions.get("triton"), "ptxas": versions.get("ptxas"), "cuda": versions.get("cuda"),
                       "line_info": False},
-        "fusions": [f.as_dict() for f in plan.fusions],
-        "weights": _place_weights(ck, plan, out, weights),
+        "fusions": [f.as_dict() for f in build.fusions],
+        "weights": _place_weights(ck, build, out, weights),
         "kernels": kernels,
         "build": {"seconds": round(time.perf_counter() - t0, 2), "workers": workers, "tuned": tune},
     }
-    if plan.lora is not None:  # only then: a bundle without adapters stays byte for byte what it was
-        manifest["lora"] = plan.lora
+    if build.lora is not None:  # only then: a bundle without adapters stays byte for byte what it was
+        manifest["lora"] = build.lora
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     return BuildResult(out, manifest, time.perf_counter() - t0)

@@ -1,5 +1,5 @@
 """Write the checkpoint's tensors in the layout the engine's kernels read (`--weights repack`):
-fused where the plan fused, W4A16 tiled, as `lmfoundry.checkpoint.bundle_layout` defines them
+fused where the kernel selection fused, W4A16 tiled, as `lmfoundry.checkpoint.bundle_layout` defines them
 (the runtime reads the same layout back from there)."""
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from lmfoundry.checkpoint.bundle_layout import (
     tile_layer,
     tiled_linear_tensors,
 )
-from lmfoundry.compile.kernel_plan import Plan
+from lmfoundry.compile.kernel_selection import KernelBuild
 from lmfoundry.compile.source import Checkpoint
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS
 
 
-def repack(ck: Checkpoint, plan: Plan, dest: Path) -> dict[str, list[str]]:
+def repack(ck: Checkpoint, build: KernelBuild, dest: Path) -> dict[str, list[str]]:
     """Write all tensors (fused where planned, W4A16 tiled) to `dest`; returns fused name -> member names."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    applied = {f.name for f in plan.fusions if f.kind == "concat_gemm" and f.applied}
-    fold = any(f.name == ACT_ORDER_FOLD and f.applied for f in plan.fusions)
+    applied = {f.name for f in build.fusions if f.kind == "concat_gemm" and f.applied}
+    fold = any(f.name == ACT_ORDER_FOLD and f.applied for f in build.fusions)
     handles = {name: safe_open(ck.path / name, framework="pt") for name in set(ck.tensor_files.values())}
 
     def get(name: str) -> torch.Tensor:

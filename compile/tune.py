@@ -24,7 +24,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.kernels.spec import TileConfig
 
 if TYPE_CHECKING:  # imported where used: they pull in torch
-    from lmfoundry.compile.kernel_plan import Plan, Spec
+    from lmfoundry.compile.kernel_selection import KernelBuild, Spec
     from lmfoundry.kernels.dispatch import ConfigPicker
 
 CANDIDATES = {
@@ -38,13 +38,13 @@ CANDIDATES = {
 }
 
 
-def tune_plan(plan: Plan, log: Callable[[str], None]) -> None:
-    """Re-pick the configs of `plan`'s GEMM specs for the local GPU's arch (in place)."""
+def tune_build(build: KernelBuild, log: Callable[[str], None]) -> None:
+    """Re-pick the configs of `build`'s GEMM specs for the local GPU's arch (in place)."""
     import torch
 
     if not torch.cuda.is_available():
         raise UserError("--tune needs a CUDA GPU on this machine; none found (the per-arch tables are used without it)")
-    from lmfoundry.compile.kernel_plan import Spec
+    from lmfoundry.compile.kernel_selection import Spec
     from lmfoundry.kernels import harness, tiles
     from lmfoundry.kernels.dispatch import JitExecutor
 
@@ -52,7 +52,7 @@ def tune_plan(plan: Plan, log: Callable[[str], None]) -> None:
     cap = major * 10 + minor
     tuned: list[Spec] = []
     kept: list[Spec] = []
-    for spec in plan.specs:
+    for spec in build.specs:
         if spec.capability != cap or spec.kernel not in tiles.GEMM_TABLES:
             kept.append(spec)
             continue
@@ -70,7 +70,7 @@ def tune_plan(plan: Plan, log: Callable[[str], None]) -> None:
             log(f"tune {spec.kernel} {cover['shape']} rows<={rows}: {dict(best.constexprs)} w{best.num_warps} "
                 f"s{best.num_stages} {best_ms * 1e3:.1f} us")
             tuned.append(Spec(spec.capability, spec.kernel, spec.types, spec.semantics, best, [cover], spec.aligned))
-    plan.specs = kept + _merge(tuned)
+    build.specs = kept + _merge(tuned)
 
 
 def _always(cfg: TileConfig) -> ConfigPicker:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_COUNT, SM_NAME  # noqa: F401  (compile/kernel_plan.py reads them as tiles.*)
+from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_COUNT, SM_NAME  # noqa: F401  (compile/kernel_selection.py reads them as tiles.*)
 from lmfoundry.kernels import registry, tiled_layout, w4a16, w4a16_tiled
 from lmfoundry.kernels.spec import KernelCall, TileConfig, next_pow2
 

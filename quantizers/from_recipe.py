@@ -6,7 +6,7 @@ which must judge exactly the plan `quantize` would run: both build the plan, fit
 and build the quantizer with these functions (`quantize` then hands the built objects to the
 doctor's pre-flight instead of letting it build them again). (Not to be confused with the memory
 plan of `lmfoundry plan`, see `lmfoundry.capacity_*`, or compile's kernel plan,
-`lmfoundry.compile.kernel_plan`.)
+`lmfoundry.compile.kernel_selection`.)
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ def memory_fit(
 
 
 @dataclass(frozen=True)
-class CostPlan:
+class CapacityEstimate:
     """Cost of one deployment (tp GPUs) producing `throughput` output tokens/s when busy."""
 
     throughput: float  # output tokens/s of the whole deployment at full load

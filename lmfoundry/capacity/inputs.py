@@ -278,7 +278,7 @@ MAX_OVERHEAD_GIB = 1 << 20
 
 
 @dataclass
-class PlanInputs:
+class CapacityInputs:
     model: str
     gpu: str = "h100-80gb"
     context: int = 8192
@@ -299,7 +299,7 @@ class PlanInputs:
     max_lora_rank: int = 16
 
 
-def validate(inp: PlanInputs) -> None:
+def validate(inp: CapacityInputs) -> None:
     """Reject bad flag values and combinations with one-line UserErrors."""
     if inp.context <= 0:
         raise UserError(f"--context must be a positive number of tokens, got {inp.context}")

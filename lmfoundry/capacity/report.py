@@ -14,7 +14,7 @@ from lmfoundry.capacity.arithmetic import (
     KV_DTYPE_BYTES,
     UTILIZATIONS,
     WEIGHT_PRECISIONS,
-    CostPlan,
+    CapacityEstimate,
     activation_bytes,
     default_quant_specs,
     human_count,
@@ -27,7 +27,7 @@ from lmfoundry.capacity.arithmetic import (
     weight_bytes,
 )
 from lmfoundry.capacity.inputs import (
-    PlanInputs,
+    CapacityInputs,
     checkpoint_quant,
     load_bench,
     parse_group_size,
@@ -39,7 +39,7 @@ from lmfoundry.gpus import load_gpus, resolve_gpu
 from lmfoundry.model.head_split import valid_tp_sizes
 
 
-def build_report(inp: PlanInputs) -> dict[str, Any]:
+def build_report(inp: CapacityInputs) -> dict[str, Any]:
     """Everything `plan` reports, as plain JSON-able data (bytes as integers)."""
     validate(inp)
     gpus = load_gpus()
@@ -159,7 +159,7 @@ def build_report(inp: PlanInputs) -> dict[str, Any]:
         report["cost"] = {"throughput": throughput, "throughput_source": source,
                           "monthly_capacity_tokens": throughput * 3600 * 730.0}
         if inp.gpu_hour_price is not None:
-            plan = CostPlan(throughput, inp.gpu_hour_price, inp.tp, inp.api_price)
+            plan = CapacityEstimate(throughput, inp.gpu_hour_price, inp.tp, inp.api_price)
             report["cost"].update(
                 {
                     "gpu_hour_price": inp.gpu_hour_price,

@@ -29,7 +29,7 @@ from lmfoundry.kernels.tiled_layout import TiledLinear, act_order_perm, repack_t
 from lmfoundry.kernels.w4a16 import PackedLinear
 from lmfoundry.model.config import FUSED_LINEARS
 
-# the fusion that moves down_proj's act-order permutation into gate/up's rows (a Plan fusion name)
+# the fusion that moves down_proj's act-order permutation into gate/up's rows (a KernelBuild fusion name)
 ACT_ORDER_FOLD = "mlp.down_proj.input_perm"
 _CONCAT = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "bias")
 _SHARED = ("weight_g_idx", "input_scale")  # identical across members when fused (checked)

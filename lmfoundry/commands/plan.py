@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from lmfoundry.capacity.inputs import PlanInputs
+from lmfoundry.capacity.inputs import CapacityInputs
 from lmfoundry.capacity.report import build_report, render, render_gpus
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import load_gpus
@@ -88,5 +88,5 @@ def plan(model_or_checkpoint: str | None, as_json: bool, list_gpus: bool, **opti
         return
     if not model_or_checkpoint:
         raise UserError("missing MODEL_OR_CHECKPOINT (a model folder, a config.json, or smollm2-135m)")
-    report = build_report(PlanInputs(model=model_or_checkpoint, **options))
+    report = build_report(CapacityInputs(model=model_or_checkpoint, **options))
     click.echo(json.dumps(report, indent=2) if as_json else render(report))

@@ -13,7 +13,7 @@ import torch
 from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
 from lmfoundry.compile.bundle import build_engine
-from lmfoundry.compile.kernel_plan import make_plan
+from lmfoundry.compile.kernel_selection import select_kernels
 from lmfoundry.compile.source import load_checkpoint
 from lmfoundry.kernels import tiled_layout
 
@@ -131,8 +131,8 @@ def test_repacked_weights_concatenate_the_fused_members(make_checkpoint, tmp_pat
 
     ckpt = make_checkpoint(scheme="w4a16", group=32, symmetric=False)
     ck = load_checkpoint(ckpt)
-    plan = make_plan(ck, [90])
-    fused = repack(ck, plan, tmp_path / "model.safetensors")
+    build = select_kernels(ck, [90])
+    fused = repack(ck, build, tmp_path / "model.safetensors")
     assert fused["model.layers.1.self_attn.qkv_proj"] == [f"model.layers.1.self_attn.{m}_proj" for m in "qkv"]
     t, src = load_file(tmp_path / "model.safetensors"), load_file(ckpt / "model.safetensors")
     assert not any(".q_proj." in n or ".gate_proj." in n or n.endswith(".weight_packed") for n in t)
@@ -158,10 +158,10 @@ def test_act_order_is_folded_into_gate_up(make_checkpoint, tmp_path):
 
     ckpt = make_checkpoint(scheme="w4a16", group=32, actorder=True)
     ck = load_checkpoint(ckpt)
-    plan = make_plan(ck, [90])
-    fold = next(f for f in plan.fusions if f.name == ACT_ORDER_FOLD)
+    build = select_kernels(ck, [90])
+    fold = next(f for f in build.fusions if f.name == ACT_ORDER_FOLD)
     assert fold.applied and fold.members == ["mlp.gate_up_proj", "mlp.down_proj"]
-    repack(ck, plan, tmp_path / "model.safetensors")
+    repack(ck, build, tmp_path / "model.safetensors")
     t, src = load_file(tmp_path / "model.safetensors"), load_file(ckpt / "model.safetensors")
     pre = "model.layers.1.mlp."
     down, gate_up = _tiled(t, pre + "down_proj"), _tiled(t, pre + "gate_up_proj")

@@ -31,7 +31,7 @@ from helpers import gpu_kernels_benchmark
 
 from lmfoundry.compile import sass
 from lmfoundry.compile.aot import run_jobs
-from lmfoundry.compile.kernel_plan import Spec, aligned_params
+from lmfoundry.compile.kernel_selection import Spec, aligned_params
 from lmfoundry.gpus import SM_COUNT
 from lmfoundry.kernels import paged_attention, registry, tiled_layout, tiles, w4a16_tiled
 from lmfoundry.kernels.spec import KernelCall, TileConfig

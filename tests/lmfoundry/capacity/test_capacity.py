@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from lmfoundry.capacity.arithmetic import (
-    CostPlan,
+    CapacityEstimate,
     QuantSpec,
     default_quant_specs,
     kv_bytes_per_token,
@@ -23,7 +23,7 @@ from lmfoundry.capacity.arithmetic import (
     sharding,
     weight_bytes,
 )
-from lmfoundry.capacity.inputs import PlanInputs, checkpoint_quant, load_bench
+from lmfoundry.capacity.inputs import CapacityInputs, checkpoint_quant, load_bench
 from lmfoundry.capacity.report import build_report, render
 from lmfoundry.cli import main
 from lmfoundry.errors import UserError
@@ -205,7 +205,7 @@ def test_quant_spec_layouts_by_hand():
 
 
 def test_memory_fit_on_h100_by_hand(llama8b):
-    report = build_report(PlanInputs(model=str(llama8b), gpu="h100-80gb", context=8192))
+    report = build_report(CapacityInputs(model=str(llama8b), gpu="h100-80gb", context=8192))
     sel = report["selected"]
     weights = 8_030_261_248 * 2
     # peak activations: 8192 tokens x (2 hidden + gate/up + product) x 2 B, plus fp32 logits of 256 rows
@@ -224,10 +224,10 @@ def test_memory_fit_on_h100_by_hand(llama8b):
 
 
 def test_70b_does_not_fit_one_h100_and_suggests_tp(llama70b):
-    report = build_report(PlanInputs(model=str(llama70b), gpu="h100"))
+    report = build_report(CapacityInputs(model=str(llama70b), gpu="h100"))
     assert report["selected"]["max_sequences"] == 0
     assert any("--tp 2" in n for n in report["notes"])
-    report = build_report(PlanInputs(model=str(llama70b), gpu="h100", tp=4, kv="fp8"))
+    report = build_report(CapacityInputs(model=str(llama70b), gpu="h100", tp=4, kv="fp8"))
     sel = report["selected"]
     assert sel["weight_bytes"] == 35_278_831_616
     assert sel["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 1
@@ -238,7 +238,7 @@ def test_70b_does_not_fit_one_h100_and_suggests_tp(llama70b):
 
 
 def test_cost_per_million_and_breakeven_by_hand():
-    plan = CostPlan(throughput=1000.0, gpu_hour_price=2.0, gpus=1, api_price=1.0)
+    plan = CapacityEstimate(throughput=1000.0, gpu_hour_price=2.0, gpus=1, api_price=1.0)
     # $2/h over 3.6 M tokens/h
     assert plan.cost_per_million(1.0) == pytest.approx(2.0 / 3.6)
     assert plan.cost_per_million(0.2) == pytest.approx(2.0 / (3.6 * 0.2))
@@ -247,11 +247,11 @@ def test_cost_per_million_and_breakeven_by_hand():
     assert plan.breakeven_utilization == pytest.approx(1.46e9 / (1000 * 3600 * 730))
     assert plan.advice().startswith("Self-host") and "1.46 B" in plan.advice()
     # API cheaper than a fully busy GPU
-    assert CostPlan(1000.0, 2.0, 1, 0.5).advice().startswith("Use the API: even 100% busy")
+    assert CapacityEstimate(1000.0, 2.0, 1, 0.5).advice().startswith("Use the API: even 100% busy")
     # break-even needs > 80 % utilization
-    assert "unless you can keep" in CostPlan(1000.0, 2.0, 1, 0.65).advice()
+    assert "unless you can keep" in CapacityEstimate(1000.0, 2.0, 1, 0.65).advice()
     # tp GPUs are all paid for
-    assert CostPlan(1000.0, 2.0, 4, 1.0).cost_per_million(1.0) == pytest.approx(4 * 2.0 / 3.6)
+    assert CapacityEstimate(1000.0, 2.0, 4, 1.0).cost_per_million(1.0) == pytest.approx(4 * 2.0 / 3.6)
 
 
 def test_bench_file_picks_best_level_or_requested(tmp_path):
@@ -315,14 +315,14 @@ def test_checkpoint_quantization_sets_default_weights(tmp_path):
     ckpt, _ = checkpoint_quant(cfg)
     assert ckpt.precision == "int4" and ckpt.spec.group_size == 64 and ckpt.spec.zero_points
     assert not ckpt.quantize_lm_head
-    report = build_report(PlanInputs(model=str(folder)))
+    report = build_report(CapacityInputs(model=str(folder)))
     assert report["settings"]["weights"] == "int4"
     layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336
     scales = layer // 64
     expected = 32 * (layer // 2 + scales * 2 + scales // 2) + 2 * 525_336_576 * 2 + 266_240 * 2
     assert report["selected"]["weight_bytes"] == expected
     # an explicit --weights still wins
-    assert build_report(PlanInputs(model=str(folder), weights="bf16"))["settings"]["weights"] == "bf16"
+    assert build_report(CapacityInputs(model=str(folder), weights="bf16"))["settings"]["weights"] == "bf16"
 
 
 def test_gptq_and_fp8_checkpoint_configs():
@@ -368,16 +368,16 @@ def test_smollm2_name_reads_cache_config_and_counts_tied_embeddings_once(tmp_pat
 
 def test_config_json_path_and_lenient_architectures(tmp_path):
     path = write_model(tmp_path / "m", LLAMA3_8B) / "config.json"
-    assert build_report(PlanInputs(model=str(path)))["params"]["total"] == 8_030_261_248
+    assert build_report(CapacityInputs(model=str(path)))["params"]["total"] == 8_030_261_248
     gemma = {**LLAMA3_8B, "model_type": "gemma", "head_dim": 256, "num_key_value_heads": 16}
     del gemma["tie_word_embeddings"]
-    report = build_report(PlanInputs(model=str(write_model(tmp_path / "g", gemma))))
+    report = build_report(CapacityInputs(model=str(write_model(tmp_path / "g", gemma))))
     assert report["model"]["tied_embeddings"]  # Gemma's default
     assert any("Llama layout" in n for n in report["notes"])
     with pytest.raises(UserError, match="mixture-of-experts"):
-        build_report(PlanInputs(model=str(write_model(tmp_path / "moe", {**LLAMA3_8B, "num_local_experts": 8}))))
+        build_report(CapacityInputs(model=str(write_model(tmp_path / "moe", {**LLAMA3_8B, "num_local_experts": 8}))))
     with pytest.raises(UserError, match="unsupported model_type 'gpt2'"):
-        build_report(PlanInputs(model=str(write_model(tmp_path / "gpt2", {**LLAMA3_8B, "model_type": "gpt2"}))))
+        build_report(CapacityInputs(model=str(write_model(tmp_path / "gpt2", {**LLAMA3_8B, "model_type": "gpt2"}))))
 
 
 def test_gpu_table_has_sources_and_sane_values():
@@ -457,7 +457,7 @@ def test_plan_does_not_import_torch():
 
 
 def test_render_mentions_every_precision(llama70b):
-    text = render(build_report(PlanInputs(model=str(llama70b), gpu="h200", tp=2)))
+    text = render(build_report(CapacityInputs(model=str(llama70b), gpu="h200", tp=2)))
     for precision in ("bf16", "fp8", "int8", "int4"):
         assert f"{precision} GiB" in text
     assert "141.11" in text  # bf16 weights of the whole model in GB
@@ -535,7 +535,7 @@ def test_moe_weights_tensor_parallel_and_decode_ceiling(tmp_path):
     active = weight_bytes(cfg, bf16, active=True)
     assert active["total"] == 2 * 12_879_925_248
     assert weight_bytes(cfg, w4, active=True)["mlp"] < weight_bytes(cfg, w4)["mlp"] / 3
-    report = build_report(PlanInputs(model=str(write_model(tmp_path / "mixtral", MIXTRAL_8X7B)), gpu="h100",
+    report = build_report(CapacityInputs(model=str(write_model(tmp_path / "mixtral", MIXTRAL_8X7B)), gpu="h100",
                                      tp=2))
     assert report["model"]["experts"] == {"num_experts": 8, "per_token": 2, "intermediate_size": 14336}
     per_gpu_active = weight_bytes(cfg, bf16, tp=2, active=True)["total"]

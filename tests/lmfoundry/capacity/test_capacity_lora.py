@@ -10,7 +10,7 @@ import torch
 from toy import toy_model
 
 from lmfoundry.capacity.arithmetic import lora_bytes
-from lmfoundry.capacity.inputs import PlanInputs
+from lmfoundry.capacity.inputs import CapacityInputs
 from lmfoundry.capacity.report import build_report
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.runtime.engine.lora_adapters import LoRAStack
@@ -33,8 +33,8 @@ def test_lora_bytes_by_hand():
 
 
 def test_the_slots_count_with_the_weights(llama8b):
-    plain = build_report(PlanInputs(model=str(llama8b)))
-    with_lora = build_report(PlanInputs(model=str(llama8b), max_loras=8, max_lora_rank=16))
+    plain = build_report(CapacityInputs(model=str(llama8b)))
+    with_lora = build_report(CapacityInputs(model=str(llama8b), max_loras=8, max_lora_rank=16))
     assert with_lora["lora"] == {"max_loras": 8, "max_rank": 16, "bytes": 671_088_640,
                                  "bytes_per_adapter": 671_088_640 // 8}
     a, b = plain["selected"], with_lora["selected"]

@@ -107,7 +107,7 @@ def aligned_params(kernel: str, shapes: list[dict[str, int]]) -> list[str]:
 
 
 @dataclass
-class Plan:
+class KernelBuild:
     capabilities: list[int]
     dtype: str
     kv_dtype: str
@@ -245,8 +245,8 @@ def _check_arch(ck: Checkpoint, gemms: list[Gemm], capabilities: list[int]) -> N
             )
 
 
-def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16,
-              lora: tuple[int, int] | None = None) -> Plan:
+def select_kernels(ck: Checkpoint, capabilities: list[int], block_size: int = 16,
+              lora: tuple[int, int] | None = None) -> KernelBuild:
     """Everything to compile for `capabilities` (e.g. [90, 80]) and the fusions decided; with
     `lora` (max adapters, max rank), the LoRA kernels too."""
     cfg = ck.config
@@ -348,7 +348,7 @@ def make_plan(ck: Checkpoint, capabilities: list[int], block_size: int = 16,
     for spec in specs.values():
         spec.aligned = aligned_params(spec.kernel, [c.pop("_shape") for c in spec.covers])
     fold = _act_order_fold(ck, fusions)
-    return Plan(list(capabilities), ck.dtype, kv_type, block_size,
+    return KernelBuild(list(capabilities), ck.dtype, kv_type, block_size,
                 list(fusions.values()) + norm_fusions + ([fold] if fold is not None else []), gemms,
                 list(specs.values()), {"max_loras": lora[0], "max_rank": lora[1]} if lora is not None else None)
 
