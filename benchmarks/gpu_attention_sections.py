@@ -17,7 +17,7 @@ import torch
 from gpu_timing import BF, graph_ms
 
 from lmfoundry.kernels import harness
-from lmfoundry.kernels.dispatch import JitExecutor
+from lmfoundry.kernels.dispatch import JitLauncher
 
 # ---- paged decode: FlashDecoding vs the unsplit kernel vs torch SDPA -----------------------------
 # Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), blocks of 16, one decode token per
@@ -87,7 +87,7 @@ def decode_section(args, cap: int, ceil: dict) -> list[dict]:
     first 4 sequences of every shape are checked against the reference (error_bounds.attention_bound)."""
     from lmfoundry.kernels import error_bounds, paged_attention, tiles
 
-    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    jit = JitLauncher(pick_config=lambda call: tiles.pick(cap, call))
     sms = paged_attention.device_sm_count(torch.device("cuda"))
     copy = ceil["copy_GBps"]
     print(f"paged decode, Hq {DECODE_HEADS['Hq']} / Hkv {DECODE_HEADS['Hkv']} / D {DECODE_HEADS['D']}, "
@@ -99,8 +99,8 @@ def decode_section(args, cap: int, ceil: dict) -> list[dict]:
         out_flash, out_old = torch.empty_like(q), torch.empty_like(q)
         qd = q[:, :, None, :]  # [B, Hq, 1, D]
         runs = {
-            "flash": lambda: paged_attention.paged_decode(q, cache, table, ctx, out=out_flash, executor=jit),
-            "unsplit": lambda: paged_attention.paged_decode_unsplit(q, cache, table, ctx, out=out_old, executor=jit),
+            "flash": lambda: paged_attention.paged_decode(q, cache, table, ctx, out=out_flash, launcher=jit),
+            "unsplit": lambda: paged_attention.paged_decode_unsplit(q, cache, table, ctx, out=out_old, launcher=jit),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qd, k_dense, v_dense, enable_gqa=True),
         }
         nbytes = decode_bytes(case)
@@ -160,7 +160,7 @@ def prefill_section(args, cap: int, ceil: dict) -> list[dict]:
     measured in this run. Correctness of the kernel at these heads is the per-kernel table's check."""
     from lmfoundry.kernels import tiles
 
-    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    jit = JitLauncher(pick_config=lambda call: tiles.pick(cap, call))
     hq, hkv, d = PREFILL_HEADS["NUM_Q_HEADS"], PREFILL_HEADS["NUM_KV_HEADS"], PREFILL_HEADS["HEAD_DIM"]
     print(f"causal prefill, Hq {hq} / Hkv {hkv} / D {d}; dense bf16 peak {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     rows = []

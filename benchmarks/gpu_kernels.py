@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from gpu_timing import BF, F16, acc_unit, ceilings, dense_ms, time_ms  # noqa: E402
 
 from lmfoundry.kernels import harness  # noqa: E402
-from lmfoundry.kernels.dispatch import JitExecutor  # noqa: E402
+from lmfoundry.kernels.dispatch import JitLauncher  # noqa: E402
 
 
 def cases(cap: int, quick: bool) -> list[tuple[str, dict, dict, dict, list[int]]]:
@@ -121,7 +121,7 @@ def check_rows(kernel: str) -> int:
 def run_all(args, cap: int, ceil: dict) -> list[dict]:
     from lmfoundry.kernels import tiles
 
-    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    jit = JitLauncher(pick_config=lambda call: tiles.pick(cap, call))
     rows_out = []
     failures = 0
     for kernel, types, sem, shape, rows_list in cases(cap, args.quick):
@@ -189,7 +189,7 @@ def sweep(args) -> list[dict]:
                     continue
                 tiles = {"BLOCK_N": bn, "BLOCK_K": bk} | ({"BLOCK_M": bm} if bm else {})
                 cfg = TileConfig.make(num_warps=warps, num_stages=stages, **tiles)
-                jit = JitExecutor(pick_config=lambda call, cfg=cfg: cfg)
+                jit = JitLauncher(pick_config=lambda call, cfg=cfg: cfg)
                 shape = harness.shape_for(kernel, {"N": n, "K": k, "bits": 4}, rows)
                 try:
                     ex = harness.build(kernel, {"act": BF, "scale": BF}, w4, shape, "cuda")
@@ -240,7 +240,7 @@ def verify_engine(path: str, cap: int) -> bool:
         print("FAIL: the bundle was not used as cubins on this GPU")
         return False
     ok = True
-    shipped = [k for ks_list in ks.executor.index.values() for k in ks_list]
+    shipped = [k for ks_list in ks.launcher.index.values() for k in ks_list]
     for kernel in shipped:
         e = kernel.entry
         cover = e["covers"][0]
@@ -254,11 +254,11 @@ def verify_engine(path: str, cap: int) -> bool:
         try:
             ex = harness.build(e["kernel"], e["types"], e["semantics"], shape, "cuda")
             before = dict(ks.stats)
-            runs_on = ks.executor.find(ex.call)  # the cubin that runs it: its tiles bound the check
-            harness.run_and_check(ex, ks.executor, acc_unit(e["kernel"], cap, runs_on.config if runs_on else None))
+            runs_on = ks.launcher.find(ex.call)  # the cubin that runs it: its tiles bound the check
+            harness.run_and_check(ex, ks.launcher, acc_unit(e["kernel"], cap, runs_on.config if runs_on else None))
             used = {k: ks.stats.get(k, 0) - before.get(k, 0) for k in ("cubin", "jit")}
             status = "ok" if used == {"cubin": 1, "jit": 0} else f"not from the cubin: {used}"
-            ms = time_ms(ex, ks.executor)
+            ms = time_ms(ex, ks.launcher)
             print(f"[{status}] {e['key']} {e['sm']} {shape} {ms * 1e3:.1f} us")
             ok &= status == "ok"
         except Exception as exc:  # noqa: BLE001 - report every kernel, not only the first failure

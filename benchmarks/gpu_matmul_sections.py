@@ -15,7 +15,7 @@ import torch
 from gpu_timing import BF, acc_unit, rotated_ms
 
 from lmfoundry.kernels import harness
-from lmfoundry.kernels.dispatch import JitExecutor
+from lmfoundry.kernels.dispatch import JitLauncher
 
 # ---- W4A16 on LLM layer shapes, weights HBM-resident: tiled kernel vs dense bf16 cuBLAS ----------
 
@@ -36,7 +36,7 @@ def w4a16_llm_section(args, cap: int, ceil: dict) -> list[dict]:
 
     from lmfoundry.kernels import error_bounds, tiled_layout, tiles, w4a16, w4a16_tiled
 
-    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    jit = JitLauncher(pick_config=lambda call: tiles.pick(cap, call))
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     need = max(HBM_PASS_BYTES, 4 * l2)
     rows: list[dict] = []
@@ -67,16 +67,16 @@ def w4a16_llm_section(args, cap: int, ceil: dict) -> list[dict]:
             status = "ok"
             try:
                 got = w4a16_tiled.w4a16_tiled_linear(x, tiled, out=error_bounds.poisoned((m, n), torch.bfloat16, "cuda"),
-                                               executor=jit)
+                                               launcher=jit)
                 error_bounds.assert_written(got, "w4a16_tiled")
                 ref = (x.float() @ dense.float().t()).bfloat16().cpu()
                 bound = error_bounds.exact_weight_bound(ref, x.cpu(), exact, offset, torch.bfloat16, weight_u, 2.0**-22)
                 error_bounds.assert_within(got.cpu(), ref, bound, f"w4a16_tiled {n}x{k} M={m}")
             except Exception as exc:  # noqa: BLE001 - report, keep timing the others
                 status = f"FAIL {type(exc).__name__}: {str(exc)[:300]}"
-            ours = rotated_ms([partial(w4a16_tiled.w4a16_tiled_linear, x, t, out=out, executor=jit) for t in tiled_copies])
+            ours = rotated_ms([partial(w4a16_tiled.w4a16_tiled_linear, x, t, out=out, launcher=jit) for t in tiled_copies])
             cublas = rotated_ms([partial(torch.matmul, x, w.t(), out=dout) for w in dense_copies])
-            before = rotated_ms([partial(w4a16.w4a16_linear, x, w, out=lout, executor=jit) for w in legacy_copies])
+            before = rotated_ms([partial(w4a16.w4a16_linear, x, w, out=lout, launcher=jit) for w in legacy_copies])
             gbps = tiled.nbytes() / ours / 1e6
             row = {"section": "w4a16_llm", "kernel": "w4a16_tiled", "shape": {"N": n, "K": k, "M": m, "group": group},
                    "config": cfg.as_dict(), "ms": ours, "GBps": gbps, "pct_copy_bw": 100 * gbps / ceil["copy_GBps"],
@@ -134,12 +134,12 @@ def gemm8_peer(call):
     return (lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)), (lambda r: r)
 
 
-def gemm8_check(ex, executor, acc_u) -> None:
+def gemm8_check(ex, launcher, acc_u) -> None:
     """Ours and the peer (its output mapped to ours) against the reference, under the same bound:
     the peer passing is what makes the time ratio a like-for-like one."""
     import dataclasses
 
-    ref = harness.run_and_check(ex, executor, acc_u)
+    ref = harness.run_and_check(ex, launcher, acc_u)
     fn, to_out = gemm8_peer(ex.call)
     peer = dataclasses.replace(ex.call, args={**ex.call.args, "out_ptr": to_out(fn())})
     ex.check(peer, ref, acc_u)
@@ -155,7 +155,7 @@ def gemm8_section(args, cap: int, ceil: dict) -> list[dict]:
 
     from lmfoundry.kernels import scaled_mm, tiles
 
-    jit = JitExecutor(pick_config=lambda call: tiles.pick(cap, call))
+    jit = JitLauncher(pick_config=lambda call: tiles.pick(cap, call))
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     need = max(HBM_PASS_BYTES, 4 * l2)
     rows: list[dict] = []

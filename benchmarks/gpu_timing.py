@@ -65,14 +65,14 @@ GRAPH_REPEAT = 20
 TIME_WITH_GRAPH = False  # set by --graph
 
 
-def time_ms(ex, executor) -> float:
+def time_ms(ex, launcher) -> float:
     """Median ms of one call. Plain: `harness.time_ms` (Python dispatch + launch included, so
     calls under ~50 us measure the host). --graph: GRAPH_REPEAT calls captured in one CUDA graph,
     replayed and divided: the GPU time of the kernel alone."""
     if not TIME_WITH_GRAPH:
-        return harness.time_ms(ex, executor)
+        return harness.time_ms(ex, launcher)
     call = ex.clone()
-    return graph_ms(lambda: executor.run(call), fallback=lambda: harness.time_ms(ex, executor))
+    return graph_ms(lambda: launcher.run(call), fallback=lambda: harness.time_ms(ex, launcher))
 
 
 def dense_ms(shape: dict) -> float:
@@ -92,7 +92,7 @@ def dense_ms(shape: dict) -> float:
 def graph_ms(fn, fallback=None) -> float:
     """GPU ms of one `fn()` by replaying GRAPH_REPEAT calls captured in one CUDA graph (so two
     kernel launches are not charged Python dispatch); `fallback()` (default: plain do_bench of
-    `fn`) when capture fails, e.g. for an executor that synchronizes."""
+    `fn`) when capture fails, e.g. for an launcher that synchronizes."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

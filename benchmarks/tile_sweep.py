@@ -35,7 +35,7 @@ from gpu_matmul_sections import HBM_PASS_BYTES, W4A16_LLM_SHAPES  # noqa: E402
 
 from lmfoundry.compile import tune  # noqa: E402
 from lmfoundry.kernels import error_bounds, tiled_layout, tiles, w4a16, w4a16_tiled  # noqa: E402
-from lmfoundry.kernels.dispatch import JitExecutor  # noqa: E402
+from lmfoundry.kernels.dispatch import JitLauncher  # noqa: E402
 from lmfoundry.kernels.spec import TileConfig  # noqa: E402
 
 KERNEL = "w4a16_tiled"
@@ -90,7 +90,7 @@ class Layer:
         x, _, checks = self.inputs[m]
         got = w4a16_tiled.w4a16_tiled_linear(x, self.weight, out=error_bounds.poisoned((m, self.n), torch.bfloat16,
                                                                                         self.device),
-                                             executor=JitExecutor(pick_config=lambda call: config))
+                                             launcher=JitLauncher(pick_config=lambda call: config))
         error_bounds.assert_written(got, KERNEL)
         for rows, ref, bound in checks:
             what = f"{KERNEL} {self.n}x{self.k} M={m} rows {rows.start}-{rows.stop}"
@@ -101,8 +101,8 @@ class Layer:
 
     def time_ms(self, m: int, config: TileConfig) -> float:
         x, out, _ = self.inputs[m]
-        jit = JitExecutor(pick_config=lambda call: config)
-        return gpu_timing.rotated_ms([partial(w4a16_tiled.w4a16_tiled_linear, x, t, out=out, executor=jit)
+        jit = JitLauncher(pick_config=lambda call: config)
+        return gpu_timing.rotated_ms([partial(w4a16_tiled.w4a16_tiled_linear, x, t, out=out, launcher=jit)
                                       for t in self.copies])
 
 

@@ -46,7 +46,7 @@ def tune_build(build: KernelBuild, log: Callable[[str], None]) -> None:
         raise UserError("--tune needs a CUDA GPU on this machine; none found (the per-arch tables are used without it)")
     from lmfoundry.compile.kernel_selection import Spec
     from lmfoundry.kernels import harness, tiles
-    from lmfoundry.kernels.dispatch import JitExecutor
+    from lmfoundry.kernels.dispatch import JitLauncher
 
     major, minor = torch.cuda.get_device_capability()
     cap = major * 10 + minor
@@ -62,7 +62,7 @@ def tune_build(build: KernelBuild, log: Callable[[str], None]) -> None:
             best, best_ms = spec.config, float("inf")
             for cfg in _candidates(spec.config, spec.kernel):
                 try:
-                    ms = harness.time_ms(ex, JitExecutor(pick_config=_always(cfg)))
+                    ms = harness.time_ms(ex, JitLauncher(pick_config=_always(cfg)))
                 except Exception:  # out of resources / unsupported tile: not a candidate
                     continue
                 if ms < best_ms:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, next_pow2, triton_type
 
 SUPPORT = Support({"dtype": ("float16", "bfloat16", "float32"), "arch": (80, 86, 89, 90)})
@@ -68,7 +68,7 @@ KERNEL = KernelDef(
 )
 
 
-def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, executor: Executor | None = None) -> torch.Tensor:
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, launcher: Launcher | None = None) -> torch.Tensor:
     """silu(x[..., :I]) * x[..., I:] for x [..., 2I]; returns [..., I] in x's dtype."""
     lead, width = x.shape[:-1], x.shape[-1]
     if width % 2:
@@ -86,5 +86,5 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, executor: Executo
         semantics={},
         shape={"M": x2.shape[0], "I": inter},
     )
-    resolve(executor, x).run(call)
+    resolve(launcher, x).run(call)
     return out.reshape(*lead, inter)

@@ -1,7 +1,7 @@
 """How a `KernelCall` gets executed: Triton JIT (or its interpreter), or the PyTorch reference.
 
-The engine loader (`lmfoundry.runtime.kernel_set`) adds a third executor that launches shipped cubins
-through the CUDA driver. Every op function in this package takes `executor=`; `None` means "pick
+The engine loader (`lmfoundry.runtime.kernel_set`) adds a third launcher that launches shipped cubins
+through the CUDA driver. Every op function in this package takes `launcher=`; `None` means "pick
 the natural one": Triton for CUDA tensors or when `TRITON_INTERPRET=1`, the reference otherwise.
 """
 
@@ -20,13 +20,13 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-class Executor(Protocol):
+class Launcher(Protocol):
     def run(self, call: KernelCall) -> None:
         """Execute `call`, writing its output arguments in place."""
         ...
 
 
-class ReferenceExecutor:
+class ReferenceLauncher:
     """Runs each call's PyTorch reference (CPU serving, and ground truth in tests)."""
 
     name = "reference"
@@ -38,7 +38,7 @@ class ReferenceExecutor:
 ConfigPicker = Callable[[KernelCall], TileConfig]
 
 
-class JitExecutor:
+class JitLauncher:
     """Launches the Triton kernel through Triton's own JIT (compiles on first use per variant).
 
     `pick_config` chooses tiles (the engine loader passes the per-arch tables); by default each
@@ -69,14 +69,14 @@ class JitExecutor:
         )
 
 
-_REFERENCE = ReferenceExecutor()
-_JIT = JitExecutor()
+_REFERENCE = ReferenceLauncher()
+_JIT = JitLauncher()
 
 
-def resolve(executor: Executor | None, *tensors: torch.Tensor | None) -> Executor:
-    """The executor to use when the caller passed `executor=None`."""
-    if executor is not None:
-        return executor
+def resolve(launcher: Launcher | None, *tensors: torch.Tensor | None) -> Launcher:
+    """The launcher to use when the caller passed `launcher=None`."""
+    if launcher is not None:
+        return launcher
     if any(t is not None and t.is_cuda for t in tensors):
         return _JIT
     return _JIT if is_interpreter() else _REFERENCE

@@ -28,7 +28,7 @@ from lmfoundry.kernels import (
     w4a16,
     w4a16_tiled,
 )
-from lmfoundry.kernels.dispatch import Executor, ReferenceExecutor
+from lmfoundry.kernels.dispatch import Launcher, ReferenceLauncher
 from lmfoundry.kernels.spec import KernelCall
 
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,
@@ -183,7 +183,7 @@ def _norm(kernel, types, sem, shape, device, gen) -> Example:
 
     norm_quant.rmsnorm_quant(x.to(device), dev(w), 1e-6, quant_dtype=None if not sem["QUANT"] else out_dt,
                              residual=dev(res), static_scale=dev(static), out=out, scale_out=scale_out,
-                             residual_out=res_out, executor=Capture())
+                             residual_out=res_out, launcher=Capture())
     call = calls[0]
     outputs = tuple(n for n in ("out_ptr", "res_out_ptr", "scale_ptr") if
                     (n == "out_ptr") or (n == "res_out_ptr" and res is not None) or (n == "scale_ptr" and scale_out is not None))
@@ -239,7 +239,7 @@ def _rotary(kernel, types, sem, shape, device, gen) -> Example:
         def run(self, call: KernelCall) -> None:
             calls.append(call)
 
-    rotary.apply_rotary(q, k, pos.to(device), cos.to(device), sin.to(device), q_out, k_out, executor=Capture())
+    rotary.apply_rotary(q, k, pos.to(device), cos.to(device), sin.to(device), q_out, k_out, launcher=Capture())
 
     def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
         for name, x in (("q_out_ptr", q), ("k_out_ptr", k)):
@@ -298,7 +298,7 @@ def _store(kernel, types, sem, shape, device, gen) -> Example:
         def run(self, call: KernelCall) -> None:
             calls.append(call)
 
-    paged_kv.store_kv(k.to(device), v.to(device), empty, slots.to(device), executor=Capture())
+    paged_kv.store_kv(k.to(device), v.to(device), empty, slots.to(device), launcher=Capture())
     written = slots.long()
 
     def check(ran: KernelCall, ref: KernelCall, acc_u: error_bounds.Accumulation = error_bounds.U32) -> None:
@@ -345,7 +345,7 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
         q = torch.randn(sum(q_lens), hq, d, generator=gen).to(act)
         out = error_bounds.poisoned(tuple(q.shape), act, device)
         paged_attention.paged_prefill(q.to(device), dcache, table.to(device), cu.to(device), ctx.to(device),
-                                      max(q_lens), sm, out, executor=Capture())
+                                      max(q_lens), sm, out, launcher=Capture())
         flops = causal_attention_flops(q_lens, lens, hq, d)
         p_dtype = act
     elif kernel == "paged_decode":  # the unsplit baseline: fp32 FMA reductions
@@ -353,7 +353,7 @@ def _attention(kernel, types, sem, shape, device, gen) -> Example:
         q = torch.randn(nseq, hq, d, generator=gen).to(act)
         out = error_bounds.poisoned(tuple(q.shape), act, device)
         paged_attention.paged_decode_unsplit(q.to(device), dcache, table.to(device), ctx.to(device), sm, out,
-                                             executor=Capture())
+                                             launcher=Capture())
         flops = 4 * d * hq * sum(lens)
         p_dtype = torch.float32
     else:  # paged_decode_split, with shape["splits"] (default 1: it writes the output itself)
@@ -384,7 +384,7 @@ def _decode_calls(shape, act, cache, table, ctx, gen, device) -> tuple[list[Kern
             calls.append(call)
 
     paged_attention.paged_decode(q.to(device), _to(cache, device), table.to(device), ctx.to(device),
-                                 1 / math.sqrt(cache.head_dim), out, executor=Capture(),
+                                 1 / math.sqrt(cache.head_dim), out, launcher=Capture(),
                                  num_splits=shape.get("splits", 1), min_split_pages=shape.get("min_split_pages", 1))
     return calls, q
 
@@ -434,7 +434,7 @@ def _decode_reduce(kernel, types, sem, shape, device, gen) -> Example:
     splits = max(2, shape.get("splits", 3))
     calls, q = _decode_calls({**shape, "Hq": hq, "splits": splits}, act, cache, table, ctx, gen, device)
     split, merge = calls
-    ReferenceExecutor().run(split)
+    ReferenceLauncher().run(split)
     return Example(merge, ("out_ptr",), _nbytes(*(split.args[n] for n in _PARTIALS), merge.args["out_ptr"]), 0,
                    _decode_check(kernel, q, cache, table, ctx, splits, ("out_ptr",)), {"splits": splits})
 
@@ -509,23 +509,23 @@ def build(kernel: str, types: dict[str, str], semantics: dict[str, Any], shape: 
     return BUILDERS[kernel](kernel, types, semantics, shape, device, gen)
 
 
-def run_and_check(ex: Example, executor: Executor, acc_u: error_bounds.Accumulation = error_bounds.U32) -> KernelCall:
-    """Run `ex` with `executor` and with the reference on copies; raise if outside the bounds.
+def run_and_check(ex: Example, launcher: Launcher, acc_u: error_bounds.Accumulation = error_bounds.U32) -> KernelCall:
+    """Run `ex` with `launcher` and with the reference on copies; raise if outside the bounds.
     Returns the reference's call (its outputs), for checking another implementation against it."""
     ran = ex.clone()
-    executor.run(ran)
+    launcher.run(ran)
     ref = ex.clone()
-    ReferenceExecutor().run(ref)
+    ReferenceLauncher().run(ref)
     ex.check(ran, ref, acc_u)
     return ref
 
 
-def time_ms(ex: Example, executor: Executor) -> float:
+def time_ms(ex: Example, launcher: Launcher) -> float:
     """Median milliseconds of one call (Triton's do_bench; GPU only)."""
     import triton.testing
 
     call = ex.clone()
-    return float(triton.testing.do_bench(lambda: executor.run(call), return_mode="median"))
+    return float(triton.testing.do_bench(lambda: launcher.run(call), return_mode="median"))
 
 
 def shape_for(kernel: str, cover_shape: dict[str, int], rows: int) -> dict[str, int]:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, next_pow2, triton_type
 
 SUPPORT = Support({"dtype": ("float16", "bfloat16", "float32"), "arch": (80, 86, 89, 90)})
@@ -172,7 +172,7 @@ EXPAND = KernelDef(
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None,
-                executor: Executor | None = None) -> torch.Tensor:
+                launcher: Launcher | None = None) -> torch.Tensor:
     """s [T, S] float32 for x [T, K], the stack a [L, S, K] and the rows' slots [T] int32."""
     t, k = x.shape
     if x.stride(1) != 1 or not a.is_contiguous() or a.shape[2] != k or rows.shape != (t,):
@@ -187,12 +187,12 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, out: torch
         semantics={},
         shape={"T": t, "K": k, "S": s_cols},
     )
-    resolve(executor, x).run(call)
+    resolve(launcher, x).run(call)
     return out
 
 
 def lora_expand(s: torch.Tensor, bt: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, y: torch.Tensor,
-                executor: Executor | None = None) -> torch.Tensor:
+                launcher: Launcher | None = None) -> torch.Tensor:
     """y [T, N] += each row's delta (in place; see module doc); returns y."""
     t, n = y.shape
     parts = ends.shape[0]
@@ -208,5 +208,5 @@ def lora_expand(s: torch.Tensor, bt: torch.Tensor, rows: torch.Tensor, ends: tor
         semantics={"PARTS": parts},
         shape={"T": t, "N": n, "R": r},
     )
-    resolve(executor, y).run(call)
+    resolve(launcher, y).run(call)
     return y

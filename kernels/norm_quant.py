@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, next_pow2, triton_type
 
 QUANT_NONE, QUANT_INT8, QUANT_FP8 = 0, 1, 2
@@ -106,7 +106,7 @@ def quantize_reference(
     """Per-token symmetric quantization of h [M, H] -> (codes, fp32 scales [M] or the static one).
 
     This is the one definition of activation quantization: the kernel computes it, and the
-    reference executor's W8A8 / FP8 linears call it. `qmax` overrides the divisor of dynamic
+    reference launcher's W8A8 / FP8 linears call it. `qmax` overrides the divisor of dynamic
     scales (127.5 reproduces compressed-tensors' fake quantization, which transformers runs)."""
     hf = h.float()
     divisor = QMAX[quant] if qmax is None else qmax
@@ -220,7 +220,7 @@ def rmsnorm_quant(
     out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
-    executor: Executor | None = None,
+    launcher: Launcher | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """RMSNorm (weight given) and/or per-token quantization (quant_dtype given) of x [M, H].
 
@@ -266,6 +266,6 @@ def rmsnorm_quant(
         },
         shape={"M": rows, "H": hdim},
     )
-    resolve(executor, x).run(call)
+    resolve(launcher, x).run(call)
     scale = (static_scale.float().reshape(1) if static_scale is not None else scale_out) if quant else None
     return out, scale, residual_out

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from lmfoundry.kernels import paged_kv
-from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.paged_attention_common import LOG2E, reference
 from lmfoundry.kernels.paged_decode import (
     DECODE,
@@ -100,7 +100,7 @@ def paged_prefill(
     max_q_len: int,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
-    executor: Executor | None = None,
+    launcher: Launcher | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries q [T, Hq, D]; returns [T, Hq, D] in q's dtype.
 
@@ -121,7 +121,7 @@ def paged_prefill(
         semantics=_semantics(q, cache),
         shape={"T": t, "B": ctx_lens.numel(), "max_q_len": int(max_q_len), "Hq": hq, "D": d},
     )
-    resolve(executor, q).run(call)
+    resolve(launcher, q).run(call)
     return out
 
 
@@ -179,7 +179,7 @@ def paged_decode(
     ctx_lens: torch.Tensor,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
-    executor: Executor | None = None,
+    launcher: Launcher | None = None,
     num_splits: int | None = None,
     min_split_pages: int | None = None,
 ) -> torch.Tensor:
@@ -222,7 +222,7 @@ def paged_decode(
         semantics=_semantics(q, cache),
         shape={"B": nseq, "Hq": hq, "Hkv": hkv, "D": d},
     )
-    run = resolve(executor, q)
+    run = resolve(launcher, q)
     run.run(split)
     if num_splits > 1:
         run.run(KernelCall(
@@ -243,7 +243,7 @@ def paged_decode_unsplit(
     ctx_lens: torch.Tensor,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
-    executor: Executor | None = None,
+    launcher: Launcher | None = None,
 ) -> torch.Tensor:
     """The earlier decode kernel: one program per (query head, sequence), the whole context each,
     fp32 FMA products (the split kernel's body with one query row). Kept as the GPU benchmark's
@@ -259,5 +259,5 @@ def paged_decode_unsplit(
         semantics=_semantics(q, cache),
         shape={"B": nseq, "Hq": hq, "D": d},
     )
-    resolve(executor, q).run(call)
+    resolve(launcher, q).run(call)
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, next_pow2, triton_type
 
 KV_NONE, KV_INT8, KV_FP8 = 0, 1, 2
@@ -212,7 +212,7 @@ KERNEL = KernelDef(
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor, executor: Executor | None = None
+    k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, slots: torch.Tensor, launcher: Launcher | None = None
 ) -> None:
     """Write the new tokens' k/v [T, Hkv, D] into their cache slots (quantizing on write)."""
     t, hkv, d = k.shape
@@ -239,4 +239,4 @@ def store_kv(
         },
         shape={"T": t, "Hkv": hkv, "D": d},
     )
-    resolve(executor, k).run(call)
+    resolve(launcher, k).run(call)

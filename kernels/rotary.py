@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, next_pow2, triton_type
 
 SUPPORT = Support({"dtype": ("float16", "bfloat16", "float32"), "head_dim": (64, 80, 96, 128, 256), "arch": (80, 86, 89, 90)})
@@ -139,7 +139,7 @@ def apply_rotary(
     sin: torch.Tensor,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
-    executor: Executor | None = None,
+    launcher: Launcher | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] (in place when q_out/k_out are q/k)."""
     t, hq, d = q.shape
@@ -164,5 +164,5 @@ def apply_rotary(
         semantics={"NUM_Q_HEADS": hq, "NUM_KV_HEADS": hkv, "HEAD_DIM": d},
         shape={"T": t, "Hq": hq, "Hkv": hkv, "D": d},
     )
-    resolve(executor, q).run(call)
+    resolve(launcher, q).run(call)
     return q_out, k_out

@@ -28,7 +28,7 @@ from lmfoundry.kernels.error_bounds import U32, TiledAccumulation
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, TileConfig, triton_type
 
 if TYPE_CHECKING:
-    from lmfoundry.kernels.dispatch import Executor
+    from lmfoundry.kernels.dispatch import Launcher
 
 
 @triton.jit
@@ -154,7 +154,7 @@ def reference(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The scaled GEMM's reference: int8 and e4m3 operands with fp32 scales a_scale [M|1], b_scale
-    [N|1]. The reference executor's W8A8 / FP8 linears run this function; the kernels are checked
+    [N|1]. The reference launcher's W8A8 / FP8 linears run this function; the kernels are checked
     against it with accumulation-order bounds.
 
     int8: exact int32 dot products (`torch._int_mm`; cuBLASLt wants M > 16, so short inputs are
@@ -266,7 +266,7 @@ def run_gemm(
     w: "ScaledLinear",
     out_dtype: torch.dtype,
     out: torch.Tensor | None,
-    executor: "Executor | None",
+    launcher: "Launcher | None",
 ) -> torch.Tensor:
     from lmfoundry.kernels.dispatch import resolve
 
@@ -276,21 +276,21 @@ def run_gemm(
         kernel, xq, x_scale, w.weight, w.weight_scale, w.bias, out,
         a_per_token=w.input_scale is None, b_per_channel=w.per_channel,
     )
-    resolve(executor, xq).run(call)
+    resolve(launcher, xq).run(call)
     return out
 
 
 def run_linear(
-    kernel: KernelDef, x: torch.Tensor, w: "ScaledLinear", quant_dtype: torch.dtype, executor: "Executor | None"
+    kernel: KernelDef, x: torch.Tensor, w: "ScaledLinear", quant_dtype: torch.dtype, launcher: "Launcher | None"
 ) -> torch.Tensor:
     """Quantize x per token (or with the static scale), then the scaled GEMM; x [..., K]."""
     from lmfoundry.kernels.norm_quant import rmsnorm_quant
 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    xq, x_scale, _ = rmsnorm_quant(x2, None, quant_dtype=quant_dtype, static_scale=w.input_scale, executor=executor)
+    xq, x_scale, _ = rmsnorm_quant(x2, None, quant_dtype=quant_dtype, static_scale=w.input_scale, launcher=launcher)
     assert x_scale is not None, "quantizing returns its scales"
-    out = run_gemm(kernel, xq, x_scale, w, x.dtype, None, executor)
+    out = run_gemm(kernel, xq, x_scale, w, x.dtype, None, launcher)
     return out.reshape(*lead, w.out_features)
 
 
@@ -338,13 +338,13 @@ class CodeFamily:
         return reference(xq, w.weight, x_scale, w.weight_scale, w.bias, out_dtype)
 
     def gemm(self, xq: torch.Tensor, x_scale: torch.Tensor, w: ScaledLinear, out_dtype: torch.dtype,
-             out: torch.Tensor | None = None, executor: "Executor | None" = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, launcher: "Launcher | None" = None) -> torch.Tensor:
         """out [M, N] from codes xq [M, K] and fp32 scales ([M] per token, or [1] when w is static)."""
         if xq.dtype != self.code or w.weight.dtype != self.code:
             raise TypeError(f"{self.kernel.name} takes {str(self.code).replace('torch.', '')} activations "
                             "and weights")
-        return run_gemm(self.kernel, xq, x_scale, w, out_dtype, out, executor)
+        return run_gemm(self.kernel, xq, x_scale, w, out_dtype, out, launcher)
 
-    def linear(self, x: torch.Tensor, w: ScaledLinear, executor: "Executor | None" = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: ScaledLinear, launcher: "Launcher | None" = None) -> torch.Tensor:
         """Quantize x [..., K] to the codes per token (or with w.input_scale) and multiply by w."""
-        return run_linear(self.kernel, x, w, self.code, executor)
+        return run_linear(self.kernel, x, w, self.code, launcher)

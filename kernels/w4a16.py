@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, triton_type
 
 GEMV_MAX_M = 4
@@ -358,7 +358,7 @@ def make_call(x: torch.Tensor, w: PackedLinear, out: torch.Tensor) -> KernelCall
 
 
 def w4a16_linear(
-    x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, executor: Executor | None = None
+    x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, launcher: Launcher | None = None
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [..., K]; returns [..., N] in x's dtype."""
     lead = x.shape[:-1]
@@ -367,5 +367,5 @@ def w4a16_linear(
         x2 = x2.contiguous()
     if out is None:
         out = torch.empty((x2.shape[0], w.out_features), dtype=x.dtype, device=x.device)
-    resolve(executor, x).run(make_call(x2, w, out))
+    resolve(launcher, x).run(make_call(x2, w, out))
     return out.reshape(*lead, w.out_features)

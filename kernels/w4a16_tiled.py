@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from lmfoundry.kernels import splitk
-from lmfoundry.kernels.dispatch import Executor, resolve
+from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, TileConfig, triton_type
 from lmfoundry.kernels.tiled_layout import TILE_N, TILE_WORDS, TiledLinear, pad_to, panel_k, tiled_dequantize
 from lmfoundry.kernels.w4a16 import SUPPORT
@@ -303,7 +303,7 @@ def make_tiled_call(x: torch.Tensor, w: TiledLinear, out: torch.Tensor) -> Kerne
 
 
 def w4a16_tiled_linear(
-    x: torch.Tensor, w: TiledLinear, out: torch.Tensor | None = None, executor: Executor | None = None
+    x: torch.Tensor, w: TiledLinear, out: torch.Tensor | None = None, launcher: Launcher | None = None
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [..., K] in original feature order (or in `perm` order
     when `w.input_permuted`); returns [..., N] in stored row order, in x's dtype.
@@ -318,7 +318,7 @@ def w4a16_tiled_linear(
         x2 = x2.contiguous()
     if out is None:
         out = torch.empty((x2.shape[0], w.out_features), dtype=x.dtype, device=x.device)
-    resolve(executor, x).run(make_tiled_call(x2, w, out))
+    resolve(launcher, x).run(make_tiled_call(x2, w, out))
     return out.reshape(*lead, w.out_features)
 
 

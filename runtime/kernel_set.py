@@ -26,7 +26,7 @@ import torch
 
 from lmfoundry.errors import UserError
 from lmfoundry.kernels import tiles
-from lmfoundry.kernels.dispatch import Executor, JitExecutor, ReferenceExecutor
+from lmfoundry.kernels.dispatch import JitLauncher, Launcher, ReferenceLauncher
 from lmfoundry.kernels.spec import DIVISIBILITY, KernelCall, TileConfig, Variant, compile_grid_rule
 from lmfoundry.runtime.bundle_manifest import read_manifest, verify
 
@@ -188,12 +188,12 @@ class ShippedKernel:
         driver().launch(self.function, grid, self.block, self.meta["shared"], stream, args)
 
 
-class CubinExecutor:
+class CubinLauncher:
     """Runs calls on shipped cubins; anything they do not cover goes to `fallback` (logged once)."""
 
     name = "cubin"
 
-    def __init__(self, engine: Path, entries: list[dict[str, Any]], device_index: int, fallback: Executor) -> None:
+    def __init__(self, engine: Path, entries: list[dict[str, Any]], device_index: int, fallback: Launcher) -> None:
         self.fallback = fallback
         self.index: dict[Variant, list[ShippedKernel]] = {}
         for entry in entries:
@@ -228,10 +228,10 @@ class CubinExecutor:
         self.fallback.run(call)
 
 
-class CountingExecutor:
-    """Wraps an executor to count calls (JIT and reference modes report the same stats)."""
+class CountingLauncher:
+    """Wraps an launcher to count calls (JIT and reference modes report the same stats)."""
 
-    def __init__(self, inner: Executor, label: str) -> None:
+    def __init__(self, inner: Launcher, label: str) -> None:
         self.inner, self.label = inner, label
         self.stats: Counter = Counter()
 
@@ -274,13 +274,13 @@ def _ops() -> dict[str, Callable[..., Any]]:
 
 class KernelSet:
     """The kernels of one engine on one device. Ops are the `lmfoundry.kernels` op functions bound
-    to this set's executor: `ks.w4a16_linear(x, w)`, `ks.paged_decode(q, cache, table, lens)`, ..."""
+    to this set's launcher: `ks.w4a16_linear(x, w)`, `ks.paged_decode(q, cache, table, lens)`, ..."""
 
     OPS = tuple(_ops())
 
-    def __init__(self, mode: str, executor: Any, manifest: dict[str, Any], path: Path, reason: str = "") -> None:
+    def __init__(self, mode: str, launcher: Any, manifest: dict[str, Any], path: Path, reason: str = "") -> None:
         self.mode = mode  # "cubin" | "jit" | "interpret" | "reference"
-        self.executor = executor
+        self.launcher = launcher
         self.manifest = manifest
         self.path = path
         self.reason = reason
@@ -288,7 +288,7 @@ class KernelSet:
     @property
     def stats(self) -> dict[str, int]:
         """Calls run per path: {"cubin": n, "jit": n} or {"reference": n}."""
-        return dict(self.executor.stats)
+        return dict(self.launcher.stats)
 
     @property
     def fusions(self) -> list[dict[str, Any]]:
@@ -297,7 +297,7 @@ class KernelSet:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         ops = _ops()
         if name in ops:
-            return functools.partial(ops[name], executor=self.executor)
+            return functools.partial(ops[name], launcher=self.launcher)
         raise AttributeError(name)
 
     def __dir__(self) -> list[str]:
@@ -320,9 +320,9 @@ def load_engine(path: str | Path, device: str | torch.device = "cuda", *, device
         from lmfoundry.kernels.dispatch import is_interpreter
 
         if interpret if interpret is not None else is_interpreter():
-            return KernelSet("interpret", CountingExecutor(JitExecutor(), "interpret"), manifest, engine,
+            return KernelSet("interpret", CountingLauncher(JitLauncher(), "interpret"), manifest, engine,
                              "CPU: Triton interpreter")
-        return KernelSet("reference", CountingExecutor(ReferenceExecutor(), "reference"), manifest, engine,
+        return KernelSet("reference", CountingLauncher(ReferenceLauncher(), "reference"), manifest, engine,
                          "CPU: PyTorch reference kernels")
     if device.type != "cuda":
         raise UserError(f"engine kernels run on cuda or cpu, not {device.type}")
@@ -330,11 +330,11 @@ def load_engine(path: str | Path, device: str | torch.device = "cuda", *, device
         raise UserError(f"{engine}: {device} requested but this machine has no CUDA GPU; load with device='cpu' "
                         "for the PyTorch reference kernels")
     info = device_info or probe_device(device)
-    jit = JitExecutor(pick_config=lambda call: tiles.pick(info.capability, call))
+    jit = JitLauncher(pick_config=lambda call: tiles.pick(info.capability, call))
     cap, reason = match_arch(manifest, info)
     if cap is None:
         log.warning("%s: %s; falling back to Triton JIT", engine, reason)
-        return KernelSet("jit", CountingExecutor(jit, "jit"), manifest, engine, reason)
+        return KernelSet("jit", CountingLauncher(jit, "jit"), manifest, engine, reason)
     entries = [e for e in manifest["kernels"] if e["capability"] == cap]
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return KernelSet("cubin", CubinExecutor(engine, entries, index, jit), manifest, engine, reason)
+    return KernelSet("cubin", CubinLauncher(engine, entries, index, jit), manifest, engine, reason)

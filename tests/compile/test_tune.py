@@ -147,8 +147,8 @@ def test_the_sweep_checks_every_candidate(monkeypatch):
     real = sweep.w4a16_tiled.w4a16_tiled_linear
 
     def wrong(change):
-        def op(x, w, out=None, executor=None):
-            return change(real(x, w, out=out, executor=executor))
+        def op(x, w, out=None, launcher=None):
+            return change(real(x, w, out=out, launcher=launcher))
         return op
 
     def one_off(got):

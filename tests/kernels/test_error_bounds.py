@@ -59,7 +59,7 @@ def hopper_dot(products: np.ndarray, tile_k: int, splits: int = 1) -> np.ndarray
 
 
 class EmulatedHopperFp8:
-    """An `Executor` computing an fp8_gemm call with `hopper_dot` and the kernel's fp32 epilogue."""
+    """An `Launcher` computing an fp8_gemm call with `hopper_dot` and the kernel's fp32 epilogue."""
 
     def __init__(self, config: TileConfig, promote: bool = True) -> None:
         self.config, self.promote = config, promote

@@ -22,7 +22,7 @@ E4M3 = torch.float8_e4m3fn
 
 def fp8_acc(device: str, m: int, n: int, k: int) -> Accumulation:
     """fp32 in the interpreter; on a GPU, the kernel's own tiled accumulation with the tiles the
-    default executor (JIT, `default_config`) runs."""
+    default launcher (JIT, `default_config`) runs."""
     if device == "cpu":
         return U32
     return scaled_mm.fp8_accumulation(scaled_mm.default_config({"M": m, "N": n, "K": k}))

@@ -16,7 +16,7 @@ import torch
 from helpers import gpu_kernels_benchmark
 
 from lmfoundry.kernels import harness
-from lmfoundry.kernels.dispatch import JitExecutor
+from lmfoundry.kernels.dispatch import JitLauncher
 from lmfoundry.kernels.error_bounds import U32
 
 
@@ -37,7 +37,7 @@ def attention():
 def test_gemm8_ours_and_peer_pass_the_same_check(matmul, kernel, m, device):
     ex = matmul.gemm8_example(kernel, m, 48, 96, device)
     assert ex.call.semantics["A_PER_TOKEN"] and ex.call.semantics["B_PER_CHANNEL"]
-    matmul.gemm8_check(ex, JitExecutor(), U32)
+    matmul.gemm8_check(ex, JitLauncher(), U32)
     fn, to_out = matmul.gemm8_peer(ex.call)
     out = to_out(fn())
     assert out.shape == (m, 48) and out.dtype == torch.bfloat16
@@ -54,7 +54,7 @@ def test_gemm8_check_rejects_a_peer_that_computes_something_else(matmul, kernel,
 
     monkeypatch.setattr(matmul, "gemm8_peer", unscaled)  # where gemm8_check looks it up
     with pytest.raises(AssertionError):
-        matmul.gemm8_check(matmul.gemm8_example(kernel, 5, 48, 96, device), JitExecutor(), U32)
+        matmul.gemm8_check(matmul.gemm8_example(kernel, 5, 48, 96, device), JitLauncher(), U32)
 
 
 def test_gemm8_plan_is_the_issues_shapes(matmul):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import harness, registry
-from lmfoundry.kernels.dispatch import JitExecutor
+from lmfoundry.kernels.dispatch import JitLauncher
 
 BF, F16 = "bf16", "fp16"
 CASES = {
@@ -47,7 +47,7 @@ def test_example_passes_its_own_check(kernel, device):
     types, sem, shape = CASES[kernel]
     ex = harness.build(kernel, types, sem, shape, device)
     assert ex.call.kernel.name == kernel and ex.bytes > 0
-    harness.run_and_check(ex, JitExecutor())
+    harness.run_and_check(ex, JitLauncher())
 
 
 @pytest.mark.parametrize("kernel", ["w4a16_gemm", "w4a16_tiled", "paged_prefill", "rmsnorm_quant", "paged_decode_reduce"])
@@ -57,7 +57,7 @@ def test_example_check_rejects_wrong_output(kernel, device):
 
     class Wrong:
         def run(self, call):
-            JitExecutor().run(call)
+            JitLauncher().run(call)
             out = call.args["out_ptr"]
             flat = out.view(-1)
             flat[flat.numel() // 2] = (flat[flat.numel() // 2].float() * 1.5 + 3).to(out.dtype)

@@ -51,15 +51,15 @@ def test_the_harness_check_rejects_a_wrong_row(kernel, out, row, device):
     """The GPU benchmark's and compile's check: a row off by a little (an adapter row, or a base row
     the expand must leave alone) fails it."""
     from lmfoundry.kernels import harness
-    from lmfoundry.kernels.dispatch import JitExecutor
+    from lmfoundry.kernels.dispatch import JitLauncher
 
     shape = {"T": 6, "K": 64, "S": 32} if kernel == "lora_shrink" else {"T": 6, "N": 96, "R": 8}
     ex = harness.build(kernel, {"act": "bf16"}, {} if kernel == "lora_shrink" else {"PARTS": 2}, shape, device)
-    harness.run_and_check(ex, JitExecutor())
+    harness.run_and_check(ex, JitLauncher())
 
     class Wrong:
         def run(self, call):
-            JitExecutor().run(call)
+            JitLauncher().run(call)
             call.args[out][row, 3] += 0.5  # row 0 is a base row (slot -1), row 1 an adapter's
 
     with pytest.raises(AssertionError):

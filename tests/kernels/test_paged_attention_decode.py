@@ -27,7 +27,7 @@ import torch
 from helpers import gpu_kernels_benchmark
 
 from lmfoundry.kernels import harness, paged_attention, paged_kv
-from lmfoundry.kernels.dispatch import JitExecutor, ReferenceExecutor
+from lmfoundry.kernels.dispatch import JitLauncher, ReferenceLauncher
 from lmfoundry.kernels.error_bounds import assert_within, assert_written, attention_bound, poisoned
 from lmfoundry.kernels.paged_kv import PagedKVCache
 from lmfoundry.kernels.spec import KernelCall
@@ -148,7 +148,7 @@ def _calls(q, cache, table, ctx, splits, min_split_pages=1):
             calls.append(call)
 
     out = poisoned(tuple(q.shape), q.dtype, q.device)
-    paged_attention.paged_decode(q, cache, table, ctx, out=out, executor=Capture(), num_splits=splits,
+    paged_attention.paged_decode(q, cache, table, ctx, out=out, launcher=Capture(), num_splits=splits,
                                  min_split_pages=min_split_pages)
     return calls, out
 
@@ -156,7 +156,7 @@ def _calls(q, cache, table, ctx, splits, min_split_pages=1):
 def test_split_states_follow_the_reference_contract(gen, device):
     """Kernel split + reference merge, and reference split + kernel merge, both give the attention
     output: the partial-state conventions (log2 max, P_SCALE, v_scale folded in) match on both
-    sides, so any executor may run either half. Every partial state is written, empty splits too."""
+    sides, so any launcher may run either half. Every partial state is written, empty splits too."""
     dtype, cdt, hq, hkv, d, page = torch.float16, torch.int8, 6, 2, 64, 16
     lens = [75, 20]  # 4 splits: 2+2+1 blocks of sequence 0 (split 3 empty), 1+1 of sequence 1 (2, 3 empty)
     cache, table = make_cache(lens, hkv, d, page, dtype, cdt, gen)
@@ -166,7 +166,7 @@ def test_split_states_follow_the_reference_contract(gen, device):
     cu = torch.arange(3, dtype=torch.int32)
     ref = paged_attention.reference(q, cache, table, cu, ctx, sm)
     bound = attention_bound(q, cache, table, cu, ctx, ref, sm, dtype, p_split=True, splits=4)
-    for split_ex, reduce_ex in ((JitExecutor(), ReferenceExecutor()), (ReferenceExecutor(), JitExecutor())):
+    for split_ex, reduce_ex in ((JitLauncher(), ReferenceLauncher()), (ReferenceLauncher(), JitLauncher())):
         (split, merge), out = _calls(q.to(device), to(cache, device), table.to(device), ctx.to(device), 4)
         assert split.kernel.name == "paged_decode_split" and merge.kernel.name == "paged_decode_reduce"
         for name in ("part_m_ptr", "part_l_ptr", "part_acc_ptr"):

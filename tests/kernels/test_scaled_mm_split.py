@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import harness, splitk
-from lmfoundry.kernels.dispatch import JitExecutor
+from lmfoundry.kernels.dispatch import JitLauncher
 from lmfoundry.kernels.spec import TileConfig
 
 I8 = ("w8a8_gemm", {"a": "i8", "bscale": "bf16", "out": "bf16"})
@@ -38,7 +38,7 @@ def test_split_and_swapped_tiles_match_the_reference(kt, m, n, k, per_token, bia
     ex = harness.build(kernel, types, sem, {"M": m, "N": n, "K": k}, device)
     bm, bn, bk, split, swap = tiles
     cfg = TileConfig.make(num_warps=4, num_stages=2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SWAP_AB=swap)
-    harness.run_and_check(ex, JitExecutor(pick_config=lambda call: cfg))
+    harness.run_and_check(ex, JitLauncher(pick_config=lambda call: cfg))
 
 
 def test_split_k_is_deterministic_and_resets_its_counters(device):
@@ -49,7 +49,7 @@ def test_split_k_is_deterministic_and_resets_its_counters(device):
     runs = []
     for _ in range(2):
         call = ex.clone()
-        JitExecutor(pick_config=lambda c: cfg).run(call)
+        JitLauncher(pick_config=lambda c: cfg).run(call)
         runs.append(call.args["out_ptr"])
     assert torch.equal(runs[0], runs[1])
     assert int(splitk.split_counters(torch.device(device), 1).abs().sum()) == 0

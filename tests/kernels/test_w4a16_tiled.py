@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import tiled_layout, w4a16, w4a16_tiled
-from lmfoundry.kernels.dispatch import JitExecutor, ReferenceExecutor
+from lmfoundry.kernels.dispatch import JitLauncher, ReferenceLauncher
 from lmfoundry.kernels.error_bounds import assert_within, assert_written, exact_weight_bound, poisoned
 from lmfoundry.kernels.spec import TileConfig
 
@@ -57,8 +57,8 @@ def run_and_check(m, n, k, bits, group, symmetric, actorder, dtype, bias, cfg, g
     t = tiled_layout.repack_tiled(w)
     x = torch.randn(m, k, generator=gen).to(dtype)
     out = poisoned((m, n), dtype, device)
-    executor = JitExecutor(pick_config=(lambda call: cfg) if cfg is not None else None)
-    w4a16_tiled.w4a16_tiled_linear(x.to(device), t.to(device), out=out, executor=executor)
+    launcher = JitLauncher(pick_config=(lambda call: cfg) if cfg is not None else None)
+    w4a16_tiled.w4a16_tiled_linear(x.to(device), t.to(device), out=out, launcher=launcher)
     assert_written(out, "w4a16_tiled")
     ref = w4a16_tiled.tiled_reference(x, t)
     # the tiled reference is the compressed-tensors reference (same rounding points, K permuted)
@@ -139,7 +139,7 @@ def test_split_k_is_deterministic_and_resets_its_counters(gen, device):
     """Splits add up in a fixed order: two runs agree bit for bit; every tile counter is back to 0."""
     w = tiled_layout.repack_tiled(make_packed(96, 512, 4, 32, False, False, BF, gen)).to(device)
     x = torch.randn(5, 512, generator=gen).to(BF).to(device)
-    runs = [w4a16_tiled.w4a16_tiled_linear(x, w, executor=JitExecutor(lambda call: config(16, 32, 3))) for _ in range(2)]
+    runs = [w4a16_tiled.w4a16_tiled_linear(x, w, launcher=JitLauncher(lambda call: config(16, 32, 3))) for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
     assert int(w4a16_tiled.split_locks(torch.device(device), 1).abs().sum()) == 0
 
@@ -154,7 +154,7 @@ def test_act_order_folded_into_the_producer(gen, device, acc_u):
     x = torch.randn(3, hidden, generator=gen).to(BF)
 
     def mlp(g: tiled_layout.TiledLinear, u: tiled_layout.TiledLinear, d: tiled_layout.TiledLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        run = lambda w, v: w4a16_tiled.w4a16_tiled_linear(v, w, executor=ReferenceExecutor())  # noqa: E731
+        run = lambda w, v: w4a16_tiled.w4a16_tiled_linear(v, w, launcher=ReferenceLauncher())  # noqa: E731
         h = (torch.nn.functional.silu(run(g, x).float()) * run(u, x).float()).to(BF)
         return h, run(d, h)
 

@@ -156,7 +156,7 @@ def test_cubin_launch_uses_the_shipped_metadata(cubin_set, hopper_engine):
     assert ks.stats == {"cubin": 1}
     (image, entry, shared), = fake.loads
     launch, = fake.launches
-    kernel = ks.executor.find(w4a16_tiled.make_tiled_call(x, w, out))
+    kernel = ks.launcher.find(w4a16_tiled.make_tiled_call(x, w, out))
     meta = kernel.meta
     assert image == (hopper_engine / kernel.entry["files"]["cubin"]).read_bytes()
     assert entry == meta["entry"] == "w4a16_tiled_kernel" and shared == meta["shared"] == launch["shared"]
@@ -170,7 +170,7 @@ def test_cubin_launch_uses_the_shipped_metadata(cubin_set, hopper_engine):
     assert args[8:11] == [("i32", 37), ("i32", N_QKV), ("i32", K)]
     # Decode-sized calls take the 16-token bucket: one program per BLOCK_N-row weight tile (and split).
     ks.w4a16_tiled_linear(x[:2], w, out=out[:2])
-    small = ks.executor.find(w4a16_tiled.make_tiled_call(x[:2], w, out[:2]))
+    small = ks.launcher.find(w4a16_tiled.make_tiled_call(x[:2], w, out[:2]))
     assert small is not kernel and small.config["BLOCK_M"] == 16
     assert fake.launches[-1]["grid"] == [1, -(-N_QKV // small.config["BLOCK_N"]), small.config["SPLIT_K"]]
 

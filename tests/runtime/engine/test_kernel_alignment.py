@@ -5,7 +5,7 @@ assuming 16-byte aligned pointers (and `aligned` integers divisible by 16), and 
 rotary, store_kv and the attention kernels slices of one packed metadata tensor at 4-byte offsets.
 No GPU is needed to see that: the bundle is compiled here, the engine runs it on CPU with each
 kernel's PyTorch reference, and every call first goes through the launcher's own decision
-(`CubinExecutor.find` + `ShippedKernel.assumptions_hold`, reading each kernel's JSON): a call no
+(`CubinLauncher.find` + `ShippedKernel.assumptions_hold`, reading each kernel's JSON): a call no
 cubin covers, or one that breaks a divisibility its cubin was built with, would have been JIT.
 
 Driven: prompts of many lengths with shared prefixes (prefix-cache hits), prefill chunked by a
@@ -28,12 +28,12 @@ from helpers import tiny_model_folder, write_text
 from lmfoundry.cli import main
 from lmfoundry.compile.bundle import build_engine
 from lmfoundry.kernels import tiles
-from lmfoundry.kernels.dispatch import ReferenceExecutor
+from lmfoundry.kernels.dispatch import ReferenceLauncher
 from lmfoundry.kernels.spec import KernelCall
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.executor import GRAPH_BUCKETS, graph_inputs, graph_views
 from lmfoundry.runtime.engine.kernel_model import KernelModel
-from lmfoundry.runtime.kernel_set import CubinExecutor, divisibility
+from lmfoundry.runtime.kernel_set import CubinLauncher, divisibility
 from lmfoundry.runtime.loader import load_bundle
 
 SCHEMES = {
@@ -43,12 +43,12 @@ SCHEMES = {
 
 
 class CubinDecision:
-    """An executor that asks the cubin launcher what it would do with each call (without a GPU),
+    """A launcher that asks the cubin launcher what it would do with each call (without a GPU),
     records every call it would not run from a cubin, then runs the call's reference."""
 
     def __init__(self, engine: Path, manifest: dict) -> None:
         entries = [e for e in manifest["kernels"] if e["capability"] == 90]
-        self.cubins = CubinExecutor(engine, entries, 0, ReferenceExecutor())
+        self.cubins = CubinLauncher(engine, entries, 0, ReferenceLauncher())
         self.stats: Counter = Counter()
         self.jit: list[str] = []
         self.checked = Counter()  # (kernel, param) -> calls whose value met a divisibility > 1
@@ -118,7 +118,7 @@ def run_engine(engine_dir: Path) -> tuple[CubinDecision, list[int]]:
     assert isinstance(kmodel, KernelModel)
     as_on_a_gpu(kmodel)
     decision = CubinDecision(engine_dir, kmodel.kernels.manifest)
-    kmodel.kernels.executor = decision
+    kmodel.kernels.launcher = decision
     # FlashDecoding splits as on the GPU the bundle targets (split + merge kernels), not CPU's one
     kmodel.decode_sm_count = lambda: tiles.nominal_sm_count(90)
     engine = LLMEngine(kmodel, None, EngineConfig(block_size=kmodel.block_size, num_kv_blocks=512,

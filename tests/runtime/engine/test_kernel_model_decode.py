@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmfoundry.kernels import paged_attention
-from lmfoundry.kernels.dispatch import JitExecutor, is_interpreter
+from lmfoundry.kernels.dispatch import JitLauncher, is_interpreter
 from lmfoundry.runtime.engine.kernel_model import KernelModel
 
 
@@ -53,12 +53,12 @@ def test_split_decode_through_the_engine(tmp_path, monkeypatch):
     monkeypatch.setattr(KernelModel, "decode_splits", lambda self, num_decode, width: 3)
     monkeypatch.setattr(paged_attention, "MIN_SPLIT_TOKENS", 16)  # splits of one block
     seen: Counter = Counter()
-    run = JitExecutor.run
+    run = JitLauncher.run
 
     def counting(self, call):
         seen[call.kernel.name] += 1
         return run(self, call)
 
-    monkeypatch.setattr(JitExecutor, "run", counting)
+    monkeypatch.setattr(JitLauncher, "run", counting)
     ke.check_triton_matches_references(ke.Bundles(tmp_path), "w4a16-kv-int8", "cpu", tokens=4)
     assert seen["paged_decode_split"] > 0 and seen["paged_decode_reduce"] == seen["paged_decode_split"]
