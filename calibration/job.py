@@ -287,7 +287,8 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     A data-parallel rank other than 0 (out and staging None) runs the same steps on its share of
     the calibration data, in the work folder rank 0 names, and writes no checkpoint."""
     # loaded before the baseline: start-up, not model work (compressed-tensors, which the doctor
-    # and the writer's config use, pulls in transformers' modules and pydantic: ~250 MB of RSS)
+    # and the writer's config use, pulls in transformers' modules and pydantic: a large share of
+    # the job's resident memory that is not the model's)
     import compressed_tensors  # noqa: F401
     import torch
     import transformers  # noqa: F401

@@ -338,7 +338,7 @@ def run_pipeline(
         report.warnings += [f"layer {idx}: {w}" for w in result.warnings]
         if writer is not None:
             # a temporary, not a name: the shard's tensors, allocated last, would pin the heap's top
-            # through the next layer and keep glibc from reusing what this layer freed (+350 MB peak)
+            # through the next layer and keep glibc from reusing what this layer freed (a higher peak)
             writer.write_shard(_shard(idx + 1, config),
                                checkpoint_names(_layer_tensors(layer, idx, result, schemes, out_dtype), config))
         report.layers[f"model.layers.{idx}"] = layer_metrics

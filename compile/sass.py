@@ -60,8 +60,7 @@ def resource_usage(disassembly: str) -> dict[str, int]:
     """Registers per thread and the stack / local-memory bytes per thread of the kernel, read from
     `disassemble`'s output. Either in a Triton kernel means register spills (ptxas puts them on the
     stack frame, in local memory): each spilled value is a round trip to L1/L2 inside the hot loop
-    (the H200 run measured a W4A16 GEMV at 255 registers with 1 KB of spills 4x slower than its
-    spill-free tile)."""
+    (benchmarks/results/gpu_kernels_h200.md has a spilling GEMV tile beside its spill-free one)."""
     match = _USAGE.search(disassembly)
     if match is None:
         raise BuildCheckError("cuobjdump printed no resource usage (REG/STACK/LOCAL) for the kernel")

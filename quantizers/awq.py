@@ -253,8 +253,8 @@ class AWQQuantizer(Quantizer):
             raise UserError("awq: duo_scaling must be both|true|false and n_grid >= 1")
         self.clip = self.flag("clip", True)
         self.token_cap = float(self.options.get("token_cap", DEFAULT_TOKEN_CAP))
-        # off by default: unlike GPTQ, AWQ measured no clear gain (SmolLM2 W4A16 g64: -0.20 ppl at
-        # 8 x 512 calibration, +0.22 at 32 x 512), and it costs an attention pass per batch
+        # off by default: unlike GPTQ, AWQ showed no clear perplexity gain from it (better at one
+        # calibration size, worse at another), and it costs an attention pass per batch
         self.kv_attention_weights = self.flag("kv_attention_weights", False)
         self._stats: dict[str, InputStats] = {}
 

@@ -203,9 +203,9 @@ def _sweep_columns(w1, q1, e1, u1, diag: list[float], groups: list[int], scale_t
     quantize column i (its group's qparams), store its code in q1[i] and its scaled error
     (w - deq)/d in e1[i], and push the error onto the sub-block's later columns (rank-1, BLAS
     sger). Why numpy: each step works on one column of a few hundred values, so the cost is
-    per-call overhead, which is lower for numpy ufuncs than for torch ops: measured 0.61x the
-    CPU time of the whole sweep on SmolLM2's shapes, with bit-identical codes, scales and losses
-    (the same float32 IEEE operations: divide, round-half-even, clip, multiply, subtract)."""
+    per-call overhead, which is lower for numpy ufuncs than for torch ops; the codes, scales and
+    losses are bit-identical (the same float32 IEEE operations: divide, round-half-even, clip,
+    multiply, subtract)."""
     import numpy as np
     from scipy.linalg.blas import sger
 
