@@ -23,8 +23,9 @@ every one left fails with 503 (or, in a stream already under way, a final error 
 The event loop only moves bytes: the body is read with a size limit and a deadline
 (request_body.py, which also holds the error type), then parsing,
 the chat template, tokenization (seconds for a multi-megabyte prompt) and the request's one
-validation run in a small thread pool, so the other streams keep flowing. The engine streams token
-ids; their text and stop strings are worked out here (output_processor.py). Requiring application/json on POST keeps browsers from
+validation run in a small thread pool, so the other streams keep flowing (prepare.py: a body
+becomes one prepared request that the submission and the response builders read, responses.py).
+The engine streams token ids; their text and stop strings are worked out here (output_processor.py). Requiring application/json on POST keeps browsers from
 reaching a keyless server on 127.0.0.1 with cross-site "simple" requests (text/plain or form
 bodies are sent without a CORS preflight; application/json is not). CORS is off unless origins
 are allowed (`ApiOptions.allowed_origins`, vLLM's flags): then Starlette's middleware answers the
@@ -37,13 +38,13 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import inspect
 import json
 import struct
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -67,35 +68,30 @@ from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.background import DEFAULT_READ_TIMEOUT
 from lmfoundry.runtime.server.lora_routes import model_entries, register_lora_routes
 from lmfoundry.runtime.server.metrics import ServerMetrics
+from lmfoundry.runtime.server.prepare import Preparer
 from lmfoundry.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
-    FieldError,
     TokenizeRequest,
 )
 from lmfoundry.runtime.server.request_body import (
     APIError,
     ClientGone,
     engine_dead,
-    parse_body,
     read_body,
     require_json,
 )
 from lmfoundry.runtime.server.responses import ChatBuilder, CompletionBuilder
+from lmfoundry.runtime.server.responses_api import ResponseBuilder, ResponsesRequest, prepare_response
 
 MAX_N = 8
 # Enough for any prompt that fits a long context as text or token ids; larger bodies get 413.
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 PREP_THREADS = 4  # parse + chat template + tokenize, off the event loop
-# /v1/embeddings: OpenAI's limits on one request (more is a 400). The engine schedules the inputs a
-# step's token budget at a time, so these bound a request's memory and duration, not its stalls.
-MAX_EMBEDDING_INPUTS = 2048
-MAX_EMBEDDING_TOKENS = 300_000
 
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 # Characters str.splitlines() ends a line at that JSON leaves raw: a client that reads the event
 # stream with it (httpx's iter_lines does) would cut a chunk whose text holds one of them in two.
 # SSE itself ends lines at CR and LF only, which JSON always escapes.
@@ -137,15 +133,15 @@ class OpenAIServer:
         self.read_timeout = read_timeout
         self.vocab_size = engine.info.vocab_size
         self.max_model_len = engine.info.max_model_len
-        self.validator = RequestValidator(engine.info, self.tokenizer)
         self.metrics = ServerMetrics(engine.stats, model_name, self.max_model_len, options.metrics_names,
                                      {k: "" if v is None else str(v) for k, v in self.runtime().items()})
         self.created = int(time.time())
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="lmfoundry-prep")
         self.draining = False
-        # LoRA adapters a request's `model` may name (lora_routes.py keeps the set in step with the engine)
         self.lora_enabled = engine.info.max_loras > 0
-        self.adapters: set[str] = set(engine.info.loras)
+        # every request body is parsed and checked here, into what the engine and the response need
+        self.preparer = Preparer(RequestValidator(engine.info, self.tokenizer), model_name, self.names,
+                                 set(engine.info.loras), max_n, options.lenient_request_fields)
 
     def runtime(self) -> dict[str, Any]:
         """What the engine runs (`EngineInfo`, read from the loaded model): the `lmfoundry` object of
@@ -154,10 +150,6 @@ class OpenAIServer:
         return {"dtype": info.dtype, "device": info.device, "cpu_isa": info.cpu_isa,
                 "weight_format": info.weight_format}
 
-    def parse(self, body: bytes, schema: type[M]) -> M:
-        """A request body as `schema`; unknown fields per `ApiOptions.lenient_request_fields`."""
-        return parse_body(body, schema, self.options.lenient_request_fields)  # type: ignore[no-any-return]
-
     async def _body(self, request: Request) -> bytes:
         require_json(request)
         return await read_body(request, self.max_body_bytes, self.read_timeout)
@@ -165,54 +157,6 @@ class OpenAIServer:
     async def _off_loop(self, fn: Callable[[bytes], T], body: bytes) -> T:
         """Run request preparation (parse, template, tokenize) in the prep pool."""
         return await asyncio.get_running_loop().run_in_executor(self.prep, fn, body)
-
-    # ---- shared checks ----------------------------------------------------------------------
-    def _check_common_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names and model not in self.adapters:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", code="model_not_found", param="model")
-
-    def _check_common(self, req: Any) -> None:
-        self._check_common_model(req.model)
-        if not 1 <= req.n <= self.max_n:
-            raise APIError(400, f"n must be between 1 and {self.max_n}, got {req.n}", param="n")
-        if (reason := req.unsupported()) is not None:
-            raise APIError(400, reason)
-
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        try:
-            return self.validator.encode(prompt)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
-
-    def _check(self, ids: list[int], params: SamplingParams) -> None:
-        """The request's one validation (`RequestValidator`); the engine trusts what passes."""
-        try:
-            self.validator.check(ids, params)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
-
-    def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-                ) -> SamplingParams:
-        """The request's SamplingParams; a malformed field (a logit_bias key that is not a token
-        id, a response_format or tool_choice that cannot be honoured) is a 400 naming it."""
-        try:
-            params: SamplingParams = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
-        except FieldError as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
-        params.detokenize = False  # text and stop strings are worked out here, not in the engine
-        params.lora = req.model if req.model in self.adapters else None  # `model` names an adapter or the base
-        return params
-
-    def _check_schema(self, schema: dict[str, Any] | None, param: str) -> None:
-        """A 400 naming `param` for a JSON schema that cannot constrain decoding. Compiling here,
-        in the preparation thread, caches it for the request's validation."""
-        if schema is None:
-            return
-        try:
-            self.validator.grammars.check(schema)
-        except ValueError as exc:
-            raise APIError(400, f"{param}: {exc}", param=param) from None
 
     def _admit(self) -> None:
         """Refuse new work while the server stops (see `drain`)."""
@@ -253,129 +197,45 @@ class OpenAIServer:
                        for st, ids in zip(streams, prompts, strict=True)], streams)
 
     # ---- /v1/completions --------------------------------------------------------------------
-    def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, list[list[int]], SamplingParams]:
-        req = self.parse(body, CompletionRequest)
-        self._check_common(req)
-        prompts = [self._encode(p) for p in req.prompts()]
-        if not prompts:
-            raise APIError(400, "prompt is empty", param="prompt")
-        if req.max_tokens is None:
-            max_tokens = self.max_model_len - max(len(p) for p in prompts)
-        else:
-            max_tokens = req.max_tokens
-        if max_tokens == 0:
-            # OpenAI's way to score a prompt (echo its logprobs, generate nothing). The engine
-            # always produces one token; CompletionBuilder leaves it out of the response.
-            if not req.echo:
-                raise APIError(400, "max_tokens must be at least 1 (0 only with echo: true, to score the prompt)",
-                               param="max_tokens")
-            if req.min_tokens:
-                raise APIError(400, "min_tokens must be 0 when max_tokens is 0", param="min_tokens")
-            max_tokens = 1
-        want_prompt_lps = req.echo and req.logprobs is not None
-        params = self._params(req, max_tokens, req.logprobs, req.logprobs if want_prompt_lps else None)
-        self._check_schema(params.json_schema, "response_format")
-        for ids in prompts:
-            self._check(ids, params)
-        return req, prompts, params
-
     async def completions(self, request: Request) -> Response:
         start = time.monotonic()
-        req, prompts, params = await self._off_loop(self._prepare_completion, await self._body(request))
+        job = await self._off_loop(self.preparer.completion, await self._body(request))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        events = self._submit(prompts, params, rid, start)
-        builder = CompletionBuilder(self, req, prompts, rid)
-        if req.stream:
+        events = self._submit(job.prompts, job.params, rid, start)
+        builder = CompletionBuilder(job, rid, self.preparer.token_text)
+        if job.req.stream:
             return self._stream(request, builder.chunks(events), rid)
         result = await self._collect(request, builder.collect(events))
         return JSONResponse(result)
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
-    def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        return self.prepare_chat_request(self.parse(body, ChatCompletionRequest))
-
-    def prepare_chat_request(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        """Template, tokenize and validate a parsed chat request (also /v1/responses' path)."""
-        self._check_common(req)
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        try:
-            plan = req.tool_plan()
-        except FieldError as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
-        # With tool_choice "none" the tools stay out of the prompt: the request runs as one without tools.
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if plan.mode != "none" else None
-        variables = req.chat_template_kwargs or {}
-        call = inspect.signature(self.tokenizer.apply_chat_template).parameters
-        named = {n for n, p in call.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        if taken := sorted(set(variables) & named):
-            raise APIError(400, f"chat_template_kwargs.{taken[0]} is an argument of the template call, not a template "
-                                "variable", param="chat_template_kwargs")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [m.as_template_input() for m in req.messages], tools=tools, tokenize=False,
-                add_generation_prompt=True, **variables)
-        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        max_tokens = req.wanted_max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - len(ids))
-        top = req.top_logprobs if req.logprobs else None
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = self._params(req, max_tokens, (top or 0) if req.logprobs else None)
-        if plan.constrained:
-            for i, tool in enumerate(req.tools or []):  # name the function whose schema is refused
-                if plan.mode == "required" or tool.function.name == plan.named:
-                    self._check_schema(plan.functions[tool.function.name], f"tools[{i}].function.parameters")
-            self._check_schema(params.json_schema, "tools")
-        else:
-            self._check_schema(params.json_schema, "response_format")
-        self._check(ids, params)
-        return req, ids, params
-
     async def chat(self, request: Request) -> Response:
         start = time.monotonic()
-        req, ids, params = await self._off_loop(self._prepare_chat, await self._body(request))
+        chat = await self._off_loop(self.preparer.chat, await self._body(request))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        events = self._submit([ids], params, rid, start)
-        builder = ChatBuilder(self, req, ids, rid)
-        if req.stream:
+        events = self._submit([chat.prompt], chat.params, rid, start)
+        builder = ChatBuilder(chat, rid, self.preparer.token_text)
+        if chat.req.stream:
             return self._stream(request, builder.chunks(events), rid)
         result = await self._collect(request, builder.collect(events))
         return JSONResponse(result)
 
-    # ---- /v1/embeddings ---------------------------------------------------------------------
-    def _prepare_embedding(self, body: bytes) -> tuple[EmbeddingRequest, list[list[int]]]:
-        req = self.parse(body, EmbeddingRequest)
-        self._check_common_model(req.model)
-        hidden = self.engine.info.hidden_size
-        if req.dimensions is not None and req.dimensions != hidden:
-            raise APIError(400, f"dimensions must be this model's {hidden} (embeddings are not truncated)",
-                           param="dimensions")
-        inputs = req.inputs()
-        if len(inputs) > MAX_EMBEDDING_INPUTS:
-            raise APIError(400, f"input has {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} a request",
-                           param="input")
-        prompts = [self._encode(p) for p in inputs]
-        if not prompts:
-            raise APIError(400, "input must not be empty", param="input")
-        if (total := sum(len(ids) for ids in prompts)) > MAX_EMBEDDING_TOKENS:
-            raise APIError(400, f"input has {total} tokens in all; at most {MAX_EMBEDDING_TOKENS} a request",
-                           param="input")
-        for ids in prompts:
-            try:
-                self.validator.check_ids(ids)
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="input") from None
-            if len(ids) > self.max_model_len:
-                raise APIError(400, f"an input has {len(ids)} tokens; this model's context is {self.max_model_len}",
-                               param="input")
-        return req, prompts
+    # ---- /v1/responses ----------------------------------------------------------------------
+    async def responses(self, request: Request) -> Response:
+        """A chat request underneath (responses_api.py): the chat preparation, its own body."""
+        start = time.monotonic()
+        req, chat = await self._off_loop(partial(prepare_response, self.preparer), await self._body(request))
+        rid = f"resp_{uuid.uuid4().hex}"
+        events = self._submit([chat.prompt], chat.params, rid, start)
+        builder = ResponseBuilder(req, chat, rid, self.preparer.token_text)
+        if req.stream:
+            return StreamingResponse(builder.events(events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        return JSONResponse(await self._collect(request, builder.collect(events)))
 
+    # ---- /v1/embeddings ---------------------------------------------------------------------
     async def embeddings(self, request: Request) -> Response:
-        req, prompts = await self._off_loop(self._prepare_embedding, await self._body(request))
+        req, prompts = await self._off_loop(self.preparer.embedding, await self._body(request))
         rid = f"embd-{uuid.uuid4().hex}"
         self._admit()
         try:
@@ -445,15 +305,6 @@ class OpenAIServer:
                 "max_model_len": self.max_model_len, "lmfoundry": self.runtime()}
         return {"object": "list", "data": [base, *model_entries(self, base)]}
 
-    def response_model(self, requested: str | None) -> str:
-        """The `model` a response reports: the adapter a request named, else the served name."""
-        return requested if requested in self.adapters else self.model_name
-
-    def token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"<{token_id}>"
-        return self.tokenizer.decode([token_id])
-
     # ---- tokenizer endpoints (vLLM's) -----------------------------------------------------
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -467,14 +318,14 @@ class OpenAIServer:
                 "model_max_length": self.max_model_len}
 
     def _tokenize(self, body: bytes) -> dict:
-        req = self.parse(body, TokenizeRequest)
-        self._check_common_model(req.model)
+        req = self.preparer.parse(body, TokenizeRequest)
+        self.preparer.check_model(req.model)
         ids = list(self._tokenizer()(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     def _detokenize(self, body: bytes) -> dict:
-        req = self.parse(body, DetokenizeRequest)
-        self._check_common_model(req.model)
+        req = self.preparer.parse(body, DetokenizeRequest)
+        self.preparer.check_model(req.model)
         if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= self.vocab_size):
             raise APIError(400, f"tokens must be token ids in [0, {self.vocab_size})", param="tokens")
         return {"prompt": self._tokenizer().decode(req.tokens)}
@@ -558,9 +409,7 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
 
     @api.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        from lmfoundry.runtime.server.responses_api import create_response
-
-        return await create_response(server, request, await server._body(request))
+        return await server.responses(request)
 
     @api.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -573,9 +422,7 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     @api.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict:
         """openai's `models.retrieve`: the served model under its name or an alias, else 404."""
-        if model_id not in server.names and model_id not in server.adapters:
-            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {server.model_name!r}",
-                           code="model_not_found", param="model")
+        server.preparer.check_model(model_id)
         entries = server.models()["data"]
         return next((e for e in entries if e["id"] == model_id), {**entries[0], "id": model_id})
 
@@ -623,7 +470,6 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         from pydantic.json_schema import models_json_schema
 
         from lmfoundry import __version__
-        from lmfoundry.runtime.server.responses_api import ResponsesRequest
 
         bodies: dict[str, type[BaseModel]] = {
             "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,

@@ -47,7 +47,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 def model_entries(server: OpenAIServer, base: dict[str, Any]) -> list[dict[str, Any]]:
     """/v1/models' entries of the adapters, each with `parent` the base (vLLM's shape)."""
-    return [{**base, "id": name, "root": name, "parent": server.model_name} for name in sorted(server.adapters)]
+    return [{**base, "id": name, "root": name, "parent": server.model_name} for name in sorted(server.preparer.adapters)]
 
 
 async def _apply(server: OpenAIServer, op: str, name: str, path: str | None) -> LoRAResult:
@@ -61,7 +61,7 @@ async def _apply(server: OpenAIServer, op: str, name: str, path: str | None) -> 
         async for item in stream:
             if not isinstance(item, LoRAResult):
                 break
-            server.adapters = set(item.adapters)
+            server.preparer.adapters = set(item.adapters)
             if item.status != 200:
                 raise APIError(item.status, item.message, param="lora_name" if item.status in (404, 409) else None)
             return item
@@ -85,7 +85,7 @@ def register_lora_routes(api: APIRouter, server: OpenAIServer) -> None:
         if req.lora_name in server.names:
             raise APIError(400, f"{req.lora_name!r} is the served model's name; give the adapter another",
                            param="lora_name")
-        if req.lora_name in server.adapters:
+        if req.lora_name in server.preparer.adapters:
             raise APIError(400, f"the LoRA adapter {req.lora_name!r} has already been loaded", param="lora_name")
         result = await _apply(server, "load", req.lora_name, req.lora_path)
         return PlainTextResponse(result.message)

@@ -152,10 +152,10 @@ class _Sampling(_Strict):
             out[int(key)] = value
         return out
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-                        ) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        tools: ToolPlan | None = None) -> SamplingParams:
         """The engine's settings for this request (FieldError for a malformed logit_bias key or
-        response format)."""
+        response format); `tools`: a chat request's resolved tool plan (`tool_plan`)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -177,7 +177,7 @@ class _Sampling(_Strict):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=0.0 if self.min_p is None else self.min_p,
             logit_bias=self.token_bias(),
-            **self.output_constraint(),
+            **self.output_constraint(tools),
         )
 
     def _guided(self) -> list[tuple[str, Any]]:
@@ -189,11 +189,14 @@ class _Sampling(_Strict):
             ("guided_grammar", self.guided_grammar), ("structured_outputs.grammar", so.get("grammar")))
             if v is not None]
 
-    def output_constraint(self) -> dict[str, Any]:
-        """The SamplingParams field that constrains the output (none: free text): a JSON schema
+    def output_constraint(self, tools: ToolPlan | None = None) -> dict[str, Any]:
+        """The SamplingParams field that constrains the output (none: free text): the call schema of
+        a constrained tool plan (`tool_plan` refused any other constraint beside it), a JSON schema
         (output_schema), a regular expression (guided_regex, structured_outputs.regex), one of
         several strings (guided_choice, structured_outputs.choice: a grammar of literals) or a Lark
         grammar (guided_grammar, structured_outputs.grammar); one at a time."""
+        if tools is not None and tools.constrained:
+            return {"json_schema": tools.output_schema()}
         given = self._guided()
         schema = self.output_schema()
         if schema is not None:
@@ -394,7 +397,7 @@ class ChatCompletionRequest(_Sampling):
         else:
             mode: ToolMode = "none" if choice == "none" else "required" if choice == "required" else "auto"
             plan = ToolPlan(mode, functions, None, parallel)
-        if plan.constrained and (_Sampling.output_schema(self) is not None or self._guided()):
+        if plan.constrained and (self.output_schema() is not None or self._guided()):
             raise FieldError("response_format (or a guided_* constraint) cannot be combined with tool_choice "
                              "'required' or a named function (the output is the tool call)", "response_format")
         return plan
@@ -412,10 +415,6 @@ class ChatCompletionRequest(_Sampling):
                 raise FieldError(f"tool_choice{'.' + where if where else ''}: {err.get('msg')}", "tool_choice") from None
         raise FieldError("tool_choice must be 'none', 'auto', 'required' or "
                          f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}', "tool_choice")
-
-    def output_schema(self) -> dict[str, Any] | None:
-        plan = self.tool_plan()
-        return plan.output_schema() if plan.constrained else super().output_schema()
 
     @property
     def wanted_max_tokens(self) -> int | None:

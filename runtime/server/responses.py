@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sequence import TokenLogprob
-from lmfoundry.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from lmfoundry.runtime.server.prepare import PreparedChat, PreparedCompletion
 from lmfoundry.runtime.server.tools import ToolCallStream
+
+TokenText = Callable[[int], str]  # a token id's text, as logprobs report it
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -35,15 +37,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class CompletionBuilder:
     """/v1/completions chunks (stream) or the whole response, from engine events."""
 
-    def __init__(self, server: Any, req: CompletionRequest, prompts: list[list[int]], rid: str) -> None:
-        self.s, self.req, self.prompts, self.rid = server, req, prompts, rid
-        self.model = server.response_model(req.model)  # the adapter the request named, or the served name
+    def __init__(self, job: PreparedCompletion, rid: str, token_text: TokenText) -> None:
+        self.job, self.req, self.prompts, self.rid = job, job.req, job.prompts, rid
+        self.token_text = token_text
+        self.model = job.model
         self.created = int(time.time())
         self.completion_tokens = 0
         self.text_offsets: dict[int, int] = {}
         # echo with max_tokens 0: the engine runs one token (a request must produce one) that the
         # response leaves out, so a choice is the prompt and its logprobs alone.
-        self.echo_only = req.echo and req.max_tokens == 0
+        self.echo_only = job.req.echo and job.req.max_tokens == 0
 
     def _choice_index(self, prompt_idx: int, ev: StepEvent) -> int:
         return prompt_idx * self.req.n + ev.index
@@ -63,7 +66,7 @@ class CompletionBuilder:
         prompt_ids = self.prompts[prompt_idx]
         for _j, lp in enumerate(entries):
             token_id = lp.token_id if lp is not None else prompt_ids[0]
-            text = self.s.token_text(token_id)
+            text = self.token_text(token_id)
             tokens.append(text)
             token_lps.append(lp.logprob if lp is not None else None)
             if lp is None:
@@ -71,7 +74,7 @@ class CompletionBuilder:
             else:
                 top: dict[str, float] = {}
                 for t, v in lp.top:  # most likely first: a text two tokens share keeps the higher value
-                    top.setdefault(self.s.token_text(t), v)
+                    top.setdefault(self.token_text(t), v)
                 top.setdefault(text, lp.logprob)  # OpenAI: the chosen token is always listed
                 tops.append(top)
             offsets.append(offset)
@@ -80,10 +83,7 @@ class CompletionBuilder:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _text(self, prompt_idx: int, ev: StepEvent, first: bool) -> str:
-        prefix = ""
-        if self.req.echo and first:
-            p = self.req.prompts()[prompt_idx]
-            prefix = p if isinstance(p, str) else (self.s.tokenizer.decode(p) if self.s.tokenizer else "")
+        prefix = self.job.echo_texts[prompt_idx] if self.req.echo and first else ""
         return prefix + ev.text
 
     async def chunks(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
@@ -130,23 +130,23 @@ class CompletionBuilder:
 class ChatBuilder:
     """/v1/chat/completions chunks (stream) or the whole response, from engine events."""
 
-    def __init__(self, server: Any, req: ChatCompletionRequest, prompt: list[int], rid: str) -> None:
-        self.s, self.req, self.prompt, self.rid = server, req, prompt, rid
-        self.model = server.response_model(req.model)  # the adapter the request named, or the served name
+    def __init__(self, chat: PreparedChat, rid: str, token_text: TokenText) -> None:
+        self.req, self.prompt, self.rid = chat.req, chat.prompt, rid
+        self.token_text = token_text
+        self.model = chat.model
         self.created = int(time.time())
         self.completion_tokens = 0
-        plan = req.tool_plan()  # validated when the request was prepared
-        self.tools = [ToolCallStream(plan) for _ in range(req.n)]
+        self.tools = [ToolCallStream(chat.tools) for _ in range(chat.req.n)]
 
     def _logprobs(self, ev: StepEvent) -> dict | None:
         if not self.req.logprobs:
             return None
         content = []
         for lp in ev.logprobs or []:
-            text = self.s.token_text(lp.token_id)
+            text = self.token_text(lp.token_id)
             content.append({
                 "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": (t := self.s.token_text(i)), "logprob": v, "bytes": list(t.encode())}
+                "top_logprobs": [{"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())}
                                  for i, v in lp.top]})
         return {"content": content}
 
@@ -154,8 +154,8 @@ class ChatBuilder:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": choices}
 
-    async def _choices(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
-        """One choice delta per event that has something to say."""
+    async def choices(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[dict]:
+        """One choice delta per event that has something to say (/v1/responses builds on these)."""
         async for _, ev in events:
             self.completion_tokens += len(ev.token_ids)
             logprobs = self._logprobs(ev)
@@ -168,7 +168,7 @@ class ChatBuilder:
         for i in range(self.req.n):
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
-        async for choice in self._choices(events):
+        async for choice in self.choices(events):
             yield self._chunk([choice])
         if self.req.stream_options and self.req.stream_options.include_usage:
             chunk = self._chunk([])
@@ -179,7 +179,7 @@ class ChatBuilder:
         choices: dict[int, dict[str, Any]] = {
             i: {"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(self.req.n)}
-        async for choice in self._choices(events):
+        async for choice in self.choices(events):
             c = choices[choice["index"]]
             message = c["message"]
             message["content"] += choice["delta"].get("content", "")

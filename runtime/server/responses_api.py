@@ -19,13 +19,13 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from lmfoundry.runtime.engine.outputs import StepEvent
+from lmfoundry.runtime.server.prepare import PreparedChat, Preparer
 from lmfoundry.runtime.server.protocol import ChatCompletionRequest, _Strict
 from lmfoundry.runtime.server.request_body import APIError
-from lmfoundry.runtime.server.responses import ChatBuilder
+from lmfoundry.runtime.server.responses import ChatBuilder, TokenText
 
 UNSUPPORTED = ("previous_response_id", "reasoning", "include", "background", "conversation", "prompt")
 
@@ -208,47 +208,46 @@ def _public(item: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in item.items() if not k.startswith("_")}
 
 
-async def create_response(server: Any, request: Request, body: bytes) -> Response:
-    """The /v1/responses handler; `server` is the app's OpenAIServer (its chat path and plumbing)."""
-    def prepare(raw: bytes) -> tuple[ResponsesRequest, ChatCompletionRequest, list[int], Any]:
-        req: ResponsesRequest = server.parse(raw, ResponsesRequest)
-        if (reason := req.unsupported()) is not None:
-            raise APIError(400, reason)
-        try:
-            chat = ChatCompletionRequest.model_validate(req.chat_body())
-        except ValueError as exc:  # also pydantic's ValidationError
-            message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-            raise APIError(400, message, param="input") from None
-        chat_req, ids, params = server.prepare_chat_request(chat)
-        return req, chat_req, ids, params
+def prepare_response(preparer: Preparer, body: bytes) -> tuple[ResponsesRequest, PreparedChat]:
+    """Parse a /v1/responses body and prepare it as the chat request it amounts to (the chat path's
+    one preparation: template, tool plan, sampling parameters, validation)."""
+    req = preparer.parse(body, ResponsesRequest)
+    if (reason := req.unsupported()) is not None:
+        raise APIError(400, reason)
+    try:
+        chat = ChatCompletionRequest.model_validate(req.chat_body())
+    except ValueError as exc:  # also pydantic's ValidationError
+        message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise APIError(400, message, param="input") from None
+    return req, preparer.chat_request(chat)
 
-    start = time.monotonic()
-    req, chat, ids, params = await server._off_loop(prepare, body)
-    rid = f"resp_{uuid.uuid4().hex}"
-    created = int(time.time())
-    events = server._submit([ids], params, rid, start)
-    builder = ChatBuilder(server, chat, ids, rid)
-    output = _Output()
 
-    def usage() -> dict[str, int]:
-        return {"input_tokens": len(ids), "output_tokens": builder.completion_tokens,
-                "total_tokens": len(ids) + builder.completion_tokens}
+class ResponseBuilder:
+    """The Responses object (whole) or its server-sent events (stream), from the chat path's
+    deltas (`ChatBuilder.choices`)."""
 
-    def status_of(finish: str | None) -> str:
-        return "incomplete" if finish == "length" else "completed"
+    def __init__(self, req: ResponsesRequest, chat: PreparedChat, rid: str, token_text: TokenText) -> None:
+        self.req, self.rid = req, rid
+        self.created = int(time.time())
+        self.chat = ChatBuilder(chat, rid, token_text)
+        self.output = _Output()
 
-    if not req.stream:
-        async def whole() -> dict[str, Any]:
-            finish = None
-            async for choice in builder._choices(events):
-                output.feed(choice["delta"])
-                finish = choice["finish_reason"] or finish
-            output.finish(status_of(finish))
-            return _response(rid, created, builder.model, output.public(), status_of(finish), usage(), req)
+    def _usage(self) -> dict[str, int]:
+        prompt, completion = len(self.chat.prompt), self.chat.completion_tokens
+        return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion}
 
-        return JSONResponse(await server._collect(request, whole()))
+    def _response(self, output: list[dict[str, Any]], status: str, usage: dict[str, int] | None) -> dict[str, Any]:
+        return _response(self.rid, self.created, self.chat.model, output, status, usage, self.req)
 
-    async def sse() -> AsyncIterator[str]:
+    async def collect(self, events: AsyncIterator[tuple[int, StepEvent]]) -> dict[str, Any]:
+        finish = None
+        async for choice in self.chat.choices(events):
+            self.output.feed(choice["delta"])
+            finish = choice["finish_reason"] or finish
+        self.output.finish(_status(finish))
+        return self._response(self.output.public(), _status(finish), self._usage())
+
+    async def events(self, events: AsyncIterator[tuple[int, StepEvent]]) -> AsyncIterator[str]:
         seq = 0
 
         def event(kind: str, fields: dict[str, Any]) -> str:
@@ -256,23 +255,24 @@ async def create_response(server: Any, request: Request, body: bytes) -> Respons
             seq += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-        started = _response(rid, created, builder.model, [], "in_progress", None, req)
+        started = self._response([], "in_progress", None)
         yield event("response.created", {"response": started})
         yield event("response.in_progress", {"response": started})
         finish = None
         try:
-            async for choice in builder._choices(events):
+            async for choice in self.chat.choices(events):
                 finish = choice["finish_reason"] or finish
-                for kind, fields in output.feed(choice["delta"]):
+                for kind, fields in self.output.feed(choice["delta"]):
                     yield event(kind, fields)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             yield event("error", {"code": "server_error", "message": str(exc), "param": None})
             return
-        status = status_of(finish)
-        for kind, fields in output.finish(status):
+        status = _status(finish)
+        for kind, fields in self.output.finish(status):
             yield event(kind, fields)
-        final = _response(rid, created, builder.model, output.public(), status, usage(), req)
+        final = self._response(self.output.public(), status, self._usage())
         yield event("response.completed" if status == "completed" else "response.incomplete", {"response": final})
 
-    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                              "X-Request-Id": rid})
+
+def _status(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from helpers import start_serve, stop_serve, wait_for_url
 
-from lmfoundry.runtime.server.app import MAX_EMBEDDING_INPUTS, MAX_EMBEDDING_TOKENS
+from lmfoundry.runtime.server.prepare import MAX_EMBEDDING_INPUTS, MAX_EMBEDDING_TOKENS
 
 from .test_server import metric
 
