@@ -1,7 +1,7 @@
 """Request preparation: a request body becomes the prepared object every later stage reads.
 
 A completion or chat body is parsed once, checked once, templated and tokenized, and its
-`SamplingParams`, tool plan and output constraint are worked out once; the result
+`SamplingParams`, tool tool_choice and output constraint are worked out once; the result
 (`PreparedCompletion`, `PreparedChat`) is all the engine submission and the response builders
 need, so none of them goes back to the request schema or to the server. It runs in the server's
 preparation threads (a chat template or a multi-megabyte prompt takes a while), so nothing here
@@ -24,7 +24,7 @@ from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, FieldError
 from lmfoundry.runtime.server.request_body import APIError, parse_body
-from lmfoundry.runtime.server.tools import ToolPlan
+from lmfoundry.runtime.server.tools import ToolChoice
 
 M = TypeVar("M", bound=BaseModel)
 # /v1/embeddings: OpenAI's limits on one request (more is a 400). The engine schedules the inputs a
@@ -51,7 +51,7 @@ class PreparedChat:
     req: ChatCompletionRequest
     prompt: list[int]
     params: SamplingParams
-    tools: ToolPlan  # resolved once; the response turns the output into tool calls by it
+    tools: ToolChoice  # resolved once; the response turns the output into tool calls by it
     model: str  # the `model` the response reports
 
 
@@ -128,32 +128,32 @@ class Preparer:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
         try:
-            plan = req.tool_plan()
+            tool_choice = req.resolve_tool_choice()
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
-        ids = self._template(req, plan)
+        ids = self._template(req, tool_choice)
         max_tokens = req.wanted_max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.info.max_model_len - len(ids))
         top = req.top_logprobs if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = self._params(req, max_tokens, (top or 0) if req.logprobs else None, tools=plan)
-        if plan.constrained:
+        params = self._params(req, max_tokens, (top or 0) if req.logprobs else None, tools=tool_choice)
+        if tool_choice.constrained:
             for i, tool in enumerate(req.tools or []):  # name the function whose schema is refused
-                if plan.mode == "required" or tool.function.name == plan.named:
-                    self._check_schema(plan.functions[tool.function.name], f"tools[{i}].function.parameters")
-            if plan.mode == "required":  # a named call's schema is its function's, checked above
+                if tool_choice.mode == "required" or tool.function.name == tool_choice.named:
+                    self._check_schema(tool_choice.functions[tool.function.name], f"tools[{i}].function.parameters")
+            if tool_choice.mode == "required":  # a named call's schema is its function's, checked above
                 self._check_schema(params.json_schema, "tools")
         else:
             self._check_schema(params.json_schema, "response_format")
         self._check(ids, params)
-        return PreparedChat(req, ids, params, plan, self._reported(req.model))
+        return PreparedChat(req, ids, params, tool_choice, self._reported(req.model))
 
-    def _template(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    def _template(self, req: ChatCompletionRequest, tool_choice: ToolChoice) -> list[int]:
         """The prompt's token ids: the messages (and tools) through the model's chat template."""
         # With tool_choice "none" the tools stay out of the prompt: the request runs as one without tools.
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if plan.mode != "none" else None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if tool_choice.mode != "none" else None
         variables = req.chat_template_kwargs or {}
         call = inspect.signature(self.tokenizer.apply_chat_template).parameters
         named = {n for n, p in call.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
@@ -216,7 +216,7 @@ class Preparer:
             raise APIError(400, str(exc), param="prompt") from None
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
-                prompt_logprobs: int | None = None, tools: ToolPlan | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None, tools: ToolChoice | None = None) -> SamplingParams:
         """The request's SamplingParams; a malformed field (a logit_bias key that is not a token
         id, a response_format that cannot be honoured) is a 400 naming it."""
         try:

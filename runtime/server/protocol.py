@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
-from lmfoundry.runtime.server.tools import NAME_PATTERN, NO_PARAMETERS, ToolMode, ToolPlan
+from lmfoundry.runtime.server.tools import NAME_PATTERN, NO_PARAMETERS, ToolChoice, ToolMode
 
 
 class FieldError(ValueError):
@@ -153,9 +153,9 @@ class _Sampling(_Strict):
         return out
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                        tools: ToolPlan | None = None) -> SamplingParams:
+                        tools: ToolChoice | None = None) -> SamplingParams:
         """The engine's settings for this request (FieldError for a malformed logit_bias key or
-        response format); `tools`: a chat request's resolved tool plan (`tool_plan`)."""
+        response format); `tools`: a chat request's resolved tool choice (`resolve_tool_choice`)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -189,9 +189,9 @@ class _Sampling(_Strict):
             ("guided_grammar", self.guided_grammar), ("structured_outputs.grammar", so.get("grammar")))
             if v is not None]
 
-    def output_constraint(self, tools: ToolPlan | None = None) -> dict[str, Any]:
+    def output_constraint(self, tools: ToolChoice | None = None) -> dict[str, Any]:
         """The SamplingParams field that constrains the output (none: free text): the call schema of
-        a constrained tool plan (`tool_plan` refused any other constraint beside it), a JSON schema
+        a constrained tool choice (`resolve_tool_choice` refused any other constraint beside it), a JSON schema
         (output_schema), a regular expression (guided_regex, structured_outputs.regex), one of
         several strings (guided_choice, structured_outputs.choice: a grammar of literals) or a Lark
         grammar (guided_grammar, structured_outputs.grammar); one at a time."""
@@ -338,7 +338,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[ToolDefinition] | None = None
-    # "none", "auto", "required" or a NamedToolChoice; parsed by `tool_plan` so that a bad value is
+    # "none", "auto", "required" or a NamedToolChoice; parsed by `resolve_tool_choice` so that a bad value is
     # one clear 400 rather than an error per member of a union.
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -370,7 +370,7 @@ class ChatCompletionRequest(_Sampling):
                 return f"{name} is not supported by this server"
         return super().unsupported()
 
-    def tool_plan(self) -> ToolPlan:
+    def resolve_tool_choice(self) -> ToolChoice:
         """The resolved tool choice (FieldError for tools or a tool_choice that cannot be honoured):
         "auto" when tools are given without a tool_choice, "none" without tools."""
         tools = self.tools or []
@@ -378,7 +378,7 @@ class ChatCompletionRequest(_Sampling):
         if not tools:
             if choice is not None and choice != "none":
                 raise FieldError("tool_choice needs tools", "tool_choice")
-            return ToolPlan("none")
+            return ToolChoice("none")
         functions: dict[str, dict[str, Any]] = {}
         for i, tool in enumerate(tools):
             name = tool.function.name
@@ -393,14 +393,14 @@ class ChatCompletionRequest(_Sampling):
             if choice.function.name not in functions:
                 raise FieldError(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
                                  "tool_choice")
-            plan = ToolPlan("named", functions, choice.function.name, parallel)
+            resolved = ToolChoice("named", functions, choice.function.name, parallel)
         else:
             mode: ToolMode = "none" if choice == "none" else "required" if choice == "required" else "auto"
-            plan = ToolPlan(mode, functions, None, parallel)
-        if plan.constrained and (self.output_schema() is not None or self._guided()):
+            resolved = ToolChoice(mode, functions, None, parallel)
+        if resolved.constrained and (self.output_schema() is not None or self._guided()):
             raise FieldError("response_format (or a guided_* constraint) cannot be combined with tool_choice "
                              "'required' or a named function (the output is the tool call)", "response_format")
-        return plan
+        return resolved
 
     def _tool_choice(self) -> str | NamedToolChoice | None:
         choice = self.tool_choice

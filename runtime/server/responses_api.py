@@ -210,7 +210,7 @@ def _public(item: dict[str, Any]) -> dict[str, Any]:
 
 def prepare_response(preparer: Preparer, body: bytes) -> tuple[ResponsesRequest, PreparedChat]:
     """Parse a /v1/responses body and prepare it as the chat request it amounts to (the chat path's
-    one preparation: template, tool plan, sampling parameters, validation)."""
+    one preparation: template, tool choice, sampling parameters, validation)."""
     req = preparer.parse(body, ResponsesRequest)
     if (reason := req.unsupported()) is not None:
         raise APIError(400, reason)

@@ -49,7 +49,7 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 
 @dataclass
-class ToolPlan:
+class ToolChoice:
     """A request's resolved tool choice: the mode, the functions (name -> parameters schema) and,
     for a named choice, the function."""
 
@@ -108,31 +108,31 @@ def _could_become_call(text: str) -> bool:
 
 
 class ToolCallStream:
-    """Turns one choice's generated text into chat deltas under a `ToolPlan`: `feed` takes each
+    """Turns one choice's generated text into chat deltas under a `ToolChoice`: `feed` takes each
     event's new text and finish reason and returns the delta to send (possibly empty) and the
     finish reason to report. Whole responses are built from the same deltas, so streamed and
     whole responses agree."""
 
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
+    def __init__(self, tool_choice: ToolChoice) -> None:
+        self.tool_choice = tool_choice
         self.held = ""  # text not sent yet (required output, or auto output that may be a call)
-        self.passthrough = plan.mode == "none"  # sending text as content as it comes
+        self.passthrough = tool_choice.mode == "none"  # sending text as content as it comes
         self.call_id: str | None = None  # the named call's id once its first delta is sent
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         if self.passthrough:
             return ({"content": text} if text else {}), finish_reason
-        if self.plan.mode == "named":
+        if self.tool_choice.mode == "named":
             return self._named(text, finish_reason)
         self.held += text
-        if self.plan.mode == "auto" and not _could_become_call(self.held):
+        if self.tool_choice.mode == "auto" and not _could_become_call(self.held):
             self.passthrough = True
             held, self.held = self.held, ""
             return ({"content": held} if held else {}), finish_reason
         if finish_reason is None:
             return {}, None
         held, self.held = self.held, ""
-        calls = parse_tool_calls(held, self.plan.functions)
+        calls = parse_tool_calls(held, self.tool_choice.functions)
         if calls is None:
             return ({"content": held} if held else {}), finish_reason
         deltas = [_call_delta(i, new_call_id(), name, args) for i, (name, args) in enumerate(calls)]
@@ -143,4 +143,4 @@ class ToolCallStream:
         if self.call_id is not None:
             return ({"tool_calls": [_call_delta(0, None, None, text)]} if text else {}), reason
         self.call_id = new_call_id()  # the first delta names the call, even before any argument text
-        return {"tool_calls": [_call_delta(0, self.call_id, self.plan.named, text)]}, reason
+        return {"tool_calls": [_call_delta(0, self.call_id, self.tool_choice.named, text)]}, reason

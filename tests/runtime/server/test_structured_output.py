@@ -18,7 +18,7 @@ from lmfoundry.runtime.engine import SamplingParams
 from lmfoundry.runtime.engine.tool_calls import parse_tool_calls
 from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.protocol import ChatMessage
-from lmfoundry.runtime.server.tools import ToolCallStream, ToolPlan
+from lmfoundry.runtime.server.tools import ToolCallStream, ToolChoice
 
 from .test_sampling_params import reference_ids
 from .test_server import assert_healthy
@@ -328,19 +328,19 @@ def test_parse_tool_calls(text: str, want) -> None:
 
 
 def test_auto_stream_passes_text_through_and_holds_back_what_may_be_a_call() -> None:
-    plan = ToolPlan("auto", FUNCTIONS)
-    words = ToolCallStream(plan)
+    tool_choice = ToolChoice("auto", FUNCTIONS)
+    words = ToolCallStream(tool_choice)
     assert words.feed("  ", None) == ({}, None)  # may still become a call
     assert words.feed("Hi", None) == ({"content": "  Hi"}, None)
     assert words.feed(" there", "stop") == ({"content": " there"}, "stop")
-    call = ToolCallStream(plan)
+    call = ToolCallStream(tool_choice)
     assert call.feed("<tool", None) == ({}, None)
     assert call.feed('_call>{"name": "add", "arguments": {"a": 1}}', None) == ({}, None)
     delta, reason = call.feed("</tool_call>", "stop")
     assert reason == "tool_calls"
     (entry,) = delta["tool_calls"]
     assert entry["index"] == 0 and entry["function"] == {"name": "add", "arguments": '{"a": 1}'}
-    broken = ToolCallStream(plan)
+    broken = ToolCallStream(tool_choice)
     assert broken.feed('{"name": "add", "argu', None) == ({}, None)
     assert broken.feed("", "length") == ({"content": '{"name": "add", "argu'}, "length")
 
