@@ -55,22 +55,16 @@ def compiler_version() -> str:
         return "unknown"
 
 
-def cpu_refusal(cfg: ModelConfig) -> str | None:
-    """Why the compiled CPU step cannot express this model (None: it can)."""
-    if cfg.is_moe:
-        return (f"{cfg.model_type} (mixture of experts) routes tokens by value, which one traced graph cannot "
-                "hold; serve the checkpoint folder itself")
-    if cfg.needs_attention_spec:
-        return (f"{cfg.model_type} attends with soft-capping, its own scale or sliding windows, which the "
-                "compiled step's attention op does not carry; serve the checkpoint folder itself")
-    return None
-
-
 class _Step(nn.Module):
-    """hidden_states over a flat batch, every attention an `lmfoundry::attend` op."""
+    """hidden_states over a flat batch: every attention an `lmfoundry::attend` op, every
+    mixture-of-experts block an `lmfoundry::moe` op (see `runtime.engine.compiled_step`)."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()
+        from lmfoundry.runtime.engine.compiled_step import ExportedMoE, moe_blocks
+
+        for layer in moe_blocks(model):  # the experts stay the eager model's, outside the package
+            model.model.layers[layer].mlp = ExportedMoE(layer)
         self.model = model  # CausalLM
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -116,9 +110,6 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
     final = Path(output) if output is not None else default_output(Path(checkpoint))
     _check_output(final, folder)
     cfg = ModelConfig.from_file(folder)
-    refusal = cpu_refusal(cfg)
-    if refusal is not None:
-        raise UserError(f"{checkpoint}: --arch cpu: {refusal}")
     if not native_bf16():
         raise UserError("--arch cpu compiles the bfloat16 step, and this CPU has no bf16 arithmetic "
                         "(AVX512-BF16 or AMX); serve the checkpoint folder itself (float32)")

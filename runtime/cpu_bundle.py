@@ -44,7 +44,7 @@ def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype |
     line) the packed eager model of the same weights."""
     from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.runtime.bundle_manifest import verify_weights
-    from lmfoundry.runtime.engine.compiled_step import compiled_step_refusal, load_compiled_step
+    from lmfoundry.runtime.engine.compiled_step import compiled_step_refusal, load_compiled_step, moe_blocks
     from lmfoundry.runtime.loader import load_causal_lm
 
     entry = manifest["cpu"]
@@ -60,6 +60,6 @@ def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype |
         return model
     # the eager layers stay: `eval ppl` and eval-gate call the model on whole windows without a paged
     # cache, and a step over more than max_tokens tokens runs them
-    model.compiled_step = load_compiled_step(package)  # type: ignore[assignment]
+    model.compiled_step = load_compiled_step(package, moe_blocks(model))  # type: ignore[assignment]
     model.compiled_max_tokens = int(entry["max_tokens"])  # type: ignore[assignment]
     return model

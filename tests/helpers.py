@@ -729,3 +729,55 @@ def plain_lora(model: Any, folder: Path) -> Any:
 
         module.register_forward_hook(add)
     return model
+
+
+GEMMA_WINDOW = 8  # tiny Gemmas' sliding window: shorter than the tests' sequences
+GEMMA_COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
+              max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+
+
+def tiny_gemma_folder(folder: Path, model_type: str, **extra: object) -> Path:
+    """A random transformers Gemma saved with save_pretrained (+ a tokenizer). Weights get real
+    signal: unit-scale linears (transformers' init is std 0.02) and norm gains 1 + N(0, 0.1²)."""
+    if model_type == "gemma2":
+        from transformers import Gemma2Config as Config
+        from transformers import Gemma2ForCausalLM as Model
+
+        cfg = Config(**GEMMA_COMMON, **extra, attn_logit_softcapping=4.0, final_logit_softcapping=10.0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    else:
+        from transformers import Gemma3ForCausalLM as Model
+        from transformers import Gemma3TextConfig as Config
+
+        cfg = Config(**GEMMA_COMMON, **extra, final_logit_softcapping=10.0,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    return save_transformers_model(Model, cfg, folder, norm_center=0.0)
+
+
+def tiny_moe_folder(arch: str, folder: Path) -> Path:
+    """A random Mixtral or Qwen3-MoE saved with transformers' save_pretrained (+ the tiny tokenizer)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                  tie_word_embeddings=False, num_experts_per_tok=2)
+    if arch == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=64, num_local_experts=4, **common))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                                                   head_dim=16, norm_topk_prob=True, **common))
+    torch.manual_seed(0)
+    with torch.no_grad():  # transformers' init is tiny (std 0.02): give every layer real signal
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                continue
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.eval().save_pretrained(str(folder))
+    tiny_tokenizer(256).save_pretrained(str(folder))
+    return folder

@@ -3,11 +3,16 @@
 What is compiled: `CausalLM.hidden_states(ids [T], positions [T])` for any T (the flat batch of a
 step: decodes and prefill chunks together), with the packed W4A16/W8A16 linears as int4pack /
 int8pack ops, which Inductor's C++ GEMM templates (AMX or AVX-512 micro-kernels) replace, and the
-norms, rotary and SiLU fused into C++ loops. What is not: attention over the paged KV cache,
-whose shape is the step's (ragged decode group, chunks, prefix hits). It stays one opaque op,
-`lmfoundry::attend(q, k, v, layer)`, that calls the step's `PagedAttention` (the engine's CPU
-attention), set around each call with `attention_context`. The LM head stays eager (the engine
-applies it to the rows it samples).
+norms, rotary and SiLU fused into C++ loops. What is not, each one opaque op that calls back into
+the engine around each call (`step_context`):
+- attention over the paged KV cache, whose shape is the step's (ragged decode group, chunks,
+  prefix hits): `lmfoundry::attend(q, k, v, layer, scale, softcap, window)` calls the step's
+  `PagedAttention` (the engine's CPU attention, in whatever format the KV cache stores), with the
+  layer's `AttentionSpec` (Gemma's scale and soft-cap, sliding windows) as plain numbers;
+- a mixture-of-experts block, which routes tokens by value (a traced graph has one shape per
+  tensor): `lmfoundry::moe(x, layer)` runs the eager model's `SparseMoE` of that layer, so the
+  experts' weights are the eager model's, not a second copy in the package.
+The LM head stays eager (the engine applies it to the rows it samples).
 
 A compiled step is machine code for one ISA: `load_compiled_step` refuses a package built for
 another one (or by another torch) with the reason, and the caller serves the packed eager model.
@@ -17,58 +22,118 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
+from torch import nn
+
+from lmfoundry.model.reference import AttentionSpec
 
 _ACTIVE = threading.local()
 
 
 @torch.library.custom_op("lmfoundry::attend", mutates_args=())
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Attention of one layer for the current step (writes k/v into the paged cache, reads it)."""
-    context = getattr(_ACTIVE, "context", None)
-    if context is None:
-        raise RuntimeError("lmfoundry::attend called outside attention_context")
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float = 0.0,
+           softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+    """Attention of one layer for the current step (writes k/v into the paged cache, reads it).
+    `scale` 0: plain causal attention; else the layer's `AttentionSpec` (`softcap` / `window` 0:
+    none), the numbers a traced graph can carry."""
+    active = _active()
+    spec = None if scale == 0.0 else AttentionSpec(scale, softcap or None, window or None)
+    out = active.context.attend(layer, q, k, v) if spec is None else active.context.attend(layer, q, k, v, spec)
     # the compiled caller reads the result with the strides the fake below declares: contiguous
-    return context.attend(layer, q, k, v).contiguous()
+    return out.contiguous()
 
 
 @attend.register_fake
-def _attend_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _attend_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float = 0.0,
+                 softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("lmfoundry::moe", mutates_args=())
+def moe(x: torch.Tensor, layer: int) -> torch.Tensor:
+    """The mixture-of-experts block of one layer, run by the eager model's module."""
+    block = _active().moe_blocks.get(layer)
+    if block is None:
+        raise RuntimeError(f"lmfoundry::moe: no mixture-of-experts block for layer {layer}")
+    return block(x).contiguous()
+
+
+@moe.register_fake
+def _moe_fake(x: torch.Tensor, layer: int) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@dataclass
+class _Step:
+    context: Any  # the step's attention (`PagedAttention`)
+    moe_blocks: dict[int, nn.Module] = field(default_factory=dict)
+
+
+def _active() -> _Step:
+    active = getattr(_ACTIVE, "step", None)
+    if active is None:
+        raise RuntimeError("a compiled step's op was called outside step_context")
+    return active
 
 
 class ExportedAttention:
     """The attention context the model is traced with: each layer's attention becomes one
-    `lmfoundry::attend` call in the graph."""
+    `lmfoundry::attend` call in the graph, its `AttentionSpec` (if any) as numbers."""
 
-    supports_attention_spec = False  # plain causal attention only (see compile's refusal)
+    supports_attention_spec = True
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.lmfoundry.attend(q, k, v, layer_idx)
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
+        if spec is None:
+            return torch.ops.lmfoundry.attend(q, k, v, layer_idx)
+        return torch.ops.lmfoundry.attend(q, k, v, layer_idx, float(spec.scale), float(spec.softcap or 0.0),
+                                          int(spec.window or 0))
+
+
+class ExportedMoE(nn.Module):
+    """Stands in for one layer's `SparseMoE` while the step is traced: a `lmfoundry::moe` call."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.lmfoundry.moe(x, self.layer)
+
+
+def moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
+    """Layer index -> the model's mixture-of-experts block (what `lmfoundry::moe` runs)."""
+    from lmfoundry.model.reference import SparseMoE
+
+    layers = cast(nn.ModuleList, model.get_submodule("model.layers"))
+    return {i: layer.mlp for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE)}
 
 
 @contextlib.contextmanager
-def attention_context(context: Any) -> Iterator[None]:
-    previous = getattr(_ACTIVE, "context", None)
-    _ACTIVE.context = context
+def step_context(context: Any, blocks: dict[int, nn.Module] | None = None) -> Iterator[None]:
+    previous = getattr(_ACTIVE, "step", None)
+    _ACTIVE.step = _Step(context, blocks or {})
     try:
         yield
     finally:
-        _ACTIVE.context = previous
+        _ACTIVE.step = previous
 
 
 class CompiledStep:
-    """hidden_states(ids, positions, context) through an AOTInductor package."""
+    """hidden_states(ids, positions, context) through an AOTInductor package; `moe_blocks` are
+    the eager model's mixture-of-experts blocks its `lmfoundry::moe` calls run."""
 
-    def __init__(self, runner: Any, path: Path) -> None:
+    def __init__(self, runner: Any, path: Path, moe_blocks: dict[int, nn.Module] | None = None) -> None:
         self.runner = runner
         self.path = path
+        self.moe_blocks = moe_blocks or {}
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, context: Any) -> torch.Tensor:
-        with attention_context(context), torch.inference_mode():
+        with step_context(context, self.moe_blocks), torch.inference_mode():
             return self.runner(ids, positions)
 
 
@@ -85,6 +150,6 @@ def compiled_step_refusal(entry: dict[str, Any]) -> str | None:
     return None
 
 
-def load_compiled_step(package: Path) -> CompiledStep:
+def load_compiled_step(package: Path, moe: dict[int, nn.Module] | None = None) -> CompiledStep:
     runner = torch._inductor.aoti_load_package(str(package))
-    return CompiledStep(runner, package)
+    return CompiledStep(runner, package, moe)

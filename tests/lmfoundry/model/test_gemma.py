@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_eager, reference_greedy, save_transformers_model
+from helpers import GEMMA_WINDOW as WINDOW
+from helpers import hf_eager, reference_greedy, tiny_gemma_folder
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
@@ -23,36 +24,12 @@ from lmfoundry.model.config import ModelConfig
 from lmfoundry.recipe import Recipe
 from lmfoundry.runtime.loader import load_model
 
-WINDOW = 8
 IDS = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
-              max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=3)
-
-
-def _build(folder: Path, model_type: str, **extra: object) -> Path:
-    """A random transformers Gemma saved with save_pretrained (+ a tokenizer). Weights get real
-    signal: unit-scale linears (transformers' init is std 0.02) and norm gains 1 + N(0, 0.1²)."""
-    if model_type == "gemma2":
-        from transformers import Gemma2Config as Config
-        from transformers import Gemma2ForCausalLM as Model
-
-        cfg = Config(**COMMON, **extra, attn_logit_softcapping=4.0, final_logit_softcapping=10.0,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    else:
-        from transformers import Gemma3ForCausalLM as Model
-        from transformers import Gemma3TextConfig as Config
-
-        cfg = Config(**COMMON, **extra, final_logit_softcapping=10.0,
-                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-    return save_transformers_model(Model, cfg, folder, norm_center=0.0)
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3_text"])
 def gemma(request, tmp_path_factory) -> Path:
-    return _build(tmp_path_factory.mktemp(request.param) / "src", request.param)
+    return tiny_gemma_folder(tmp_path_factory.mktemp(request.param) / "src", request.param)
 
 
 def test_config_reads_the_gemma_switches(gemma: Path) -> None:
@@ -415,7 +392,7 @@ def test_tensor_parallel_gemma_decodes_like_one_process(gemma: Path, tied: bool,
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
     if not tied:
-        gemma = _build(tmp_path / "untied", ModelConfig.from_file(gemma).model_type, tie_word_embeddings=False)
+        gemma = tiny_gemma_folder(tmp_path / "untied", ModelConfig.from_file(gemma).model_type, tie_word_embeddings=False)
 
     prompts = [[5, 9, 33, 70, 12, 90, 17], [7, 8, 100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_engine_serves_like_reference, tiny_tokenizer
+from helpers import assert_engine_serves_like_reference, tiny_moe_folder
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
@@ -26,34 +26,9 @@ IDS = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(0))
 ARCHS = ("mixtral", "qwen3_moe")
 
 
-def build(arch: str, folder: Path) -> Path:
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-                  tie_word_embeddings=False, num_experts_per_tok=2)
-    if arch == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=64, num_local_experts=4, **common))
-    else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-                                                   head_dim=16, norm_topk_prob=True, **common))
-    torch.manual_seed(0)
-    with torch.no_grad():  # transformers' init is tiny (std 0.02): give every layer real signal
-        for name, p in model.named_parameters():
-            if "embed" in name:
-                continue
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif p.ndim >= 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    model.eval().save_pretrained(str(folder))
-    tiny_tokenizer(256).save_pretrained(str(folder))
-    return folder
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def moe(request, tmp_path_factory) -> Path:
-    return build(request.param, tmp_path_factory.mktemp(request.param) / "src")
+    return tiny_moe_folder(request.param, tmp_path_factory.mktemp(request.param) / "src")
 
 
 def stored_names(folder: Path) -> set[str]:
@@ -168,7 +143,7 @@ def assert_experts_decompress_like_compressed_tensors(folder: Path, qcfg: dict) 
 def test_routed_calibration_gives_unchosen_experts_statistics(tmp_path: Path) -> None:
     """With one short sample most of 8 experts get no token in "routed" mode; they calibrate on
     every token instead, so GPTQ and AWQ produce finite scales for all of them."""
-    src = build("qwen3_moe", tmp_path / "src")
+    src = tiny_moe_folder("qwen3_moe", tmp_path / "src")
     rec = recipe("gptq", {"scheme": "w4a16", "group_size": 32}, num_samples=1, seq_len=2, moe_experts="routed",
                  batch_size=1)
     run_job(QuantizeJob(str(src), tmp_path / "gptq", rec, progress=False))
@@ -278,7 +253,7 @@ def test_doctor_splits_each_expert_for_tensor_parallel(tmp_path: Path) -> None:
     not used by any layer): at tp 2 each rank holds 2 x 16 gate/up rows of each expert."""
     from lmfoundry.preflight import WARN, diagnose
 
-    src = build("qwen3_moe", tmp_path / "src")
+    src = tiny_moe_folder("qwen3_moe", tmp_path / "src")
     report = diagnose(str(src), recipe("rtn", {"scheme": "w4a16", "group_size": 32}), tp=2)
     check = next(c for c in report.checks if c.name == "tensor parallel 2")
     assert check.status == WARN and "gate_up_proj: 32 x 64 per rank" in check.detail, check.detail
