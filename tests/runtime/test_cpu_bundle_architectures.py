@@ -4,7 +4,8 @@ layers with their own rope base) and a mixture of experts (Qwen3-MoE). Attention
 passes the layer's `AttentionSpec` to the engine's paged attention, an MoE block one op that runs
 the eager model's block, so the bundle must serve the checkpoint's greedy tokens (up to bf16 ties)
 through its compiled step, with the experts' weights held once. Prompts and outputs run past the
-tiny Gemmas' window (8 tokens), so a window or soft-cap dropped on the way would change tokens."""
+tiny Gemmas' window (8 tokens). A Llama checkpoint with an int8 KV cache checks the package's
+attention reads the quantized cache."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_up_to_bf16_ties, tiny_gemma_folder, tiny_moe_folder, write_text
+from helpers import assert_greedy_up_to_bf16_ties, tiny_gemma_folder, tiny_model_folder, tiny_moe_folder, write_text
 
 from lmfoundry.cli import main
 from lmfoundry.model.reference import AttentionSpec, SparseMoE
@@ -27,16 +28,21 @@ PROMPTS = [[1, 5, 9, 200, 17], [1, 3] * 7, [1, 100, 101, 102, 103, 104, 105, 106
 
 
 def _source(kind: str, folder: Path) -> Path:
-    return tiny_moe_folder(kind, folder) if kind == "qwen3_moe" else tiny_gemma_folder(folder, kind)
+    if kind == "qwen3_moe":
+        return tiny_moe_folder(kind, folder)
+    if kind == "llama-int8-kv":
+        return tiny_model_folder(folder, "llama")
+    return tiny_gemma_folder(folder, kind)
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gemma3_text", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["gemma2", "gemma3_text", "qwen3_moe", "llama-int8-kv"])
 def bundle(request, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp(request.param)
     checkpoint = root / "w4a16"
+    kv = ["--kv-cache", "int8"] if request.param.endswith("int8-kv") else []
     main(["quantize", str(_source(request.param, root / "src")), "-o", str(checkpoint), "--quiet", "--method", "rtn",
           "--scheme", "w4a16", "--group-size", "32", "--num-samples", "2", "--seq-len", "32",
-          "--calib", str(write_text(root / "c.txt"))])
+          "--calib", str(write_text(root / "c.txt")), *kv])
     engine = root / "engine"
     main(["compile", str(checkpoint), "--arch", "cpu", "-o", str(engine), "--max-tokens", "64"])
     return checkpoint, engine
@@ -89,6 +95,8 @@ def test_the_bundle_serves_the_checkpoints_tokens_through_its_compiled_step(bund
     assert model.compiled_step is not None
     engine, outs = _greedy(model, tok)
     assert engine.runner.executor.compiled_steps > 0  # prefill chunks and decodes ran the package
+    if "int8-kv" in str(checkpoint.parent.name):  # the package attends over the checkpoint's int8 KV cache
+        assert all(f.storage_dtype == torch.int8 for f in engine.runner.executor.formats)
     eager, _ = load_model(checkpoint, dtype=torch.bfloat16)
     _, want = _greedy(eager, tok)
     assert_greedy_up_to_bf16_ties(eager, [o.outputs[0].token_ids for o in outs], want)
