@@ -32,8 +32,8 @@ from lmfoundry.recipe import Recipe
 if TYPE_CHECKING:
     from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.model.config import ModelConfig
+    from lmfoundry.quantformat.scheme import QuantizationPlan
     from lmfoundry.quantizers.base import Quantizer
-    from lmfoundry.quantizers.scheme import QuantizationPlan
 
 OFFLOAD_CHOICES = ("auto", "yes", "no")
 

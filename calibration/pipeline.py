@@ -32,9 +32,9 @@ from lmfoundry.heap import release_free_heap
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.reference import DecoderLayer, ExpertCalibration, RotaryEmbedding, SparseMoE
 from lmfoundry.model.reference import embed as embed_rows
+from lmfoundry.quantformat.qmath import all_finite, check_group_size
+from lmfoundry.quantformat.scheme import QuantizationPlan, Scheme
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
-from lmfoundry.quantizers.qmath import all_finite, check_group_size
-from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme
 
 Propagate = Literal["quantized", "float"]
 

@@ -18,7 +18,7 @@ from lmfoundry.checkpoint.sources import safetensors_files
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import contained_file
 from lmfoundry.model.config import LAYER_LINEARS, ModelConfig
-from lmfoundry.quantizers.scheme import Scheme, plan_from_compressed_tensors
+from lmfoundry.quantformat.scheme import Scheme, plan_from_compressed_tensors
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import FP8_MIN_CAPABILITY, parse_arch
 from lmfoundry.model.config import FUSED_LINEARS, ModelConfig
-from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, Scheme
+from lmfoundry.quantformat.scheme import QuantArgs, QuantizationPlan, Scheme
 from lmfoundry.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -375,7 +375,7 @@ def _plan_checks(report: DoctorReport, config: ModelConfig, plan: QuantizationPl
     """The checks of a built plan (schema, fused modules, tensor parallel, arch, KV cache, memory);
     without a quantizer (its method refused the scheme) calibration data is assumed needed."""
     from lmfoundry.calibration.memory import calibration_bytes
-    from lmfoundry.quantizers.scheme import to_compressed_tensors
+    from lmfoundry.quantformat.scheme import to_compressed_tensors
 
     q, c = recipe.quantize, recipe.calibration
     needs_data = quantizer is None or quantizer.needs_calibration or plan.kv_cache is not None

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from lmfoundry.model.config import input_groups
-from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers.scheme import QuantArgs, Scheme
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.scheme import QuantArgs, Scheme
 
 
 class InputRecorder:

@@ -43,18 +43,18 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import QKV, ROUTER
 from lmfoundry.model.reference import DecoderLayer, RMSNorm
-from lmfoundry.quantizers import qmath
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import QuantArgs, Scheme
 from lmfoundry.quantizers.base import (
     LayerCalibration,
     LayerResult,
-    QuantizedWeight,
     Quantizer,
     get_linear,
     weight_error,
 )
 from lmfoundry.quantizers.hessian import DEFAULT_TOKEN_CAP, cap_token_energy, group_statistics
 from lmfoundry.quantizers.observers import weight_observer
-from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 

@@ -18,31 +18,8 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import GATE_UP, QKV
 from lmfoundry.model.reference import MLP, DecoderLayer, SparseMoE
-from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers.scheme import QuantArgs, Scheme
-
-
-@dataclass
-class QuantizedWeight:
-    """Codes plus qparams of one linear's weight, in compressed-tensors conventions."""
-
-    q: torch.Tensor  # int8 codes (any bit width <= 8) or float8_e4m3fn, shape [out, in]
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None
-    args: QuantArgs
-    g_idx: torch.Tensor | None = None  # group of each input column (GPTQ act-order "dynamic")
-    input_scale: torch.Tensor | None = None  # static activation scale (w8a8-static, fp8-static)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.g_idx is None:
-            return qmath.dequantize(self.q, self.scale, self.zero_point, self.args, dtype)
-        # per-column groups: gather each column's scale/zero point
-        s = self.scale[:, self.g_idx]
-        deq = self.q.to(s.dtype)
-        if self.zero_point is not None:
-            deq = deq - self.zero_point[:, self.g_idx].to(s.dtype)
-        return (deq * s).to(dtype)
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import Scheme
 
 
 @dataclass

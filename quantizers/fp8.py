@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
+from lmfoundry.quantformat.scheme import Scheme
 from lmfoundry.quantizers.activations import (
     InputRecorder,
     input_recorders,
@@ -22,7 +23,6 @@ from lmfoundry.quantizers.activations import (
 )
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer
 from lmfoundry.quantizers.rtn import float_weight, rtn_quantize_weight
-from lmfoundry.quantizers.scheme import Scheme
 
 
 class FP8Quantizer(Quantizer):

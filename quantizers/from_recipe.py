@@ -17,8 +17,8 @@ from lmfoundry.errors import UserError
 
 if TYPE_CHECKING:
     from lmfoundry.model.config import ModelConfig
+    from lmfoundry.quantformat.scheme import QuantizationPlan, Strategy
     from lmfoundry.quantizers.base import Quantizer
-    from lmfoundry.quantizers.scheme import QuantizationPlan, Strategy
     from lmfoundry.recipe import QuantizeSection
 
 KV_CHOICES = ("int8", "fp8")
@@ -26,7 +26,7 @@ KV_CHOICES = ("int8", "fp8")
 
 def build_plan(q: QuantizeSection) -> QuantizationPlan:
     """The QuantizationPlan a recipe's `quantize` section describes."""
-    from lmfoundry.quantizers.scheme import QuantArgs, QuantizationPlan, SchemeGroup, make_scheme
+    from lmfoundry.quantformat.scheme import QuantArgs, QuantizationPlan, SchemeGroup, make_scheme
 
     scheme = make_scheme(q.scheme, group_size=q.group_size, symmetric=q.symmetric,
                          per_channel=bool(q.per_channel), observer=q.observer, actorder=q.actorder)

@@ -48,10 +48,11 @@ from torch import nn
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import input_groups
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import QuantArgs, Scheme
 from lmfoundry.quantizers.base import (
     LayerCalibration,
     LayerResult,
-    QuantizedWeight,
     Quantizer,
     get_linear,
     weight_error,
@@ -65,7 +66,6 @@ from lmfoundry.quantizers.hessian import (
 )
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
-from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
 DYNAMIC_ACTORDER_WARNING = (
     "actorder=dynamic stores weight_g_idx: honoured by lmfoundry's loader and by vLLM "

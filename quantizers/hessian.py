@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lmfoundry.model.config import input_groups
+from lmfoundry.quantformat.qmath import all_finite
 from lmfoundry.quantizers.base import LayerCalibration
-from lmfoundry.quantizers.qmath import all_finite
 
 if TYPE_CHECKING:
     from lmfoundry.model.reference import Attention

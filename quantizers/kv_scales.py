@@ -23,8 +23,8 @@ from lmfoundry.model.kv_quant import (
     kv_scales_from_absmax,
 )
 from lmfoundry.model.reference import DecoderLayer
+from lmfoundry.quantformat.scheme import QuantArgs
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult
-from lmfoundry.quantizers.scheme import QuantArgs
 
 
 class KVObserver:

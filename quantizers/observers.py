@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 
 from lmfoundry.errors import UserError
-from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers.scheme import QuantArgs
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.scheme import QuantArgs
 
 WeightObserver = Callable[[torch.Tensor, QuantArgs, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]]
 

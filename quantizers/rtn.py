@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers.base import LayerCalibration, LayerResult, QuantizedWeight, Quantizer, weight_error
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import QuantArgs, Scheme
+from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
 from lmfoundry.quantizers.observers import weight_observer
-from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
 
 def rtn_quantize_weight(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> QuantizedWeight:

@@ -35,12 +35,12 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import QKV, ROUTER
 from lmfoundry.model.reference import DecoderLayer, RMSNorm, SparseMoE
-from lmfoundry.quantizers import qmath
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.scheme import QuantArgs, Scheme
 from lmfoundry.quantizers.activations import InputRecorder, input_recorders, static_input_scales
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, get_linear, get_quantizer
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
-from lmfoundry.quantizers.scheme import QuantArgs, Scheme
 
 OWN_OPTIONS = ("alpha", "alpha_search", "alpha_grid", "smooth_vo", "smooth_down", "weight_method",
                "search_rows_per_batch")

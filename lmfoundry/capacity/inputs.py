@@ -174,7 +174,7 @@ def _compressed_tensors_quant(qc: dict[str, Any]) -> tuple[CheckpointQuant | Non
     """The first config group's weights, read by the one compressed-tensors reader
     (`plan_from_compressed_tensors`); what it refuses becomes a note (plan then counts --weights)."""
     from lmfoundry.errors import UserError
-    from lmfoundry.quantizers.scheme import plan_from_compressed_tensors
+    from lmfoundry.quantformat.scheme import plan_from_compressed_tensors
 
     try:
         plan = plan_from_compressed_tensors(qc)

@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 from lmfoundry.checkpoint.sources import safetensors_files
 from lmfoundry.errors import UserError, disk_full
 from lmfoundry.manifest import MANIFEST, hash_folder
-from lmfoundry.quantizers.base import QuantizedWeight
-from lmfoundry.quantizers.scheme import QuantizationPlan, Scheme, plan_from_compressed_tensors, to_compressed_tensors
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import QuantizationPlan, Scheme, plan_from_compressed_tensors, to_compressed_tensors
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

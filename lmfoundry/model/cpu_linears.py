@@ -53,7 +53,7 @@ from lmfoundry.kernels.cpu.int8_gemm import dequantize as int8_dequantize
 from lmfoundry.kernels.cpu.int8_gemm import fits as int8_gemm_fits
 from lmfoundry.kernels.cpu.int8_gemm import pack as pack_int8
 from lmfoundry.model.config import FUSED_LINEARS
-from lmfoundry.quantizers.base import QuantizedWeight
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu accepts
 DEQUANT_ROWS = 128  # dense_from where no crossover was measured (serving measures its own)

@@ -20,7 +20,7 @@ import torch
 from lmfoundry.errors import UserError
 
 if TYPE_CHECKING:
-    from lmfoundry.quantizers.scheme import QuantArgs
+    from lmfoundry.quantformat.scheme import QuantArgs
 
 # fn(k, v) -> what the cache hands back for them (quantize on write, dequantize on read)
 KVRoundTrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

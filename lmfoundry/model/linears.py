@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.quantizers.base import QuantizedWeight
-from lmfoundry.quantizers.scheme import Scheme
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import Scheme
 
 
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

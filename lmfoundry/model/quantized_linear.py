@@ -22,8 +22,8 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.norm_quant import QMAX, QUANT_FP8, QUANT_INT8, quantize_reference
 from lmfoundry.kernels.scaled_mm import reference as scaled_mm_reference
-from lmfoundry.quantizers.base import QuantizedWeight
-from lmfoundry.quantizers.scheme import Scheme
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import Scheme
 
 CODE_DTYPE = {QUANT_INT8: torch.int8, QUANT_FP8: torch.float8_e4m3fn}
 KIND = {"int-quantized": (QUANT_INT8, "int", "W8A8-INT8"), "float-quantized": (QUANT_FP8, "float", "FP8 W8A8")}

@@ -35,7 +35,7 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.head_split import HeadSplit, split_heads
-from lmfoundry.quantizers.base import QuantizedWeight
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 
 
 class Collectives(Protocol):

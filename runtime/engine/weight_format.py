@@ -26,7 +26,7 @@ from lmfoundry.model.cpu_linears import (
     PrepackedPart,
 )
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear
-from lmfoundry.quantizers.scheme import Scheme
+from lmfoundry.quantformat.scheme import Scheme
 
 SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 KERNEL_MODES = {"cubin": "cubins", "jit": "Triton JIT", "interpret": "Triton interpreter",

@@ -115,9 +115,9 @@ def test_input_recorder_reduces_absmax_and_gathers_rows(monkeypatch) -> None:
 def test_kv_scales_take_the_max_over_ranks(monkeypatch) -> None:
     from helpers import tiny_decoder_layer
 
+    from lmfoundry.quantformat.scheme import QuantArgs
     from lmfoundry.quantizers.base import LayerCalibration
     from lmfoundry.quantizers.kv_scales import calibrate_kv_scales
-    from lmfoundry.quantizers.scheme import QuantArgs
 
     layer, cos, sin, config = tiny_decoder_layer()
     x = torch.randn(2, 10, config.hidden_size)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers import tiny_model_folder, write_text
 
-from lmfoundry.quantizers import qmath
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.scheme import make_scheme
 from lmfoundry.quantizers.awq import AWQQuantizer, clip_qparams, output_error, search_scales
 from lmfoundry.quantizers.base import LayerCalibration
 from lmfoundry.quantizers.observers import minmax_observer
-from lmfoundry.quantizers.scheme import make_scheme
 
 NAMES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]

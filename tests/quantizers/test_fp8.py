@@ -11,8 +11,8 @@ from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.errors import UserError
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Fp8Linear
+from lmfoundry.quantformat.scheme import make_scheme
 from lmfoundry.quantizers.fp8 import FP8Quantizer
-from lmfoundry.quantizers.scheme import make_scheme
 from lmfoundry.recipe import Recipe
 from lmfoundry.runtime.loader import load_model
 

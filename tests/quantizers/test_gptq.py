@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers import correlated_inputs, tiny_decoder_layer, tiny_model_folder, write_text
 
+from lmfoundry.quantformat.scheme import QuantArgs
 from lmfoundry.quantizers.gptq import GPTQQuantizer, gptq_quantize
 from lmfoundry.quantizers.hessian import HessianAccumulator, inverse_hessian
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
-from lmfoundry.quantizers.scheme import QuantArgs
 
 
 def out_err(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:

@@ -24,9 +24,9 @@ from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.errors import UserError
 from lmfoundry.model.kv_quant import kv_round_trip_from_checkpoint, kv_scales_from_absmax
 from lmfoundry.model.reference import causal_attention
+from lmfoundry.quantformat.scheme import QuantArgs
 from lmfoundry.quantizers.base import LayerCalibration
 from lmfoundry.quantizers.kv_scales import calibrate_kv_scales
-from lmfoundry.quantizers.scheme import QuantArgs
 from lmfoundry.recipe import Recipe
 from lmfoundry.runtime.loader import load_model
 

@@ -1,7 +1,7 @@
 import torch
 
+from lmfoundry.quantformat.scheme import QuantArgs
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
-from lmfoundry.quantizers.scheme import QuantArgs
 
 
 def test_rtn_error_decreases_with_bits():

@@ -12,8 +12,8 @@ from helpers import tiny_model_folder, write_text
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Int8Linear
+from lmfoundry.quantformat.scheme import make_scheme, with_static_activations
 from lmfoundry.quantizers.base import LayerCalibration
-from lmfoundry.quantizers.scheme import make_scheme, with_static_activations
 from lmfoundry.quantizers.smoothquant import SmoothQuantQuantizer, smoothing_factors
 from lmfoundry.recipe import Recipe
 from lmfoundry.runtime.loader import load_model
@@ -132,7 +132,7 @@ def test_static_w8a8_writes_shared_input_scales(tmp_path, monkeypatch):
     folder = outlier_model(tmp_path)
     import lmfoundry.calibration.job as job
     from lmfoundry.checkpoint.folder import CheckpointReader
-    from lmfoundry.quantizers.scheme import QuantizationPlan, SchemeGroup
+    from lmfoundry.quantformat.scheme import QuantizationPlan, SchemeGroup
 
     static = with_static_activations(make_scheme("w8a8"))
     monkeypatch.setattr(job, "build_plan", lambda q: QuantizationPlan([SchemeGroup(static)], ["lm_head"]))

@@ -41,9 +41,9 @@ from lmfoundry.model.cpu_linears import (
 )
 from lmfoundry.model.linears import build_linear
 from lmfoundry.model.reference import MLP, Attention
-from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers.base import QuantizedWeight
-from lmfoundry.quantizers.scheme import QuantArgs, make_scheme
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import QuantArgs, make_scheme
 
 U = 2.0**-8
 

@@ -142,9 +142,9 @@ def test_smoothing_leaves_the_float_gemma_unchanged(gemma: Path, method: str) ->
     import copy
 
     from lmfoundry.model.reference import embed
+    from lmfoundry.quantformat.scheme import make_scheme
     from lmfoundry.quantizers.awq import AWQQuantizer
     from lmfoundry.quantizers.base import LayerCalibration
-    from lmfoundry.quantizers.scheme import make_scheme
     from lmfoundry.quantizers.smoothquant import SmoothQuantQuantizer
 
     model, _ = load_model(str(gemma))

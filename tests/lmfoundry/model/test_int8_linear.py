@@ -16,9 +16,9 @@ from lmfoundry.kernels.norm_quant import QUANT_INT8, quantize_reference
 from lmfoundry.model.linears import build_linear
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Int8Linear
 from lmfoundry.model.quantized_linear import build_activation_linear as build_int8_linear
-from lmfoundry.quantizers.base import QuantizedWeight
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import make_scheme, with_static_activations
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
-from lmfoundry.quantizers.scheme import make_scheme, with_static_activations
 
 U = 2.0**-24
 

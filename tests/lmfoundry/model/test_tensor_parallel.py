@@ -10,9 +10,9 @@ from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.head_split import split_heads, valid_tp_sizes
 from lmfoundry.model.tensor_parallel import RankShard
-from lmfoundry.quantizers import qmath
-from lmfoundry.quantizers.base import QuantizedWeight
-from lmfoundry.quantizers.scheme import QuantArgs
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import QuantArgs
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 250, "hidden_size": 96,
           "intermediate_size": 192, "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 2,

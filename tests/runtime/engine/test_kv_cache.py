@@ -121,7 +121,7 @@ def test_engine_with_checkpoint_round_trip(kind: str, strategy: str) -> None:
     """The loader's path: a kv_round_trip built from checkpoint scales (quantizers.kv_scales) is
     enough for the engine to pick the storage dtype and scales on its own ("auto")."""
     from lmfoundry.model.kv_quant import kv_round_trip_from_checkpoint
-    from lmfoundry.quantizers.scheme import QuantArgs
+    from lmfoundry.quantformat.scheme import QuantArgs
 
     model = toy_model(seed=5)
     ids = list(range(30, 60))

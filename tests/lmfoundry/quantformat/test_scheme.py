@@ -1,7 +1,7 @@
 import pytest
 
 from lmfoundry.errors import UserError
-from lmfoundry.quantizers.scheme import (
+from lmfoundry.quantformat.scheme import (
     QuantizationPlan,
     SchemeGroup,
     make_scheme,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lmfoundry.quantizers.scheme import QuantArgs
+from lmfoundry.quantformat.scheme import QuantArgs
 
 FP8_DTYPE = torch.float8_e4m3fn
 
