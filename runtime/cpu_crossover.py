@@ -11,7 +11,12 @@ here on each distinct linear of the model (its own weights, random rows), once p
 thread count, CPU, torch version and kernel source, and kept in the cache (`cpu-crossover/`): a
 server pays the measurement (a few timed calls per shape and path) on its first start only.
 
-`LMFOUNDRY_CPU_DENSE_ROWS` overrides it: `never` (the C product for every step: every row then
+The same goes for the one-pass SiLU(gate) * up (`kernels/cpu/norm_act.c`): from how many elements
+it beats PyTorch's two ops depends on the CPU's per-call costs, so it is timed and cached per MLP
+width too (`set_silu_mul_from`).
+
+`LMFOUNDRY_CPU_SILU_FROM` (`never` or a number of elements) overrides the SiLU pass's;
+`LMFOUNDRY_CPU_DENSE_ROWS` overrides the linears' crossover: `never` (the C product for every step: every row then
 computes alike whatever its batch, which deterministic serving needs) or a row count.
 """
 
@@ -21,12 +26,13 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 log = logging.getLogger("lmfoundry.runtime")
 ENV = "LMFOUNDRY_CPU_DENSE_ROWS"
@@ -74,14 +80,35 @@ def measure(linear: Any, rows: tuple[int, ...] = CANDIDATE_ROWS) -> int | None:
     return None
 
 
-def _cache_file(shapes: list[Shape], threads: int) -> Path:
-    from lmfoundry.kernels.cpu.build import HERE, _cpu_flags
+def _cached(name: str, key: list[Any], compute: Callable[[], Any]) -> Any:
+    """`compute()`'s JSON-able answer for `key`, kept in the cache (`cpu-crossover/`) together
+    with this CPU's flags and torch's version, so a server measures on its first start only; a
+    read-only cache means measuring again next start."""
+    from lmfoundry.kernels.cpu.build import _cpu_flags
     from lmfoundry.resources import cache_dir
 
-    sources = [(HERE / name).read_bytes() for name in ("int4_gemm.c", "int8_gemm.c", "weight_only.h")]
-    key = json.dumps([sorted(shapes), threads, torch.__version__, _cpu_flags(),
-                      [hashlib.sha256(src).hexdigest() for src in sources]], sort_keys=True)
-    return cache_dir() / "cpu-crossover" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    text = json.dumps([name, key, torch.__version__, _cpu_flags()], sort_keys=True)
+    path = cache_dir() / "cpu-crossover" / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+    try:
+        return json.loads(path.read_text())["answer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    answer = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"answer": answer}))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot cache the crossover in %s (%s)", path.parent, exc.strerror or exc)
+    return answer
+
+
+def _sources(*names: str) -> list[str]:
+    """sha256 of the C sources a measurement depends on: an edited kernel is measured again."""
+    from lmfoundry.kernels.cpu.build import HERE
+
+    return [hashlib.sha256((HERE / name).read_bytes()).hexdigest() for name in names]
 
 
 def set_dense_rows(linears: list[Any]) -> dict[Shape, int | None]:
@@ -106,21 +133,78 @@ def _table(shapes: list[Shape], sample: dict[Shape, Any]) -> dict[Shape, int | N
             raise ValueError(f"{ENV}={override!r}: expected `never` or a number of rows") from None
         return {s: max(1, rows) for s in shapes}
     threads = torch.get_num_threads()
-    path = _cache_file(shapes, threads)
+
+    def compute() -> list[list[Any]]:
+        t0 = time.perf_counter()
+        result = {s: measure(sample[s]) for s in shapes}
+        log.info("quantized linears: dequantize-then-GEMM from %s rows (measured in %.1f s on %d threads)",
+                 {f"{kind} {n}x{k}": r for (kind, n, k, _, _), r in result.items()}, time.perf_counter() - t0,
+                 threads)
+        return [[list(s), r] for s, r in result.items()]
+
+    key = [sorted(shapes), threads, _sources("int4_gemm.c", "int8_gemm.c", "weight_only.h")]
+    return {tuple(s): r for s, r in _cached("linears", key, compute)}  # type: ignore[misc]
+
+
+SILU_ENV = "LMFOUNDRY_CPU_SILU_FROM"  # `never` or a number of elements: instead of the measurement
+SILU_ROWS = (1, 2, 4, 8, 16, 32, 64)  # decode-sized steps: above them the one pass always wins
+
+
+def measure_silu_mul(kernel: Any, width: int, rows: tuple[int, ...] = SILU_ROWS) -> int | None:
+    """The fewest elements of SiLU(gate) * up (gate and up [rows, width], views of one fused
+    product as the MLP gets them) from which the one-pass C kernel beats PyTorch's two ops by
+    MARGIN, at that row count and every larger one measured (None: never). Below it a ctypes
+    call costs more than the two ops it replaces, by how much depending on the CPU."""
+    from lmfoundry.kernels.cpu.norm_act import silu_mul_reference
+
+    gen = torch.Generator().manual_seed(0)
+    wins = []
+    for m in rows:
+        gate, up = torch.randn(m, 2 * width, generator=gen).to(torch.bfloat16).split(width, dim=-1)
+        one_pass = _best_of(partial(kernel.silu_mul, gate, up), reps=50, budget=0.05)
+        two_ops = _best_of(partial(silu_mul_reference, gate, up), reps=50, budget=0.05)
+        wins.append(one_pass < MARGIN * two_ops)
+    for i, m in enumerate(rows):
+        if all(wins[i:]):
+            return m * width
+    return None
+
+
+def set_silu_mul_from(model: nn.Module) -> dict[int, int | None]:
+    """Give each MLP's one-pass SiLU(gate) * up (`NativeSiluMul`) the size from which it runs,
+    measured on this machine per MLP width (cached); returns the table by width. Below it the
+    MLP's own PyTorch ops run."""
+    from lmfoundry.model.cpu_elementwise import NativeSiluMul
+    from lmfoundry.model.reference import MLP
+
+    acts = [(m.act_mul, int(m.down_proj.in_features)) for m in model.modules()
+            if isinstance(m, MLP) and isinstance(m.act_mul, NativeSiluMul)]
+    threads = torch.get_num_threads()
+    table: dict[int, int | None] = {}
+    override = _silu_override()
+    for act, width in acts:
+        if override is not None:
+            table[width] = override[0]
+        elif width not in table:
+            def compute(act: Any = act, width: int = width) -> int | None:
+                found = measure_silu_mul(act.kernel, width)
+                log.info("SiLU(gate) * up of width %d: one C pass from %s elements", width, found)
+                return found
+
+            table[width] = _cached("silu-mul", [width, threads, _sources("norm_act.c")], compute)
+        found = table[width]
+        act.min_elements = sys.maxsize if found is None else found
+    return table
+
+
+def _silu_override() -> tuple[int | None] | None:
+    """(elements,) from SILU_ENV (None inside: never the one pass); None where it is unset."""
+    value = os.environ.get(SILU_ENV)
+    if value is None:
+        return None
+    if value.strip().lower() == "never":
+        return (None,)
     try:
-        found = json.loads(path.read_text())
-        return {tuple(s): r for s, r in found["crossover"]}  # type: ignore[misc]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    t0 = time.perf_counter()
-    result = {s: measure(sample[s]) for s in shapes}
-    log.info("quantized linears: dequantize-then-GEMM from %s rows (measured in %.1f s on %d threads)",
-             {f"{kind} {n}x{k}": r for (kind, n, k, _, _), r in result.items()}, time.perf_counter() - t0, threads)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"crossover": [[list(s), r] for s, r in result.items()]}))
-        os.replace(tmp, path)
-    except OSError as exc:  # a read-only cache: measured again next start
-        log.warning("cannot cache the crossover in %s (%s)", path.parent, exc.strerror or exc)
-    return result
+        return (max(0, int(value)),)
+    except ValueError:
+        raise ValueError(f"{SILU_ENV}={value!r}: expected `never` or a number of elements") from None

@@ -29,6 +29,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # quantized linears: the C product at every row count, not a crossover timed on whatever the test
 # machine is doing (tests/runtime/test_cpu_crossover.py covers the measured one)
 os.environ.setdefault("LMFOUNDRY_CPU_DENSE_ROWS", "never")
+# and the one-pass SiLU(gate) * up from the fixed default size, for the same reason
+os.environ.setdefault("LMFOUNDRY_CPU_SILU_FROM", "8192")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -20,8 +20,9 @@ from lmfoundry.kernels.cpu.norm_act import NormAct, load_norm_act
 from lmfoundry.kernels.cpu.rope import load_rope
 from lmfoundry.model.reference import MLP, Attention, RMSNorm
 
-# Below this many elements the two PyTorch ops of SiLU(gate) * up cost less than one ctypes call
-# (a single decode row of a small model); the norm's chain of six is always slower.
+# Below some size the two PyTorch ops of SiLU(gate) * up cost less than one ctypes call (a single
+# decode row of a small model); the norm's chain of six is always slower. Serving measures that
+# size on its machine (`runtime.cpu_crossover.set_silu_mul_from`); this is the size elsewhere.
 SILU_MUL_MIN_ELEMENTS = 8192
 
 

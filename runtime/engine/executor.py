@@ -133,7 +133,10 @@ class ReferenceModelExecutor:
                 from lmfoundry.runtime.cpu_crossover import set_dense_rows
 
                 set_dense_rows(quantized)
-            swap_native_elementwise(model)  # RMSNorm, SiLU(gate) * up and rotary: one C pass each
+            if swap_native_elementwise(model):  # RMSNorm, SiLU(gate) * up and rotary: one C pass each
+                from lmfoundry.runtime.cpu_crossover import set_silu_mul_from
+
+                set_silu_mul_from(model)  # from which size the SiLU pass beats PyTorch's ops, timed here
         self.engine_config = config
         self.config = model.config
         self.dtype = model.dtype

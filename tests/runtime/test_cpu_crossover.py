@@ -4,6 +4,8 @@ computes; for our C products and for PyTorch's int4pack / int8pack linears where
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -124,3 +126,56 @@ def test_measuring_a_pytorch_packed_linear_leaves_it_as_it_was(bits) -> None:
     linear = pytorch_packed(64, 256, bits)
     assert cpu_crossover.measure(linear, rows=(64, 128)) in (None, 64, 128)
     assert linear.dense_from == DEQUANT_ROWS
+
+
+class FakeSiluKernel:
+    """A one-pass SiLU(gate) * up that takes `seconds` a call (what `measure_silu_mul` times)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.seconds:
+            time.sleep(self.seconds)
+        return gate
+
+
+def test_the_silu_pass_is_taken_from_where_it_is_faster() -> None:
+    assert cpu_crossover.measure_silu_mul(FakeSiluKernel(0.0), 256, rows=(1, 4)) == 256  # faster at every size
+    assert cpu_crossover.measure_silu_mul(FakeSiluKernel(0.01), 256, rows=(1, 4)) is None  # never faster
+
+
+def test_the_silu_crossover_is_measured_per_width_once_then_cached(tmp_path, monkeypatch) -> None:
+    from toy import toy_model
+
+    from lmfoundry.kernels.cpu.norm_act import load_norm_act
+    from lmfoundry.model.cpu_elementwise import NativeSiluMul, swap_native_elementwise
+    from lmfoundry.model.reference import CausalLM
+
+    if load_norm_act() is None:
+        pytest.skip("the one-pass kernels are not built here")
+    monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_crossover.SILU_ENV, raising=False)
+    calls = []
+
+    def measure(kernel, width, rows=cpu_crossover.SILU_ROWS):
+        calls.append(width)
+        return 3 * width
+
+    monkeypatch.setattr(cpu_crossover, "measure_silu_mul", measure)
+    model: CausalLM = toy_model(seed=0).to(torch.bfloat16)
+    assert swap_native_elementwise(model)
+    width = model.config.intermediate_size
+    assert cpu_crossover.set_silu_mul_from(model) == {width: 3 * width}
+    acts = [layer.mlp.act_mul for layer in model.model.layers]
+    assert all(isinstance(a, NativeSiluMul) and a.min_elements == 3 * width for a in acts)
+    assert calls == [width]  # one measurement for the model's one width
+    fresh = toy_model(seed=0).to(torch.bfloat16)
+    swap_native_elementwise(fresh)
+    assert cpu_crossover.set_silu_mul_from(fresh) == {width: 3 * width} and calls == [width]  # read back
+    monkeypatch.setenv(cpu_crossover.SILU_ENV, "never")
+    assert cpu_crossover.set_silu_mul_from(fresh) == {width: None}
+    assert all(layer.mlp.act_mul.min_elements > 2**40 for layer in fresh.model.layers)
+    monkeypatch.setenv(cpu_crossover.SILU_ENV, "many")
+    with pytest.raises(ValueError, match="expected `never` or a number"):
+        cpu_crossover.set_silu_mul_from(fresh)
