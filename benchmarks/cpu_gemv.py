@@ -77,7 +77,7 @@ def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: in
     from lmfoundry.kernels.cpu.bf16_fma_gemm import load_bf16_fma_gemm
     from lmfoundry.kernels.cpu.bf16_gemv import load_bf16_gemv
     from lmfoundry.kernels.error_bounds import assert_within, dot_bound
-    from lmfoundry.model.cpu_linears import _onednn_bf16
+    from lmfoundry.runtime.cpu_linears import _onednn_bf16
 
     torch.set_num_threads(threads)
     onednn_bf16 = _onednn_bf16()
@@ -125,8 +125,8 @@ def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: in
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, shapes: Any, load: tuple[Any, Any]) -> str:
     from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS
-    from lmfoundry.model.cpu_linears import _onednn_bf16
     from lmfoundry.runtime.cpu_isa import describe
+    from lmfoundry.runtime.cpu_linears import _onednn_bf16
 
     layer, head, layers = shapes
     names = ", ".join(f"{name} {n}x{k}" for name, n, k in layer)

@@ -1,8 +1,17 @@
 """Load a model folder (float or compressed-tensors) into the reference `CausalLM`.
 
 The model is built on the meta device and each module receives exactly its tensors from the
-safetensors memory maps; quantized linears are decoded and swapped for their runtime module
-(`lmfoundry.model.linears`). A checkpoint that declares a KV-cache scheme must carry its scales.
+safetensors memory maps; quantized linears are decoded and swapped for the module that executes
+their stored format (`build_linear`). A checkpoint that declares a KV-cache scheme must carry its
+scales.
+
+Weight-only integer schemes (W4A16, W8A16) stay packed when the model runs in bfloat16: their codes
+go to the CPU runtime's packed linears (`lmfoundry.runtime.cpu_linears`), so the artifact is as
+small in memory as on disk. In float32 (or float16) they are dequantized once at load: that dense
+weight is bit-identical to what transformers decompresses, which is what parity tests and
+`--dtype float32` runs want, and those kernels have no fast float32 path. Schemes with quantized
+activations (W8A8-INT8, FP8) run `ActivationQuantizedLinear`, the integer / fp8 arithmetic of the
+kernels' reference (`lmfoundry.model.quantized_linear`).
 """
 
 from __future__ import annotations
@@ -20,9 +29,11 @@ from lmfoundry.checkpoint.sources import resolve_model
 from lmfoundry.checkpoint.tokenizer import has_tokenizer, load_tokenizer
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.model.linears import build_linear, dense_linear
+from lmfoundry.model.linears import dense_linear
 from lmfoundry.model.reference import CausalLM, DecoderLayer, RotaryEmbedding
 from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_modules, share_of
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import Scheme
 from lmfoundry.runtime.bundle_manifest import bundle_degree, is_engine_bundle, rank_bundle, weights_folder
 
 log = logging.getLogger("lmfoundry.runtime")
@@ -257,6 +268,33 @@ def load_causal_lm(reader: CheckpointReader, dtype: torch.dtype | None = None,
     if leftover:
         raise UserError(f"{reader.folder}: tensors missing from the checkpoint: {leftover[:3]}")
     return model.eval()
+
+
+def packs_weights(dtype: torch.dtype) -> bool:
+    """Whether weight-only quantized linears stay packed for a model running in `dtype`."""
+    return dtype == torch.bfloat16
+
+
+def build_linear(qw: QuantizedWeight, bias: torch.Tensor | None, scheme: Scheme, dtype: torch.dtype,
+                 fallbacks: list[str] | None = None) -> nn.Module:
+    """The module that executes a stored quantized linear. A weight-only linear whose codes fit no
+    packed kernel is dequantized, and the reason is appended to `fallbacks`."""
+    if scheme.input_activations is not None:
+        from lmfoundry.model.quantized_linear import KIND, build_activation_linear
+
+        if scheme.format not in KIND:
+            raise UserError(f"format {scheme.format!r} with quantized activations has no execution "
+                            f"(known: {', '.join(KIND)})")
+        return build_activation_linear(qw, bias, scheme, dtype)
+    if packs_weights(dtype) and qw.q.device.type == "cpu":
+        from lmfoundry.runtime.cpu_linears import packed_linear
+
+        module = packed_linear(qw, bias)
+        if not isinstance(module, str):
+            return module
+        if fallbacks is not None:
+            fallbacks.append(module)
+    return dense_linear(qw.dequantize(dtype), bias.to(dtype) if bias is not None else None)
 
 
 def attach_kv_cache_scheme(model: CausalLM, reader: CheckpointReader, shard: RankShard | None = None) -> None:

@@ -19,7 +19,7 @@ its half: that keeps the (cos, sin) pair every caller already passes layer by la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, cast
+from typing import Any, Callable, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,6 @@ from torch import nn
 
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.kv_quant import KVRoundTrip
-
-if TYPE_CHECKING:
-    from lmfoundry.model.cpu_linears import FusedPrepackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -155,6 +152,16 @@ class AttentionContext(Protocol):
         ...
 
 
+class FusedLinear(Protocol):
+    """Linears that read one input (q/k/v, gate/up) computed as one product: what the forward
+    reads of the module a serving runtime sets as `Attention.qkv_proj` or `MLP.gate_up_proj`
+    (the CPU runtime's `FusedPrepackedLinear`). Named here so the model imports no runtime."""
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each linear's output [..., out_i] for input x, in the group's order."""
+        ...
+
+
 # A KV quantizer maps (k, v) to what the cache would hand back after a quantize-on-write,
 # dequantize-on-read round trip. Set on an `Attention` by `lmfoundry.quantizers.kv_scales`.
 
@@ -180,10 +187,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset)
         self.kv_round_trip: KVRoundTrip | None = None
-        # q/k/v as one prepacked product: set by the CPU serving swap (cpu_linears.prepack_dense_linears)
-        self.qkv_proj: FusedPrepackedLinear | None = None
+        # q/k/v as one product: set by the CPU serving swap (runtime/cpu_linears.prepack_dense_linears)
+        self.qkv_proj: FusedLinear | None = None
         # rotary of q and k in one call, or None where it does not fit: set by the CPU serving swap
-        # (cpu_elementwise.swap_native_elementwise)
+        # (runtime/cpu_elementwise.swap_native_elementwise)
         self.rope: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def project_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,10 +318,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
         self.gelu = GELU_ACTIVATIONS.get(config.hidden_act)  # None: SiLU (Llama); "tanh"/"none": Gemma
-        # gate/up as one prepacked product: set by the CPU serving swap (cpu_linears.prepack_dense_linears)
-        self.gate_up_proj: FusedPrepackedLinear | None = None
+        # gate/up as one product: set by the CPU serving swap (runtime/cpu_linears.prepack_dense_linears)
+        self.gate_up_proj: FusedLinear | None = None
         # act(gate) * up in one pass, or None where it does not fit: set by the CPU serving swap
-        # (cpu_elementwise.swap_native_elementwise)
+        # (runtime/cpu_elementwise.swap_native_elementwise)
         self.act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:

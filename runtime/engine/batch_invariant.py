@@ -33,8 +33,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmfoundry.model.cpu_elementwise import swap_native_elementwise
-from lmfoundry.model.cpu_linears import (
+from lmfoundry.model.quantized_linear import ActivationQuantizedLinear
+from lmfoundry.model.reference import MLP, CausalLM
+from lmfoundry.runtime.cpu_elementwise import swap_native_elementwise
+from lmfoundry.runtime.cpu_linears import (
     CProductLinear,
     FloatPanelLinear,
     Int4PackLinear,
@@ -45,8 +47,6 @@ from lmfoundry.model.cpu_linears import (
     prepack_c_products,
     prepack_dense_linears,
 )
-from lmfoundry.model.quantized_linear import ActivationQuantizedLinear
-from lmfoundry.model.reference import MLP, CausalLM
 
 
 class DeterminismUnavailable(ValueError):
@@ -100,7 +100,7 @@ def make_batch_invariant(model: CausalLM) -> None:
     if dtype == torch.bfloat16:
         swap_native_elementwise(model, batch_invariant=True)
     else:
-        from lmfoundry.model.cpu_elementwise import NativeSiluMul
+        from lmfoundry.runtime.cpu_elementwise import NativeSiluMul
 
         for mlp in (m for m in model.modules() if isinstance(m, MLP) and m.gelu is None):
             mlp.act_mul = NativeSiluMul(kernel, min_elements=0)

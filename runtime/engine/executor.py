@@ -21,8 +21,8 @@ from lmfoundry.errors import UserError
 from lmfoundry.kernels.cpu.paged_decode import PagedDecode, load_paged_decode
 from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
 from lmfoundry.kernels.spec import DIVISIBILITY
-from lmfoundry.model.cpu_elementwise import swap_native_elementwise
-from lmfoundry.model.cpu_linears import (
+from lmfoundry.runtime.cpu_elementwise import swap_native_elementwise
+from lmfoundry.runtime.cpu_linears import (
     CProductLinear,
     Int4PackLinear,
     Int8PackLinear,

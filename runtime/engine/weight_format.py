@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmfoundry.model.cpu_linears import (
+from lmfoundry.model.quantized_linear import ActivationQuantizedLinear
+from lmfoundry.quantformat.scheme import Scheme
+from lmfoundry.runtime.cpu_linears import (
     CProductLinear,
     FusedPrepackedLinear,
     Int4PackLinear,
@@ -25,8 +27,6 @@ from lmfoundry.model.cpu_linears import (
     PrepackedLinear,
     PrepackedPart,
 )
-from lmfoundry.model.quantized_linear import ActivationQuantizedLinear
-from lmfoundry.quantformat.scheme import Scheme
 
 SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 KERNEL_MODES = {"cubin": "cubins", "jit": "Triton JIT", "interpret": "Triton interpreter",

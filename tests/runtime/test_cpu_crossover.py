@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lmfoundry.kernels.cpu.int4_gemm import load_int4_gemm
-from lmfoundry.model.cpu_linears import DEQUANT_ROWS, CProductLinear, Int4PackLinear, Int8PackLinear, packed_linear
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import QuantArgs
 from lmfoundry.runtime import cpu_crossover
+from lmfoundry.runtime.cpu_linears import DEQUANT_ROWS, CProductLinear, Int4PackLinear, Int8PackLinear, packed_linear
 
 needs_c_product = pytest.mark.skipif(load_int4_gemm() is None, reason="no AVX-512 BF16 C product here")
 

@@ -12,12 +12,12 @@ import torch
 
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.norm_quant import QUANT_FP8, quantize_reference
-from lmfoundry.model.linears import build_linear
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Fp8Linear
 from lmfoundry.model.quantized_linear import build_activation_linear as build_fp8_linear
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import make_scheme
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
+from lmfoundry.runtime.loader import build_linear
 
 FP8_DTYPE = torch.float8_e4m3fn
 MIN_DYNAMIC_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's floor of a dynamic fp8 scale

@@ -13,12 +13,12 @@ import torch
 
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.norm_quant import QUANT_INT8, quantize_reference
-from lmfoundry.model.linears import build_linear
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Int8Linear
 from lmfoundry.model.quantized_linear import build_activation_linear as build_int8_linear
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import make_scheme, with_static_activations
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
+from lmfoundry.runtime.loader import build_linear
 
 U = 2.0**-24
 

@@ -23,7 +23,11 @@ from lmfoundry.kernels.cpu.bf16_fma_gemm import load_f32_fma_gemm
 from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS, load_bf16_gemv
 from lmfoundry.kernels.cpu.int4_gemm import load_int4_gemm
 from lmfoundry.kernels.cpu.int8_gemm import load_int8_gemm
-from lmfoundry.model.cpu_linears import (
+from lmfoundry.model.reference import MLP, Attention
+from lmfoundry.quantformat import qmath
+from lmfoundry.quantformat.quantized_weight import QuantizedWeight
+from lmfoundry.quantformat.scheme import QuantArgs, make_scheme
+from lmfoundry.runtime.cpu_linears import (
     DEQUANT_ROWS,
     CProductLinear,
     FloatPanelLinear,
@@ -39,11 +43,7 @@ from lmfoundry.model.cpu_linears import (
     prepack_c_products,
     prepack_dense_linears,
 )
-from lmfoundry.model.linears import build_linear
-from lmfoundry.model.reference import MLP, Attention
-from lmfoundry.quantformat import qmath
-from lmfoundry.quantformat.quantized_weight import QuantizedWeight
-from lmfoundry.quantformat.scheme import QuantArgs, make_scheme
+from lmfoundry.runtime.loader import build_linear
 
 U = 2.0**-8
 
@@ -443,7 +443,7 @@ def test_few_row_copies_only_where_memory_allows(monkeypatch, caplog) -> None:
     than a quarter of the available memory stays on oneDNN alone, with one log line."""
     import logging
 
-    from lmfoundry.model import cpu_linears
+    from lmfoundry.runtime import cpu_linears
 
     fits = fusable_model()
     prepack_dense_linears(fits, fuse=True)
@@ -528,7 +528,7 @@ def test_int4_widths_int4pack_packs_in_partial_blocks_keep_pytorchs_kernel() -> 
     """An int4pack block is 64 channels wide on AVX-512 (32 on AVX2); a linear of fewer outputs (a toy
     model's k_proj of 32) is packed another way, which `_int4pack_codes` cannot read back: it keeps
     PyTorch's kernel instead of failing the swap (it failed serve's start-up)."""
-    from lmfoundry.model.cpu_linears import int4_layout
+    from lmfoundry.runtime.cpu_linears import int4_layout
 
     args = QuantArgs(4, "int", True, "group", 32)
     width = int4_layout()[0]
