@@ -174,8 +174,8 @@ def set_silu_mul_from(model: nn.Module) -> dict[int, int | None]:
     """Give each MLP's one-pass SiLU(gate) * up (`NativeSiluMul`) the size from which it runs,
     measured on this machine per MLP width (cached); returns the table by width. Below it the
     MLP's own PyTorch ops run."""
-    from lmfoundry.model.cpu_elementwise import NativeSiluMul
     from lmfoundry.model.reference import MLP
+    from lmfoundry.runtime.cpu_elementwise import NativeSiluMul
 
     acts = [(m.act_mul, int(m.down_proj.in_features)) for m in model.modules()
             if isinstance(m, MLP) and isinstance(m.act_mul, NativeSiluMul)]

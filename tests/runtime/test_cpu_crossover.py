@@ -149,8 +149,8 @@ def test_the_silu_crossover_is_measured_per_width_once_then_cached(tmp_path, mon
     from toy import toy_model
 
     from lmfoundry.kernels.cpu.norm_act import load_norm_act
-    from lmfoundry.model.cpu_elementwise import NativeSiluMul, swap_native_elementwise
     from lmfoundry.model.reference import CausalLM
+    from lmfoundry.runtime.cpu_elementwise import NativeSiluMul, swap_native_elementwise
 
     if load_norm_act() is None:
         pytest.skip("the one-pass kernels are not built here")
