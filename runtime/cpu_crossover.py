@@ -74,10 +74,29 @@ def measure(linear: Any, rows: tuple[int, ...] = CANDIDATE_ROWS) -> int | None:
             dense_wins.append(dense < MARGIN * c_product)
     finally:
         linear.dense_from = saved
+    return _wins_from(rows, dense_wins)
+
+
+def _wins_from(rows: tuple[int, ...], wins: list[bool]) -> int | None:
+    """The fewest of `rows` from which the timed path won at that count and every larger one."""
     for i, m in enumerate(rows):
-        if all(dense_wins[i:]):
+        if all(wins[i:]):
             return m
     return None
+
+
+def _override(env: str, unit: str, least: int) -> tuple[int | None] | None:
+    """(value,) that `env` sets instead of a measurement (None inside: `never`); None where it
+    is unset."""
+    value = os.environ.get(env)
+    if value is None:
+        return None
+    if value.strip().lower() == "never":
+        return (None,)
+    try:
+        return (max(least, int(value)),)
+    except ValueError:
+        raise ValueError(f"{env}={value!r}: expected `never` or a number of {unit}") from None
 
 
 def _cached(name: str, key: list[Any], compute: Callable[[], Any]) -> Any:
@@ -123,15 +142,9 @@ def set_dense_rows(linears: list[Any]) -> dict[Shape, int | None]:
 
 
 def _table(shapes: list[Shape], sample: dict[Shape, Any]) -> dict[Shape, int | None]:
-    override = os.environ.get(ENV)
+    override = _override(ENV, "rows", 1)
     if override is not None:
-        if override.strip().lower() == "never":
-            return {s: None for s in shapes}
-        try:
-            rows = int(override)
-        except ValueError:
-            raise ValueError(f"{ENV}={override!r}: expected `never` or a number of rows") from None
-        return {s: max(1, rows) for s in shapes}
+        return {s: override[0] for s in shapes}
     threads = torch.get_num_threads()
 
     def compute() -> list[list[Any]]:
@@ -164,10 +177,8 @@ def measure_silu_mul(kernel: Any, width: int, rows: tuple[int, ...] = SILU_ROWS)
         one_pass = _best_of(partial(kernel.silu_mul, gate, up), reps=50, budget=0.05)
         two_ops = _best_of(partial(silu_mul_reference, gate, up), reps=50, budget=0.05)
         wins.append(one_pass < MARGIN * two_ops)
-    for i, m in enumerate(rows):
-        if all(wins[i:]):
-            return m * width
-    return None
+    found = _wins_from(rows, wins)
+    return None if found is None else found * width
 
 
 def set_silu_mul_from(model: nn.Module) -> dict[int, int | None]:
@@ -181,7 +192,7 @@ def set_silu_mul_from(model: nn.Module) -> dict[int, int | None]:
             if isinstance(m, MLP) and isinstance(m.act_mul, NativeSiluMul)]
     threads = torch.get_num_threads()
     table: dict[int, int | None] = {}
-    override = _silu_override()
+    override = _override(SILU_ENV, "elements", 0)
     for act, width in acts:
         if override is not None:
             table[width] = override[0]
@@ -195,16 +206,3 @@ def set_silu_mul_from(model: nn.Module) -> dict[int, int | None]:
         found = table[width]
         act.min_elements = sys.maxsize if found is None else found
     return table
-
-
-def _silu_override() -> tuple[int | None] | None:
-    """(elements,) from SILU_ENV (None inside: never the one pass); None where it is unset."""
-    value = os.environ.get(SILU_ENV)
-    if value is None:
-        return None
-    if value.strip().lower() == "never":
-        return (None,)
-    try:
-        return (max(0, int(value)),)
-    except ValueError:
-        raise ValueError(f"{SILU_ENV}={value!r}: expected `never` or a number of elements") from None

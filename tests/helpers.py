@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.model.reference import CausalLM
+from lmfoundry.model.reference import AttentionSpec, CausalLM
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -781,3 +781,22 @@ def tiny_moe_folder(arch: str, folder: Path) -> Path:
     model.eval().save_pretrained(str(folder))
     tiny_tokenizer(256).save_pretrained(str(folder))
     return folder
+
+
+class OwnTokens:
+    """Attention of a whole prompt over its own tokens (no cache), honouring each layer's
+    `AttentionSpec` the plain way: scaled scores, soft-cap, causal and window mask, float32."""
+
+    supports_attention_spec = True
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        qf, kf, vf = (t.float().transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+        scores = qf @ kf.transpose(1, 2) * (spec.scale if spec is not None else q.shape[-1] ** -0.5)
+        if spec is not None and spec.softcap:
+            scores = spec.softcap * torch.tanh(scores / spec.softcap)
+        pos = torch.arange(q.shape[0])
+        allowed = spec.allowed(pos, pos) if spec is not None else pos[None, :] <= pos[:, None]
+        out = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vf
+        return out.transpose(0, 1).to(q.dtype)

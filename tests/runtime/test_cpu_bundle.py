@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_up_to_bf16_ties, tiny_model_folder, write_text
+from helpers import OwnTokens, assert_greedy_up_to_bf16_ties, tiny_model_folder, write_text
 
 from lmfoundry.cli import main
 from lmfoundry.errors import UserError
@@ -89,14 +89,8 @@ def test_the_compiled_step_equals_the_eager_step_within_bf16(built: Built) -> No
     ids = torch.randint(0, 256, (12,))
     positions = torch.arange(12)
 
-    class NoCache:  # attention over this step's own tokens only (a whole prompt)
-        def attend(self, layer, q, k, v):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                enable_gqa=True).transpose(0, 1)
-
-    compiled = step(ids, positions, NoCache()).float()
-    eager = model.hidden_states(ids, positions, NoCache()).float()
+    compiled = step(ids, positions, OwnTokens()).float()
+    eager = model.hidden_states(ids, positions, OwnTokens()).float()
     assert compiled.shape == eager.shape == (12, model.config.hidden_size)
     assert torch.isfinite(compiled).all()
     # bf16 rounding of each of the ~7 ops per layer's outputs, relative to the activations' size

@@ -13,10 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_up_to_bf16_ties, tiny_gemma_folder, tiny_model_folder, tiny_moe_folder, write_text
+from helpers import (
+    OwnTokens,
+    assert_greedy_up_to_bf16_ties,
+    tiny_gemma_folder,
+    tiny_model_folder,
+    tiny_moe_folder,
+    write_text,
+)
 
 from lmfoundry.cli import main
-from lmfoundry.model.reference import AttentionSpec, SparseMoE
+from lmfoundry.model.reference import SparseMoE
 from lmfoundry.runtime import cpu_isa
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.loader import load_model
@@ -51,25 +58,6 @@ def bundle(request, tmp_path_factory) -> tuple[Path, Path]:
 def _greedy(model, tokenizer):
     engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
     return engine, engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-
-
-class OwnTokens:
-    """Attention of a whole prompt over its own tokens (no cache), honouring each layer's
-    `AttentionSpec` the plain way: scaled scores, soft-cap, causal and window mask, float32."""
-
-    supports_attention_spec = True
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               spec: AttentionSpec | None = None) -> torch.Tensor:
-        group = q.shape[1] // k.shape[1]
-        qf, kf, vf = (t.float().transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
-        scores = qf @ kf.transpose(1, 2) * (spec.scale if spec is not None else q.shape[-1] ** -0.5)
-        if spec is not None and spec.softcap:
-            scores = spec.softcap * torch.tanh(scores / spec.softcap)
-        pos = torch.arange(q.shape[0])
-        allowed = spec.allowed(pos, pos) if spec is not None else pos[None, :] <= pos[:, None]
-        out = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vf
-        return out.transpose(0, 1).to(q.dtype)
 
 
 def test_the_compiled_step_equals_the_eager_step_within_bf16(bundle: tuple[Path, Path]) -> None:
