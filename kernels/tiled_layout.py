@@ -20,7 +20,8 @@ from typing import Mapping
 
 import torch
 
-from lmfoundry.kernels.w4a16 import SUPPORT, PackedLinear, unpack_codes
+from lmfoundry.kernels.w4a16 import SUPPORT, PackedLinear
+from lmfoundry.quantformat.int32_packing import unsigned_codes
 
 TILE_N = 128  # rows per panel; N is padded to a multiple (BLOCK_N must divide it)
 TILE_WORDS = 16  # int32 words per row of a panel: 128 k of 4-bit codes, 64 k of 8-bit codes
@@ -34,8 +35,9 @@ def panel_k(bits: int) -> int:
 
 
 def pack_codes(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Inverse of `unpack_codes`: unsigned codes packed 32/bits per int32 along `dim` (compressed-
-    tensors' order: element i of a word at bit (i % per) * bits, the last word zero-padded)."""
+    """Inverse of `quantformat.int32_packing.unsigned_codes`: unsigned codes packed 32/bits per
+    int32 along `dim` (compressed-tensors' order: element i of a word at bit (i % per) * bits, the
+    last word zero-padded)."""
     per = 32 // bits
     c = (codes if dim == 1 else codes.t()).to(torch.int64)
     pad = (-c.shape[1]) % per
@@ -141,12 +143,12 @@ def repack_tiled(w: PackedLinear, out_perm: torch.Tensor | None = None, input_pe
     if not SUPPORT.supports(bits=bits, group_size=group) or (group and k % group):
         raise ValueError(f"W{bits} group size {group} with K={k}: the tiled layout takes 4 or 8 bits and group "
                          "sizes 32/64/128 dividing K, or per channel")
-    codes = unpack_codes(w.weight_packed, bits, k, dim=1)  # [N, K] unsigned
+    codes = unsigned_codes(w.weight_packed, bits, k, dim=1)  # [N, K] unsigned
     ngroups = k // group if group else 1
     scale = w.weight_scale.reshape(n, -1)
     if scale.shape[1] != ngroups:
         raise ValueError(f"weight_scale has {scale.shape[1]} groups, expected {ngroups} for K={k}, group {group}")
-    zero = unpack_codes(w.weight_zero_point, bits, n, dim=0)[:, :ngroups] if w.weight_zero_point is not None else None
+    zero = unsigned_codes(w.weight_zero_point, bits, n, dim=0)[:, :ngroups] if w.weight_zero_point is not None else None
     perm = None
     if w.weight_g_idx is not None:
         perm = act_order_perm(w.weight_g_idx, group)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, triton_type
+from lmfoundry.quantformat.int32_packing import unsigned_codes
 
 GEMV_MAX_M = 4
 
@@ -153,16 +154,6 @@ def w4a16_gemv_kernel(
 # ---- reference ----------------------------------------------------------------------------------
 
 
-def unpack_codes(packed: torch.Tensor, bits: int, n: int, dim: int) -> torch.Tensor:
-    """Unsigned codes (q + 2^(b-1)) as int32, unpacked along `dim` to length `n`."""
-    per = 32 // bits
-    p = packed if dim == 1 else packed.t()
-    shifts = torch.arange(per, device=p.device, dtype=torch.int32) * bits
-    codes = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    codes = codes.reshape(p.shape[0], -1)[:, :n]
-    return codes if dim == 1 else codes.t()
-
-
 def dequantize(
     weight_packed: torch.Tensor,
     weight_scale: torch.Tensor,
@@ -174,7 +165,7 @@ def dequantize(
 ) -> torch.Tensor:
     """[N, K] weight in the scale dtype: (q - zp) * scale, the compressed-tensors definition."""
     n = weight_packed.shape[0]
-    q = unpack_codes(weight_packed, bits, in_features, dim=1)
+    q = unsigned_codes(weight_packed, bits, in_features, dim=1)
     if weight_g_idx is not None:
         grp = weight_g_idx.long()
     elif group_size == 0:
@@ -184,7 +175,7 @@ def dequantize(
     scale = weight_scale[:, grp]
     zero: torch.Tensor | int = 1 << (bits - 1)  # symmetric: the unsigned codes' midpoint
     if weight_zero_point is not None:
-        zero = unpack_codes(weight_zero_point, bits, n, dim=0)[:, grp]
+        zero = unsigned_codes(weight_zero_point, bits, n, dim=0)[:, grp]
     return (q - zero).to(weight_scale.dtype) * scale
 
 

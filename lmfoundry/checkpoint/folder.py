@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from lmfoundry.checkpoint.sources import safetensors_files
 from lmfoundry.errors import UserError, disk_full
 from lmfoundry.manifest import MANIFEST, hash_folder
+from lmfoundry.quantformat.int32_packing import unpack_int32
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import QuantizationPlan, Scheme, plan_from_compressed_tensors, to_compressed_tensors
 
@@ -56,16 +57,14 @@ def encode_linear(name: str, qw: QuantizedWeight, scheme: Scheme) -> dict[str, t
 
 def decode_linear(tensors: dict[str, torch.Tensor], scheme: Scheme) -> QuantizedWeight:
     """Inverse of `encode_linear`; `tensors` uses local names (weight_packed, weight_scale, ...)."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
     args = scheme.weights
     scale = tensors["weight_scale"]
     zp = tensors.get("weight_zero_point")
     if "weight_packed" in tensors:
         shape = torch.Size(tensors["weight_shape"].tolist())
-        q = unpack_from_int32(tensors["weight_packed"], args.num_bits, shape)
+        q = unpack_int32(tensors["weight_packed"], args.num_bits, shape)
         if zp is not None:
-            zp = unpack_from_int32(zp, args.num_bits, torch.Size([shape[0], scale.shape[-1]]), packed_dim=0)
+            zp = unpack_int32(zp, args.num_bits, (shape[0], scale.shape[-1]), dim=0)
     elif "weight" in tensors:
         q = tensors["weight"]
     else:
