@@ -374,8 +374,8 @@ class ModelConfig:
         else:
             params = gemma3_rope_parameters(self.raw)[kind]
             theta, rope_type = float(params["rope_theta"]), str(params.get("rope_type", params.get("type")) or "default")
-        if rope_type == "default":
-            exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        if rope_type == "default":  # on the CPU even where the model is being built on meta (see below)
+            exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
             return 1.0 / (theta**exponent), 1.0
         from transformers import AutoConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -383,7 +383,8 @@ class ModelConfig:
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise UserError(f"unsupported rope type {rope_type!r}")
         hf_cfg = AutoConfig.for_model(**self.raw)
-        # real tensors even where the model is being built on the meta device (the loader does)
+        # real tensors even where the model is being built on the meta device (the loader does): a
+        # meta tensor's arithmetic runs through torch._refs, which imports TorchDynamo for good
         with torch.device("cpu"):
             if self.model_type == "gemma3_text":  # rope parameters per layer type
                 inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu", layer_type=kind)

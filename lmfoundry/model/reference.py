@@ -90,10 +90,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         tables = [config.rope_inv_freq(kind) for kind in config.rope_kinds]
-        freqs = [f for f, _ in tables]
-        if any(f.is_meta for f in freqs):  # built on meta (the loader rebuilds this module on CPU)
-            freqs = [f.to("meta") for f in freqs]
-        self.register_buffer("inv_freq", torch.stack(freqs), persistent=False)
+        inv_freq = torch.stack([f for f, _ in tables])  # CPU tensors (`rope_inv_freq`)
+        if torch.empty(0).is_meta:  # built on meta (the loader rebuilds this module on CPU)
+            inv_freq = inv_freq.to("meta")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = [scale for _, scale in tables]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,10 +449,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp_residual(self.mlp(self.mlp_norm(x)))
 
 
+def _embedding(count: int, width: int) -> nn.Embedding:
+    """An `nn.Embedding`, left uninitialized when built on the meta device (the loaders' skeletons,
+    filled from a checkpoint). The default init of a meta tensor runs `normal_` through torch._refs,
+    whose first call imports TorchDynamo and sympy into the process, where they stay resident: the
+    serving engine, which never compiles, would carry them for its whole life."""
+    if torch.empty(0).device.type == "meta":
+        return nn.Embedding(count, width, _weight=torch.empty(count, width))
+    return nn.Embedding(count, width)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.rotary_emb = RotaryEmbedding(config)
@@ -508,7 +518,12 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        table = self.model.embed_tokens  # a serving swap's table may say its dtype without a `.weight`
+        return cast(torch.dtype, table.dtype) if hasattr(table, "dtype") else table.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
 
     def hidden_states(
         self,

@@ -1,0 +1,42 @@
+"""What a serving engine process keeps resident beyond the model: loading a quantized checkpoint
+and building its engine must not import compressed-tensors (our reader of its packed layout is
+`quantformat.int32_packing`) or TorchDynamo (which the meta-device skeleton's arithmetic would pull
+in through torch._refs). Each stays resident for the server's life (benchmarks/serve_memory.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import tiny_model_folder, write_text
+
+from lmfoundry.cli import main
+
+CHILD = """
+import json, sys
+import torch
+from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from lmfoundry.runtime.loader import load_model
+model, tokenizer = load_model(sys.argv[1], dtype=torch.bfloat16)
+engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=32, block_size=4, max_num_batched_tokens=16))
+out = engine.generate([[1, 5, 9, 200, 17]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+print(json.dumps({"tokens": out[0].outputs[0].token_ids,
+                  "loaded": sorted(m for m in ("compressed_tensors", "torch._dynamo") if m in sys.modules)}))
+"""
+
+
+def test_a_quantized_engine_imports_neither_compressed_tensors_nor_dynamo(tmp_path: Path) -> None:
+    model = tiny_model_folder(tmp_path / "tiny", "llama")
+    checkpoint = tmp_path / "w4a16"
+    main(["quantize", str(model), "-o", str(checkpoint), "--quiet", "--method", "rtn", "--scheme", "w4a16",
+          "--group-size", "32", "--num-samples", "2", "--seq-len", "32", "--calib", str(write_text(tmp_path / "c.txt"))])
+    env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint)], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(result["tokens"]) == 4  # the engine served from the checkpoint it read
+    assert result["loaded"] == []
