@@ -226,7 +226,7 @@ class RuntimeLM(TemplateLM):
     def device(self) -> torch.device:
         if self.on_engine:
             return getattr(self.model, "device", torch.device("cpu"))
-        return cast(CausalLM, self.model).lm_head.weight.device
+        return cast(CausalLM, self.model).device
 
     @property
     def tokenizer_name(self) -> str:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from functools import lru_cache
-from typing import Sequence, TypeGuard
+from typing import Any, Sequence, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -683,10 +683,53 @@ def _fuse_groups(model: nn.Module, few_rows: bool, batch_invariant: bool = False
     return fused
 
 
+class BlockedEmbedding(nn.Module):
+    """The token embedding of a model whose LM head shares its table (tied embeddings), reading its
+    rows from the LM head's few-row copy (`Bf16Gemv.block`'s [N/16, K/32, 16, 32] layout).
+
+    A prepacked LM head holds the table in oneDNN's layout and in the few-row product's; the plain
+    table beside them would be a third copy, kept only to look up a step's few rows. Rows come back
+    bit for bit. `.weight` unblocks a copy, for code that reads the whole table (its dtype or device
+    at start-up)."""
+
+    def __init__(self, head: PrepackedLinear) -> None:
+        super().__init__()
+        if head.blocked is None or not isinstance(head.gemv, Bf16Gemv):
+            raise ValueError("the LM head keeps no few-row copy to look embedding rows up in")
+        self.blocked = head.blocked  # the LM head's tensor, not a copy
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tile = self.blocked.shape[2]
+        rows = self.blocked[ids // tile, :, ids % tile, :]  # [*ids.shape, K/32, 32]
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return Bf16Gemv.unblock(self.blocked, self.num_embeddings).contiguous()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocked.dtype
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the tied LM head's blocked copy"
+
+
+def _tied_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The model's token embedding where its LM head is a plain linear over the same table."""
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if type(embedding) is nn.Embedding and _prepackable(head) and head.weight is embedding.weight:
+        return embedding
+    return None
+
+
 def prepack_dense_linears(model: nn.Module, fuse: bool = False, batch_invariant: bool = False) -> int:
     """Swap every dense bf16 `nn.Linear` of a CPU model for a `PrepackedLinear` (the runtime
     module swap for serving); returns how many. Tied weights (an LM head sharing the embedding)
-    get a packed copy; the embedding keeps its plain tensor for lookups. With `fuse`, q/k/v and
+    get a packed copy; the embedding then reads its rows from the head's few-row copy where it
+    has one (`BlockedEmbedding`), else keeps its plain tensor for lookups. With `fuse`, q/k/v and
     gate/up become one `FusedPrepackedLinear` each where their linears can share one product
     (`_fuse_groups`). Where the few-row C product is built and its copies fit in memory
     (`_few_row_copies`), each also keeps a blocked copy of its weight for decode-sized inputs.
@@ -696,8 +739,13 @@ def prepack_dense_linears(model: nn.Module, fuse: bool = False, batch_invariant:
     fused = _fuse_groups(model, few_rows, batch_invariant) if fuse else 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if _prepackable(child)]
+    tied = _tied_embedding(model)
     for parent, name, child in swaps:
         setattr(parent, name, PrepackedLinear(child, few_rows, batch_invariant))
+    head = getattr(model, "lm_head", None)
+    if tied is not None and isinstance(head, PrepackedLinear) and isinstance(head.gemv, Bf16Gemv) \
+            and head.blocked is not None and tied.padding_idx is None:
+        cast(Any, model).model.embed_tokens = BlockedEmbedding(head)
     return fused + len(swaps)
 
 

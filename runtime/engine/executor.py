@@ -119,7 +119,7 @@ class ReferenceModelExecutor:
     def __init__(self, model: CausalLM, config: EngineConfig) -> None:
         self.model = model.eval()
         self.deterministic = config.deterministic
-        on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
+        on_cpu = model.device.type == "cpu"
         if self.deterministic:
             self._check_deterministic(model, on_cpu)
         elif can_prepack(model.dtype) and on_cpu:
@@ -184,7 +184,7 @@ class ReferenceModelExecutor:
         """The in-place C decode kernel, where it applies: a CPU model without a layer-specific
         attention (Gemma's scale, soft-cap, windows), a float cache in the compute dtype, and a
         C compiler on the machine. Otherwise the step's decodes are gathered in groups."""
-        if self.config.needs_attention_spec or model.model.embed_tokens.weight.device.type != "cpu":
+        if self.config.needs_attention_spec or model.device.type != "cpu":
             return None
         if not all(f.lossless and PagedDecode.supports(f.storage_dtype, self.config.head_dim) for f in self.formats):
             return None

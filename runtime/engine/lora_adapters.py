@@ -23,7 +23,7 @@ import contextlib
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from lmfoundry.errors import UserError
 from lmfoundry.kernels import lora as lora_ops
 from lmfoundry.kernels.cpu.lora import LoRAKernels, load_lora_kernels
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS, ModelConfig
+
+if TYPE_CHECKING:
+    from lmfoundry.model.reference import CausalLM
 
 DEFAULT_MAX_RANK = 16  # vLLM's --max-lora-rank default
 
@@ -141,8 +144,8 @@ class LoRAStack:
 
     @classmethod
     def on_model(cls, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int) -> "LoRAStack":
-        weight = cast(nn.Embedding, model.get_submodule("model.embed_tokens")).weight
-        return cls(list(model_sites(model)), config, max_loras, max_rank, weight.dtype, weight.device)
+        causal_lm = cast("CausalLM", model)
+        return cls(list(model_sites(model)), config, max_loras, max_rank, causal_lm.dtype, causal_lm.device)
 
     @classmethod
     def on_kernel_model(cls, model: Any, max_loras: int, max_rank: int) -> "LoRAStack":

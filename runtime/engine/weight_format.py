@@ -139,6 +139,6 @@ def runtime_form(model: Any, dtype: torch.dtype) -> dict[str, Any]:
     from lmfoundry.kernels.cpu.isa import isa
 
     local = getattr(model, "local", model)
-    device = torch.device(local.device) if hasattr(local, "kernels") else local.model.embed_tokens.weight.device
+    device = torch.device(local.device) if hasattr(local, "kernels") else local.device
     return {"dtype": dtype_name(dtype), "device": str(device), "cpu_isa": isa() if device.type == "cpu" else None,
             "weight_format": describe_weights(model)}

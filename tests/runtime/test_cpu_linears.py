@@ -29,6 +29,7 @@ from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import QuantArgs, make_scheme
 from lmfoundry.runtime.cpu_linears import (
     DEQUANT_ROWS,
+    BlockedEmbedding,
     CProductLinear,
     FloatPanelLinear,
     FusedPrepackedLinear,
@@ -582,3 +583,52 @@ def test_float_panel_linear_gives_a_row_the_same_output_at_any_row_count(bias) -
     bound = x.double().abs() @ lin.weight.double().abs().t() + (0 if lin.bias is None else lin.bias.double().abs())
     assert bool(((whole.double() - want).abs() <= 2 * 98 * 2.0**-24 * bound).all())
     assert torch.equal(whole, rows_alone(panel, x))
+
+
+def tied_model() -> torch.nn.Module:
+    """A bf16 toy model whose LM head is the embedding's table (tied embeddings)."""
+    from toy import toy_model
+
+    model = toy_model(seed=5, dtype=torch.bfloat16, vocab_size=320, tie_word_embeddings=True)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+@needs_bf16_onednn
+@pytest.mark.skipif(load_bf16_gemv() is None, reason="no AVX-512 BF16 C product here")
+def test_tied_embedding_reads_the_lm_heads_blocked_copy() -> None:
+    """After the swap the embedding holds no table of its own: its rows are the LM head's few-row
+    copy, bit for bit, and the model's logits are unchanged (prompt and decode-sized inputs)."""
+    model = tied_model()
+    table = model.model.embed_tokens.weight.detach().clone()
+    ids = torch.tensor([[0, 1, 15, 16, 17, 255, 319, 42, 7]])
+    with torch.no_grad():
+        want_prompt, want_decode = model(ids), model(ids[:, :2])
+        prepack_dense_linears(model, fuse=True)
+        embedding = model.model.embed_tokens
+        assert isinstance(embedding, BlockedEmbedding)
+        assert embedding.blocked.data_ptr() == model.lm_head.blocked.data_ptr()  # one tensor, not a copy
+        assert not any(p.data_ptr() == table.data_ptr() for p in model.parameters())
+        for shape in [(9,), (1, 9), (3, 3)]:
+            assert torch.equal(embedding(ids.reshape(shape)), torch.nn.functional.embedding(ids.reshape(shape), table))
+        assert torch.equal(embedding.weight, table) and model.dtype == torch.bfloat16
+        assert torch.equal(model(ids), want_prompt)
+        got = model(ids[:, :2])  # two rows: the LM head's C product, against oneDNN's F.linear
+        assert float((got - want_decode).abs().max()) <= 4 * U * float(want_decode.abs().max())
+
+
+@needs_prepack
+def test_untied_or_unblocked_embeddings_keep_their_table(monkeypatch) -> None:
+    """Only a tied LM head with a few-row copy lends its rows: an untied model, or a tied one
+    prepacked without the few-row copies (they would not fit in memory), keeps nn.Embedding."""
+    from toy import toy_model
+
+    import lmfoundry.runtime.cpu_linears as cpu_linears
+
+    untied = toy_model(seed=5, dtype=torch.bfloat16, vocab_size=320)
+    prepack_dense_linears(untied, fuse=True)
+    assert type(untied.model.embed_tokens) is torch.nn.Embedding
+    monkeypatch.setattr(cpu_linears, "_few_row_copies", lambda model: False)
+    tied = tied_model()
+    prepack_dense_linears(tied, fuse=True)
+    assert type(tied.model.embed_tokens) is torch.nn.Embedding
