@@ -14,6 +14,7 @@ engine loads or unloads one.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -150,14 +151,19 @@ class Preparer:
         self._check(ids, params)
         return PreparedChat(req, ids, params, tool_choice, self._reported(req.model))
 
+    @functools.cached_property
+    def _template_call_arguments(self) -> frozenset[str]:
+        """The named arguments of the tokenizer's `apply_chat_template`: template variables may not
+        take these names (read once, not on every request)."""
+        call = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        return frozenset(n for n, p in call.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
     def _template(self, req: ChatCompletionRequest, tool_choice: ToolChoice) -> list[int]:
         """The prompt's token ids: the messages (and tools) through the model's chat template."""
         # With tool_choice "none" the tools stay out of the prompt: the request runs as one without tools.
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if tool_choice.mode != "none" else None
         variables = req.chat_template_kwargs or {}
-        call = inspect.signature(self.tokenizer.apply_chat_template).parameters
-        named = {n for n, p in call.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        if taken := sorted(set(variables) & named):
+        if variables and (taken := sorted(set(variables) & self._template_call_arguments)):
             raise APIError(400, f"chat_template_kwargs.{taken[0]} is an argument of the template call, not a template "
                                 "variable", param="chat_template_kwargs")
         try:

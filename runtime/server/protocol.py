@@ -42,16 +42,18 @@ class FieldError(ValueError):
         self.param = param
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request body part that refuses unknown fields and loose types (a 400 naming them)."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # OpenAI's padding of stream chunks: none is added here
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     """`response_format.json_schema` (OpenAI): a named schema. `strict` is accepted; the schema is
     always enforced (decoding cannot leave it), and keywords that cannot be enforced are a 400."""
 
@@ -61,7 +63,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -91,7 +93,7 @@ VLLM_UNSUPPORTED: dict[str, Any] = {
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar")  # of vLLM's `structured_outputs`, the ones implemented
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictModel):
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -267,7 +269,7 @@ class CompletionRequest(_Sampling):
         return prompt_list(self.prompt)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     model_config = ConfigDict(strict=True, extra="ignore")  # part of a message (see the module doc)
     type: Literal["text"]
     text: str
@@ -288,7 +290,7 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return call
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     model_config = ConfigDict(strict=True, extra="ignore")  # see the module doc
     role: str
     content: str | list[TextPart] | None = None
@@ -310,23 +312,23 @@ class ChatMessage(_Strict):
         return out
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; absent: no arguments
     strict: bool | None = None  # accepted; constrained calls always follow the schema
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: ToolChoiceFunction
 
@@ -421,7 +423,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(StrictModel):
     """POST /v1/embeddings (OpenAI's shape)."""
 
     model: str | None = None
@@ -434,7 +436,7 @@ class EmbeddingRequest(_Strict):
         return prompt_list(self.input)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """POST /tokenize (vLLM's endpoint; lm-eval's remote tokenizer backend uses it)."""
 
     model: str | None = None
@@ -442,7 +444,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """POST /detokenize (vLLM's endpoint)."""
 
     model: str | None = None

@@ -23,14 +23,14 @@ from pydantic import ValidationError
 
 from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.server.prepare import PreparedChat, Preparer
-from lmfoundry.runtime.server.protocol import ChatCompletionRequest, _Strict
+from lmfoundry.runtime.server.protocol import ChatCompletionRequest, StrictModel
 from lmfoundry.runtime.server.request_body import APIError
 from lmfoundry.runtime.server.responses import ChatBuilder, TokenText
 
 UNSUPPORTED = ("previous_response_id", "reasoning", "include", "background", "conversation", "prompt")
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
