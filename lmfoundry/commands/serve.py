@@ -74,6 +74,60 @@ def _compiled_step_bundle(model: str, device: str, block_size: int | None) -> st
     return str(engine)
 
 
+def _compiled_step_by_default(model: str, device: str, tp: int, deterministic: bool, run_dtype: Any,
+                              lora_slots: int, speculative: str | None) -> str | None:
+    """Why `serve` builds the compiled step without being asked (None: it serves the eager model).
+
+    The eager model's 4/8-bit products run AVX-512 BF16 dot products; on a CPU with AMX the float
+    model's GEMMs, and the compiled step's (Inductor's templates), run on AMX tiles instead, and the
+    issue that asked for this default measured the compiled step there ahead of both the eager
+    quantized model and the float one. Without AMX the eager products serve faster than the
+    compiled step (benchmarks/results/serve_w4a16_avx512.md), so the default stays eager. Only
+    where nothing else needs the eager model: one CPU process, bf16, no LoRA, no speculation, not
+    --deterministic, and a checkpoint (not a bundle) whose weights are integer weight-only."""
+    import torch
+
+    from lmfoundry.runtime import cpu_isa
+    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+
+    if device != "cpu" or tp > 1 or deterministic or lora_slots or speculative is not None:
+        return None
+    if run_dtype != torch.bfloat16 or not cpu_isa.cpu_features().get("amx_bf16") or is_engine_bundle(model):
+        return None
+    if not _weight_only_integer(model):
+        return None
+    return "this CPU has AMX and the checkpoint's weights are integer weight-only"
+
+
+def _default_compiled_step(model: str, device: str, block_size: int | None, reason: str | None) -> str:
+    """MODEL, or its cached compiled-step bundle where `reason` says to build it by default. A
+    default is an optimization the user did not ask for: if the build fails (no C++ compiler,
+    a step Inductor cannot compile), serve says why in one line and serves the eager model."""
+    if reason is None:
+        return model
+    click.echo(f"serving through the compiled step: {reason} (--no-compile-step serves the eager model)", err=True)
+    try:
+        return _compiled_step_bundle(model, device, block_size)
+    except Exception as exc:  # noqa: BLE001 - any failure of the optional build falls back, said in one line
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        click.echo(f"warning: the compiled step could not be built ({detail}); serving the eager model", err=True)
+        return model
+
+
+def _weight_only_integer(model: str) -> bool:
+    """Whether checkpoint `model` stores integer weight-only quantized linears (W4A16 / W8A16 style)."""
+    import json
+
+    from lmfoundry.checkpoint.sources import resolve_model
+    from lmfoundry.quantformat.scheme import plan_from_compressed_tensors
+
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    qcfg = config.get("quantization_config")
+    plan = plan_from_compressed_tensors(qcfg) if qcfg else None
+    return plan is not None and bool(plan.groups) and all(
+        g.scheme.weights.type == "int" and g.scheme.input_activations is None for g in plan.groups)
+
+
 def _check_server_options(port: int, max_model_len: int | None, max_waiting: int, kv_cache_gb: float,
                           threads: int | None, max_request_mb: float, timeout_read: float,
                           timeout_keep_alive: float, shutdown_timeout: float) -> None:
@@ -213,10 +267,12 @@ def _print_runtime(name: str, info: EngineInfo) -> None:
               help="cpu or cuda[:N]. An engine bundle (`lmfoundry compile` output) runs its kernels there: "
                    "shipped cubins on a matching GPU, Triton JIT otherwise, each kernel's PyTorch reference on "
                    "CPU. A checkpoint folder or model name runs the PyTorch reference model on CPU.")
-@click.option("--compile-step", is_flag=True,
+@click.option("--compile-step/--no-compile-step", default=None,
               help="CPU: serve a checkpoint through its step compiled ahead of time (what `compile --arch cpu` "
                    "builds), built on first use into the cache (minutes, once per checkpoint, block size, torch "
-                   "and CPU ISA) and reused after.")
+                   "and CPU ISA) and reused after. Default: on for a weight-only quantized checkpoint on a CPU "
+                   "with AMX (where the compiled step's GEMMs run on AMX tiles), off elsewhere (the eager model's "
+                   "packed products serve faster there); --no-compile-step keeps the eager model.")
 @click.option("--enforce-eager", is_flag=True,
               help="On a GPU, run every decode step eagerly instead of replaying CUDA graphs.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
@@ -292,8 +348,8 @@ def _print_runtime(name: str, info: EngineInfo) -> None:
 @_http_options
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int | None, max_waiting: int,
-          kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str, compile_step: bool,
-          enforce_eager: bool,
+          kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str,
+          compile_step: bool | None, enforce_eager: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft_model: str | None,
           ngram_max: int, deterministic: bool, threads: int | None, tp: int, tp_backend: str, max_request_mb: float,
           timeout_read: float, timeout_keep_alive: float, shutdown_timeout: float, skip_verify: bool, log_level: str,
@@ -327,7 +383,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     device = check_device(device)
     check_tensor_parallel(tp, device, (model,))
     if deterministic:
-        _check_deterministic(device, tp, compile_step)
+        _check_deterministic(device, tp, bool(compile_step))
     if tp > 1:
         if compile_step:
             raise UserError("--compile-step compiles one process's step; drop it with --tp")
@@ -350,6 +406,10 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         click.echo(cpu_isa.describe(dtype), err=True)
     if compile_step:
         model = _compiled_step_bundle(model, device, block_size)
+    elif compile_step is None:
+        model = _default_compiled_step(model, device, block_size,
+                                       _compiled_step_by_default(model, device, tp, deterministic, run_dtype,
+                                                                 lora_slots, speculative))
     if is_engine_bundle(model):  # its paged-attention kernels were specialized for one block size
         compiled_block = _bundle_block_size(model)
         if block_size is not None and block_size != compiled_block:

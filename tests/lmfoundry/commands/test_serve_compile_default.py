@@ -1,0 +1,100 @@
+"""`serve CKPT` builds the compiled CPU step by default only where it is the faster path: an AMX
+CPU and an integer weight-only checkpoint, with nothing else needing the eager model; otherwise
+it serves the eager model, and a default build that fails falls back to it in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_model_folder, write_text
+
+from lmfoundry.cli import main
+from lmfoundry.commands import serve as serve_command
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("compile-default")
+    tiny = tiny_model_folder(root / "tiny", "llama")
+    calib = str(write_text(root / "c.txt"))
+    out = {"float": str(tiny)}
+    for scheme in ("w4a16", "w8a8"):
+        main(["quantize", str(tiny), "-o", str(root / scheme), "--quiet", "--method", "rtn", "--scheme", scheme,
+              "--group-size", "32", "--num-samples", "2", "--seq-len", "32", "--calib", calib])
+        out[scheme] = str(root / scheme)
+    return out
+
+
+@pytest.fixture
+def amx(monkeypatch) -> None:
+    from lmfoundry.runtime import cpu_isa
+
+    features = dict(cpu_isa.cpu_features(), amx_bf16=True)
+    monkeypatch.setattr(cpu_isa, "cpu_features", lambda: features)
+
+
+def by_default(model: str, **overrides) -> str | None:
+    args = {"device": "cpu", "tp": 1, "deterministic": False, "run_dtype": torch.bfloat16, "lora_slots": 0,
+            "speculative": None, **overrides}
+    return serve_command._compiled_step_by_default(model, **args)
+
+
+def test_an_amx_cpu_compiles_a_weight_only_checkpoint(folders, amx) -> None:
+    assert by_default(folders["w4a16"]) is not None
+    assert by_default(folders["float"]) is None  # float weights: oneDNN already runs them on AMX
+    assert by_default(folders["w8a8"]) is None  # activations quantized too: not what the step compiles for
+    for overrides in ({"device": "cuda"}, {"tp": 2}, {"deterministic": True}, {"run_dtype": torch.float32},
+                      {"lora_slots": 1}, {"speculative": "ngram"}):
+        assert by_default(folders["w4a16"], **overrides) is None, overrides
+
+
+def test_without_amx_the_eager_model_serves(folders, monkeypatch) -> None:
+    from lmfoundry.runtime import cpu_isa
+
+    features = dict(cpu_isa.cpu_features(), amx_bf16=False)
+    monkeypatch.setattr(cpu_isa, "cpu_features", lambda: features)
+    assert by_default(folders["w4a16"]) is None
+
+
+def test_a_default_build_that_fails_serves_the_eager_model(folders, monkeypatch, capsys) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler\nfound")
+
+    monkeypatch.setattr(serve_command, "_compiled_step_bundle", broken)
+    model = folders["w4a16"]
+    assert serve_command._default_compiled_step(model, "cpu", None, "reason") == model
+    err = capsys.readouterr().err
+    assert "serving through the compiled step: reason" in err
+    assert "could not be built (no C++ compiler found); serving the eager model" in err
+    monkeypatch.setattr(serve_command, "_compiled_step_bundle", lambda m, d, b: str(Path(m) / "bundle"))
+    assert serve_command._default_compiled_step(model, "cpu", None, "reason") == str(Path(model) / "bundle")
+    assert serve_command._default_compiled_step(model, "cpu", None, None) == model  # no reason: no build
+
+
+def test_serve_takes_the_default_and_no_compile_step_turns_it_off(folders, amx, monkeypatch, capsys) -> None:
+    """The CLI path: on an AMX CPU `serve CKPT` goes for the compiled step (stopped here before
+    anything builds); with `--no-compile-step` the engine starts on the checkpoint itself (stopped
+    there)."""
+    from lmfoundry.errors import UserError
+
+    def stop(model, device, block_size):
+        raise UserError(f"would build the compiled step of {model}")
+
+    monkeypatch.setattr(serve_command, "_compiled_step_bundle", stop)
+    monkeypatch.setattr(serve_command, "_default_compiled_step",
+                        lambda model, device, block_size, reason: stop(model, device, block_size) if reason else model)
+    with pytest.raises(SystemExit):
+        main(["serve", folders["w4a16"], "--port", "0", "--dtype", "bfloat16"])
+    assert "would build the compiled step" in capsys.readouterr().err
+    from lmfoundry.runtime.engine import core_client
+
+    def engine_start(spec, **kwargs):
+        raise UserError(f"engine started on {spec.args[0]}")
+
+    monkeypatch.setattr(core_client, "EngineCoreClient", engine_start)
+    with pytest.raises(SystemExit):
+        main(["serve", folders["w4a16"], "--port", "0", "--dtype", "bfloat16", "--no-compile-step"])
+    err = capsys.readouterr().err
+    assert "would build" not in err and f"engine started on {folders['w4a16']}" in err
