@@ -2,9 +2,8 @@
 
 Every process that serves a quantized checkpoint reads its packed weights once, at load. Importing
 compressed-tensors for its unpack helper brings the whole package (its pydantic schemas, its
-transformers integration) into the engine process and keeps it resident for the server's life:
-that import is most of the quantized engine's fixed memory beyond torch
-(`benchmarks/serve_memory.py` reads it). The layout is small enough to read here: a row's codes
+transformers integration) into the engine process and keeps it resident for the server's life,
+memory the float model's engine does not pay (`benchmarks/serve_memory.py` reads it). The layout is small enough to read here: a row's codes
 sit in its int32 words as one little-endian bit stream, element i at bits [i*b, i*b + b), each
 code unsigned (q + 2^(b-1)). Writing keeps compressed-tensors' own `pack_to_int32` (quantize runs
 with the library loaded anyway); the tests check this reader against its `unpack_from_int32`.
