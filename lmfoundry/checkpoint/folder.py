@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from lmfoundry.checkpoint.sources import safetensors_files
 from lmfoundry.errors import UserError, disk_full
 from lmfoundry.manifest import MANIFEST, hash_folder
-from lmfoundry.quantformat.int32_packing import unpack_int32
+from lmfoundry.quantformat.int32_packing import WIDTHS, unpack_int32
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import QuantizationPlan, Scheme, plan_from_compressed_tensors, to_compressed_tensors
 
@@ -55,6 +55,14 @@ def encode_linear(name: str, qw: QuantizedWeight, scheme: Scheme) -> dict[str, t
     return out
 
 
+def _library_unpack(packed: torch.Tensor, bits: int, shape: tuple[int, ...] | torch.Size, dim: int = 1) -> torch.Tensor:
+    """compressed-tensors' own reader, for the code widths whose layout differs between its
+    releases (3, 5, 6, 7 bits): the installed library reads what the installed library wrote."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    return unpack_from_int32(packed, bits, torch.Size(shape), packed_dim=dim)  # type: ignore[arg-type]
+
+
 def decode_linear(tensors: dict[str, torch.Tensor], scheme: Scheme) -> QuantizedWeight:
     """Inverse of `encode_linear`; `tensors` uses local names (weight_packed, weight_scale, ...)."""
     args = scheme.weights
@@ -62,9 +70,10 @@ def decode_linear(tensors: dict[str, torch.Tensor], scheme: Scheme) -> Quantized
     zp = tensors.get("weight_zero_point")
     if "weight_packed" in tensors:
         shape = torch.Size(tensors["weight_shape"].tolist())
-        q = unpack_int32(tensors["weight_packed"], args.num_bits, shape)
+        unpack = unpack_int32 if args.num_bits in WIDTHS else _library_unpack
+        q = unpack(tensors["weight_packed"], args.num_bits, shape)
         if zp is not None:
-            zp = unpack_int32(zp, args.num_bits, (shape[0], scale.shape[-1]), dim=0)
+            zp = unpack(zp, args.num_bits, (shape[0], scale.shape[-1]), dim=0)
     elif "weight" in tensors:
         q = tensors["weight"]
     else:
