@@ -115,15 +115,20 @@ def _default_compiled_step(model: str, device: str, block_size: int | None, reas
 
 
 def _weight_only_integer(model: str) -> bool:
-    """Whether checkpoint `model` stores integer weight-only quantized linears (W4A16 / W8A16 style)."""
+    """Whether checkpoint folder `model` stores integer weight-only quantized linears (W4A16 / W8A16
+    style). Read from its config.json alone: a GGUF file or a built-in model name is float (their
+    conversion drops any quantization), and converting one here would load it in this process."""
     import json
+    from pathlib import Path
 
-    from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.quantformat.scheme import plan_from_compressed_tensors
 
-    config = json.loads((resolve_model(model) / "config.json").read_text())
-    qcfg = config.get("quantization_config")
-    plan = plan_from_compressed_tensors(qcfg) if qcfg else None
+    path = Path(model) / "config.json"
+    try:
+        qcfg = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+        plan = plan_from_compressed_tensors(qcfg) if qcfg else None
+    except (OSError, ValueError, AttributeError, UserError):  # the engine's load says what is wrong with it
+        return False
     return plan is not None and bool(plan.groups) and all(
         g.scheme.weights.type == "int" and g.scheme.input_activations is None for g in plan.groups)
 
@@ -404,6 +409,16 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
                 verify_artifact(Path(spec), "serve")
     if device == "cpu":
         click.echo(cpu_isa.describe(dtype), err=True)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_step_tokens(device)
+    for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
+                        ("--block-size", 1 if block_size is None else block_size),
+                        ("--num-speculative-tokens", num_speculative_tokens), ("--ngram-max", ngram_max)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1")
+    if (speculative == "draft") != (draft_model is not None):
+        raise UserError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
+    source = model  # what the user named: the served name, even when a compiled step serves it
     if compile_step:
         model = _compiled_step_bundle(model, device, block_size)
     elif compile_step is None:
@@ -418,15 +433,6 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         block_size = compiled_block
     if block_size is None:
         block_size = 16
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = default_step_tokens(device)
-    for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
-                        ("--block-size", block_size), ("--num-speculative-tokens", num_speculative_tokens),
-                        ("--ngram-max", ngram_max)):
-        if value < 1:
-            raise UserError(f"{name} must be at least 1")
-    if (speculative == "draft") != (draft_model is not None):
-        raise UserError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     config = EngineConfig(
@@ -459,9 +465,9 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         engine = EngineCoreClient(engine_spec, on_death=on_engine_death)  # loads the model in the engine process
         try:
             _note_capped_context(engine.info, max_model_len, kv_cache_gb)
-            name = served_model_name or os.path.basename(os.path.normpath(model))
+            name = served_model_name or os.path.basename(os.path.normpath(source))
             _print_runtime(name, engine.info)
-            app = create_app(engine, name, api_key=api_key, aliases=(model,),
+            app = create_app(engine, name, api_key=api_key, aliases=(source,),
                              max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read,
                              options=api_options)
             http = uvicorn_config(app, host, port, log_level, read_timeout=timeout_read, keep_alive=timeout_keep_alive)

@@ -98,3 +98,57 @@ def test_serve_takes_the_default_and_no_compile_step_turns_it_off(folders, amx, 
         main(["serve", folders["w4a16"], "--port", "0", "--dtype", "bfloat16", "--no-compile-step"])
     err = capsys.readouterr().err
     assert "would build" not in err and f"engine started on {folders['w4a16']}" in err
+
+
+def test_a_compiled_step_is_served_under_the_checkpoints_name(folders, amx, monkeypatch, capsys) -> None:
+    """The engine loads the cached bundle, but clients keep addressing the model they named: the
+    served name is the checkpoint's, not the cache folder's digest."""
+    from types import SimpleNamespace
+
+    from lmfoundry.errors import UserError
+    from lmfoundry.runtime.engine import core_client
+
+    model = folders["w4a16"]
+    cached = str(Path(model).parent / "cache" / "cpu-steps" / "0123abcd")
+    monkeypatch.setattr(serve_command, "_default_compiled_step", lambda m, d, b, reason: cached if reason else m)
+    loaded: list[str] = []
+
+    class Engine:
+        info = SimpleNamespace(max_position_embeddings=64, max_model_len=64)
+
+        def __init__(self, spec, **kwargs) -> None:
+            loaded.append(spec.args[0])
+
+        def shutdown(self, seconds) -> None:
+            pass
+
+    def named(name, info):
+        raise UserError(f"served as {name}")
+
+    monkeypatch.setattr(core_client, "EngineCoreClient", Engine)
+    monkeypatch.setattr(serve_command, "_print_runtime", named)
+    with pytest.raises(SystemExit):
+        main(["serve", model, "--port", "0", "--dtype", "bfloat16"])
+    assert loaded == [cached]
+    assert f"served as {Path(model).name}" in capsys.readouterr().err
+
+
+def test_options_are_checked_before_a_default_build(folders, amx, monkeypatch, capsys) -> None:
+    """A bad option fails at once, not after minutes of compiling."""
+    monkeypatch.setattr(serve_command, "_default_compiled_step",
+                        lambda *a: pytest.fail("built before the options were checked"))
+    for extra, needle in ((["--block-size", "0"], "--block-size must be at least 1"),
+                          (["--draft-model", folders["float"]], "--draft-model needs --speculative draft")):
+        with pytest.raises(SystemExit):
+            main(["serve", folders["w4a16"], "--port", "0", "--dtype", "bfloat16", *extra])
+        assert needle in capsys.readouterr().err
+
+
+def test_gguf_files_and_builtin_names_are_not_read_for_the_default(amx, monkeypatch) -> None:
+    """Only a checkpoint folder's config.json is read: a GGUF file or a built-in name would be
+    converted in the HTTP process to find out, and neither is ever weight-only quantized."""
+    from lmfoundry.checkpoint import sources
+
+    monkeypatch.setattr(sources, "resolve_model", lambda *a, **k: pytest.fail("converted in the front process"))
+    assert serve_command._weight_only_integer("smollm2-135m") is False
+    assert serve_command._weight_only_integer("/nowhere/model.gguf") is False
