@@ -92,7 +92,7 @@ class PrefixCache:
         self.lengths: torch.Tensor | None = None
 
     def extend(self, rows: list[int], prefix_lengths: list[int]) -> None:
-        device = self.model.lm_head.weight.device
+        device = self.model.device  # not lm_head.weight: a served model's head unpacks a copy for that
         self.rows = torch.tensor(rows, dtype=torch.long, device=device)
         self.lengths = torch.tensor(prefix_lengths, dtype=torch.long, device=device)[self.rows]
 

@@ -700,8 +700,10 @@ class BlockedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and int(ids.min()) < 0:  # floor division would wrap it onto a real row
+            raise IndexError(f"token id {int(ids.min())} is out of the embedding's range")
         tile = self.blocked.shape[2]
-        rows = self.blocked[ids // tile, :, ids % tile, :]  # [*ids.shape, K/32, 32]
+        rows = self.blocked[ids // tile, :, ids % tile, :]  # [*ids.shape, K/32, 32]; past the end: IndexError
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     @property

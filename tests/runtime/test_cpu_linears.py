@@ -612,6 +612,9 @@ def test_tied_embedding_reads_the_lm_heads_blocked_copy() -> None:
         for shape in [(9,), (1, 9), (3, 3)]:
             assert torch.equal(embedding(ids.reshape(shape)), torch.nn.functional.embedding(ids.reshape(shape), table))
         assert torch.equal(embedding.weight, table) and model.dtype == torch.bfloat16
+        for bad in (-1, 320):  # out of range either way, as nn.Embedding refuses it
+            with pytest.raises(IndexError):
+                embedding(torch.tensor([3, bad]))
         assert torch.equal(model(ids), want_prompt)
         got = model(ids[:, :2])  # two rows: the LM head's C product, against oneDNN's F.linear
         assert float((got - want_decode).abs().max()) <= 4 * U * float(want_decode.abs().max())
