@@ -694,7 +694,7 @@ class BlockedEmbedding(nn.Module):
 
     def __init__(self, head: PrepackedLinear) -> None:
         super().__init__()
-        if head.blocked is None or not isinstance(head.gemv, Bf16Gemv):
+        if not self.lends_rows(head) or head.blocked is None:
             raise ValueError("the LM head keeps no few-row copy to look embedding rows up in")
         self.blocked = head.blocked  # the LM head's tensor, not a copy
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
@@ -705,6 +705,11 @@ class BlockedEmbedding(nn.Module):
         tile = self.blocked.shape[2]
         rows = self.blocked[ids // tile, :, ids % tile, :]  # [*ids.shape, K/32, 32]; past the end: IndexError
         return rows.reshape(*ids.shape, self.embedding_dim)
+
+    @staticmethod
+    def lends_rows(head: object) -> TypeGuard[PrepackedLinear]:
+        """Whether `head` is a prepacked linear keeping the few-row product's blocked copy."""
+        return isinstance(head, PrepackedLinear) and head.blocked is not None and isinstance(head.gemv, Bf16Gemv)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -745,8 +750,7 @@ def prepack_dense_linears(model: nn.Module, fuse: bool = False, batch_invariant:
     for parent, name, child in swaps:
         setattr(parent, name, PrepackedLinear(child, few_rows, batch_invariant))
     head = getattr(model, "lm_head", None)
-    if tied is not None and isinstance(head, PrepackedLinear) and isinstance(head.gemv, Bf16Gemv) \
-            and head.blocked is not None and tied.padding_idx is None:
+    if tied is not None and tied.padding_idx is None and BlockedEmbedding.lends_rows(head):
         cast(Any, model).model.embed_tokens = BlockedEmbedding(head)
     return fused + len(swaps)
 

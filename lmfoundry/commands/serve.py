@@ -129,8 +129,7 @@ def _weight_only_integer(model: str) -> bool:
         plan = plan_from_compressed_tensors(qcfg) if qcfg else None
     except (OSError, ValueError, AttributeError, UserError):  # the engine's load says what is wrong with it
         return False
-    return plan is not None and bool(plan.groups) and all(
-        g.scheme.weights.type == "int" and g.scheme.input_activations is None for g in plan.groups)
+    return plan is not None and bool(plan.groups) and all(g.scheme.format == "pack-quantized" for g in plan.groups)
 
 
 def _check_server_options(port: int, max_model_len: int | None, max_waiting: int, kv_cache_gb: float,
@@ -397,8 +396,9 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
         split_heads(whole_model_config(model), tp)  # before anything starts
     run_dtype = resolve_dtype(dtype, model, device)
-    lora_slots, adapters = lora_config(model, adapter_specs, enable_lora, max_loras, max_lora_rank,
-                                       served_model_name or os.path.basename(os.path.normpath(model)), tp, device)
+    # the name clients use: what the user named, even when a compiled step below serves it
+    name = served_model_name or os.path.basename(os.path.normpath(model))
+    lora_slots, adapters = lora_config(model, adapter_specs, enable_lora, max_loras, max_lora_rank, name, tp, device)
     if not skip_verify and not is_engine_bundle(model):
         from pathlib import Path
 
@@ -411,14 +411,14 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         click.echo(cpu_isa.describe(dtype), err=True)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_step_tokens(device)
-    for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
+    for flag, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
                         ("--block-size", 1 if block_size is None else block_size),
                         ("--num-speculative-tokens", num_speculative_tokens), ("--ngram-max", ngram_max)):
         if value < 1:
-            raise UserError(f"{name} must be at least 1")
+            raise UserError(f"{flag} must be at least 1")
     if (speculative == "draft") != (draft_model is not None):
         raise UserError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
-    source = model  # what the user named: the served name, even when a compiled step serves it
+    source = model  # the alias clients may send, kept when a compiled step below serves it
     if compile_step:
         model = _compiled_step_bundle(model, device, block_size)
     elif compile_step is None:
@@ -465,7 +465,6 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         engine = EngineCoreClient(engine_spec, on_death=on_engine_death)  # loads the model in the engine process
         try:
             _note_capped_context(engine.info, max_model_len, kv_cache_gb)
-            name = served_model_name or os.path.basename(os.path.normpath(source))
             _print_runtime(name, engine.info)
             app = create_app(engine, name, api_key=api_key, aliases=(source,),
                              max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read,

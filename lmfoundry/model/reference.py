@@ -91,7 +91,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         tables = [config.rope_inv_freq(kind) for kind in config.rope_kinds]
         inv_freq = torch.stack([f for f, _ in tables])  # CPU tensors (`rope_inv_freq`)
-        if torch.empty(0).is_meta:  # built on meta (the loader rebuilds this module on CPU)
+        if _building_on_meta():  # the loader rebuilds this module on CPU
             inv_freq = inv_freq.to("meta")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = [scale for _, scale in tables]
@@ -449,12 +449,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp_residual(self.mlp(self.mlp_norm(x)))
 
 
+def _building_on_meta() -> bool:
+    """Whether modules are being built under `torch.device("meta")` (the loaders' skeletons)."""
+    return torch.empty(0).is_meta
+
+
 def _embedding(count: int, width: int) -> nn.Embedding:
     """An `nn.Embedding`, left uninitialized when built on the meta device (the loaders' skeletons,
     filled from a checkpoint). The default init of a meta tensor runs `normal_` through torch._refs,
     whose first call imports TorchDynamo and sympy into the process, where they stay resident: the
     serving engine, which never compiles, would carry them for its whole life."""
-    if torch.empty(0).device.type == "meta":
+    if _building_on_meta():
         return nn.Embedding(count, width, _weight=torch.empty(count, width))
     return nn.Embedding(count, width)
 
