@@ -49,7 +49,7 @@ def decode_bytes(case: dict) -> dict[str, int]:
 def decode_inputs(case: dict, seed: int = 0):
     """Random cache (codes drawn directly in the storage dtype, scales > 0), shuffled block table,
     queries; and the same keys/values dense [B, Hkv, ctx, D] in bf16 for SDPA."""
-    from lmfoundry.kernels.paged_kv import PagedKVCache, dequantize_kv
+    from lmfoundry.kernels.kv_layout import PagedKVCache, dequantize_kv
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     b, n, hq, hkv, d, page = (case[k] for k in ("B", "ctx", "Hq", "Hkv", "D", "PAGE"))

@@ -148,7 +148,7 @@ def quantization_error(h_abs: torch.Tensor, scale: torch.Tensor, code_dtype: tor
 
 def attention_bound(
     q: torch.Tensor,
-    cache,  # lmfoundry.kernels.paged_kv.PagedKVCache
+    cache,  # lmfoundry.kernels.kv_layout.PagedKVCache
     block_table: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     ctx_lens: torch.Tensor,
@@ -179,7 +179,7 @@ def attention_bound(
     With `p_hi_lo=False` (and `p_split`), P is rounded once to `p_dtype` instead of split into
     hi + lo (the CPU decode kernel's bf16 P): relative error u, the other terms as for p_split.
     """
-    from lmfoundry.kernels.paged_kv import dequantize_kv
+    from lmfoundry.kernels.kv_layout import dequantize_kv
 
     q, block_table, cu_seqlens_q, ctx_lens, ref = (t.cpu() for t in (q, block_table, cu_seqlens_q, ctx_lens, ref))
     hq, d = q.shape[1], q.shape[2]

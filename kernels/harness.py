@@ -18,6 +18,7 @@ import torch
 from lmfoundry.kernels import (
     activation,
     error_bounds,
+    kv_layout,
     lora,
     norm_quant,
     paged_attention,
@@ -27,6 +28,7 @@ from lmfoundry.kernels import (
     tiled_layout,
     w4a16,
     w4a16_tiled,
+    w8a8_reference,
 )
 from lmfoundry.kernels.dispatch import Launcher, ReferenceLauncher
 from lmfoundry.kernels.spec import KernelCall
@@ -170,7 +172,7 @@ def _norm(kernel, types, sem, shape, device, gen) -> Example:
     x = (torch.randn(rows, h, generator=gen) * (torch.rand(rows, 1, generator=gen) * 3 + 0.1)).to(act)
     w = (torch.rand(h, generator=gen) + 0.5).to(act) if sem["APPLY_NORM"] else None
     res = torch.randn(rows, h, generator=gen).to(act) if sem["HAS_RESIDUAL"] else None
-    static = (x.float().abs().amax() / norm_quant.QMAX[sem["QUANT"]]).reshape(1) if sem["STATIC_SCALE"] else None
+    static = (x.float().abs().amax() / w8a8_reference.QMAX[sem["QUANT"]]).reshape(1) if sem["STATIC_SCALE"] else None
     dev = lambda t: None if t is None else t.to(device)  # noqa: E731
     out = error_bounds.poisoned((rows, h), out_dt, device)
     scale_out = error_bounds.poisoned((rows,), torch.float32, device) if sem["QUANT"] and not sem["STATIC_SCALE"] else None
@@ -274,22 +276,22 @@ def _cache(t_lens: list[int], hkv: int, d: int, page: int, act: torch.dtype, cac
         if not quantized:
             return None
         amax = x.float().abs().amax(dim=(0, 2))
-        return amax / paged_kv.kv_code_max(cache_dt) * (1 + 0.1 * torch.rand(hkv, generator=gen))
+        return amax / kv_layout.kv_code_max(cache_dt) * (1 + 0.1 * torch.rand(hkv, generator=gen))
 
-    cache = paged_kv.PagedKVCache.allocate(nblocks, page, hkv, d, cache_dt, "cpu", scale(k), scale(v))
-    paged_kv.store_reference(k, v, cache, slots.to(torch.int32))
+    cache = kv_layout.PagedKVCache.allocate(nblocks, page, hkv, d, cache_dt, "cpu", scale(k), scale(v))
+    kv_layout.store_reference(k, v, cache, slots.to(torch.int32))
     return cache, table, slots.to(torch.int32), k, v
 
 
-def _to(cache: paged_kv.PagedKVCache, device) -> paged_kv.PagedKVCache:
-    return paged_kv.PagedKVCache(*(t.to(device) for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)))
+def _to(cache: kv_layout.PagedKVCache, device) -> kv_layout.PagedKVCache:
+    return kv_layout.PagedKVCache(*(t.to(device) for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)))
 
 
 def _store(kernel, types, sem, shape, device, gen) -> Example:
     t, hkv, d, page = shape["T"], sem["NUM_KV_HEADS"], sem["HEAD_DIM"], sem["PAGE"]
     act, cdt = TORCH_DTYPE[types["act"]], TORCH_DTYPE[types["kv"]]
     cache, _, slots, k, v = _cache([t], hkv, d, page, act, cdt, gen, "cpu")
-    empty = paged_kv.PagedKVCache(error_bounds.poisoned(tuple(cache.key_cache.shape), cdt, device),
+    empty = kv_layout.PagedKVCache(error_bounds.poisoned(tuple(cache.key_cache.shape), cdt, device),
                                   error_bounds.poisoned(tuple(cache.key_cache.shape), cdt, device),
                                   cache.k_scale.to(device), cache.v_scale.to(device))
     calls: list[KernelCall] = []
@@ -305,7 +307,7 @@ def _store(kernel, types, sem, shape, device, gen) -> Example:
         for name, src, scale in (("key_cache_ptr", k, cache.k_scale), ("value_cache_ptr", v, cache.v_scale)):
             got = ran.args[name].cpu().view(-1, hkv, d)[written]
             error_bounds.assert_written(got, kernel)
-            deq = paged_kv.dequantize_kv(got, scale)
+            deq = kv_layout.dequantize_kv(got, scale)
             bound = (error_bounds.quantization_error(src.double().abs(), scale.double()[:, None], cdt)
                      if cdt in (torch.int8, torch.float8_e4m3fn) else torch.zeros_like(deq, dtype=torch.float64))
             error_bounds.assert_within(deq, src, bound, kernel)

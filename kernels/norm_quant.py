@@ -23,13 +23,7 @@ import triton.language as tl
 
 from lmfoundry.kernels.dispatch import Launcher, resolve
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, Support, TileConfig, next_pow2, triton_type
-
-QUANT_NONE, QUANT_INT8, QUANT_FP8 = 0, 1, 2
-QMAX = {QUANT_INT8: 127.0, QUANT_FP8: 448.0}
-QMIN = {QUANT_INT8: -128.0, QUANT_FP8: -448.0}  # int8 codes span [-128, 127] (a static scale can reach -128)
-# Floor of a row's absmax before the dynamic scale absmax / qmax: int8 only avoids 0/0 (an all-zero
-# row quantizes to zeros whatever its scale); fp8 uses vLLM's minimum scale 1 / (448 * 512).
-MIN_AMAX = {QUANT_INT8: 1e-10, QUANT_FP8: 1.0 / 512.0}
+from lmfoundry.kernels.w8a8_reference import QUANT_FP8, QUANT_INT8, QUANT_NONE, quantize_reference
 
 SUPPORT = Support(
     {
@@ -98,28 +92,6 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (normed.float() * weight.float()).to(x.dtype)
-
-
-def quantize_reference(
-    h: torch.Tensor, quant: int, static_scale: torch.Tensor | None = None, qmax: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric quantization of h [M, H] -> (codes, fp32 scales [M] or the static one).
-
-    This is the one definition of activation quantization: the kernel computes it, and the
-    reference launcher's W8A8 / FP8 linears call it. `qmax` overrides the divisor of dynamic
-    scales (127.5 reproduces compressed-tensors' fake quantization, which transformers runs)."""
-    hf = h.float()
-    divisor = QMAX[quant] if qmax is None else qmax
-    if static_scale is not None:
-        scale = static_scale.float().reshape(1).expand(hf.shape[0])
-    else:
-        scale = hf.abs().amax(-1).clamp(min=MIN_AMAX[quant]) / divisor
-    v = (hf / scale[:, None]).clamp(QMIN[quant], QMAX[quant])
-    if quant == QUANT_INT8:
-        codes = torch.round(v).to(torch.int8)  # torch.round: half to even, as the kernel
-    else:
-        codes = v.to(torch.float8_e4m3fn)
-    return codes, scale if static_scale is None else static_scale.float().reshape(1)
 
 
 def reference(

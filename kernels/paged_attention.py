@@ -25,6 +25,7 @@ import torch
 
 from lmfoundry.kernels import paged_kv
 from lmfoundry.kernels.dispatch import Launcher, resolve
+from lmfoundry.kernels.kv_layout import PagedKVCache, kv_quant_code
 from lmfoundry.kernels.paged_attention_common import LOG2E, reference
 from lmfoundry.kernels.paged_decode import (
     DECODE,
@@ -39,7 +40,6 @@ from lmfoundry.kernels.paged_decode import (
     paged_decode_split_kernel,
     split_pages,
 )
-from lmfoundry.kernels.paged_kv import PagedKVCache, kv_quant_code
 from lmfoundry.kernels.paged_prefill import PREFILL, paged_prefill_kernel
 from lmfoundry.kernels.spec import KernelCall, Support, triton_type
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmfoundry.kernels.paged_kv import PagedKVCache, dequantize_kv
+from lmfoundry.kernels.kv_layout import PagedKVCache, dequantize_kv
 from lmfoundry.kernels.spec import Param
 
 LOG2E = 1.4426950408889634

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmfoundry.kernels.kv_layout import PagedKVCache
 from lmfoundry.kernels.paged_attention_common import (
     CACHE_PARAMS,
     LOG2E,
@@ -46,7 +47,6 @@ from lmfoundry.kernels.paged_attention_common import (
     sequence_kv,
     table_of,
 )
-from lmfoundry.kernels.paged_kv import PagedKVCache
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, TileConfig, next_pow2
 
 # FlashDecoding state conventions, shared by the kernels and their references:

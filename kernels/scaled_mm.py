@@ -26,6 +26,7 @@ import triton.language as tl
 from lmfoundry.kernels import splitk
 from lmfoundry.kernels.error_bounds import U32, TiledAccumulation
 from lmfoundry.kernels.spec import KernelCall, KernelDef, Param, TileConfig, triton_type
+from lmfoundry.kernels.w8a8_reference import scaled_mm_reference as reference
 
 if TYPE_CHECKING:
     from lmfoundry.kernels.dispatch import Launcher
@@ -143,39 +144,6 @@ def fp8_accumulation(config: TileConfig) -> TiledAccumulation:
     in fp32 (`splitk.serial_split_k`). On Ada (mma.sync, no wgmma) each 32-wide instruction is
     added in fp32, a finer promotion than this bound assumes."""
     return TiledAccumulation(tile_k=config["BLOCK_K"], tile_u=FP8_MMA_U, acc_u=U32, splits=config["SPLIT_K"])
-
-
-def reference(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """The scaled GEMM's reference: int8 and e4m3 operands with fp32 scales a_scale [M|1], b_scale
-    [N|1]. The reference launcher's W8A8 / FP8 linears run this function; the kernels are checked
-    against it with accumulation-order bounds.
-
-    int8: exact int32 dot products (`torch._int_mm`; cuBLASLt wants M > 16, so short inputs are
-    padded with zero rows), then the fp32 epilogue acc * a_scale[m] * b_scale[n] (+ bias).
-    e4m3 on CPU: both operands widened to float32 (exact: every e4m3 value, and every product of
-    two, is a float32) and one fp32 GEMM, which is what `torch._scaled_mm` computes there (fp32
-    accumulation of the dequantized operands, as transformers' and vLLM-CPU's FP8 linears do) at a
-    small fraction of its CPU time (no fp8 arithmetic exists on these ISAs); then the epilogue.
-    Elsewhere exact float64 sums and the same epilogue as int8."""
-    if a.dtype == torch.int8 and b.dtype == torch.int8:
-        m = a.shape[0]
-        padded = torch.cat([a, a.new_zeros(17 - m, a.shape[1])]) if a.is_cuda and m <= 16 else a
-        acc = torch._int_mm(padded, b.t())[:m].float()
-    elif a.dtype == b.dtype == torch.float8_e4m3fn and not a.is_cuda:
-        acc = a.float() @ b.float().t()
-    else:
-        acc = (a.double() @ b.double().t()).float()
-    out = acc * a_scale.float().reshape(-1, 1) * b_scale.float().reshape(1, -1)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
 
 
 def reference_call(call: KernelCall) -> None:

@@ -1,5 +1,5 @@
 """Writing a step's K/V rows into the paged cache on CPU (`store_kv.c`); the reference is
-`lmfoundry.kernels.paged_kv.store_reference`."""
+`lmfoundry.kernels.kv_layout.store_reference`."""
 
 from __future__ import annotations
 

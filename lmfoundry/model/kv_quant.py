@@ -60,8 +60,8 @@ def broadcast_scale(scale: torch.Tensor, num_kv_heads: int | None = None) -> tor
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
     """Store `x` [..., Hkv, D]: int8 codes or float8_e4m3fn values (the store-KV kernel's
-    reference arithmetic, `lmfoundry.kernels.paged_kv.quantize_kv`)."""
-    from lmfoundry.kernels.paged_kv import quantize_kv as store
+    reference arithmetic, `lmfoundry.kernels.kv_layout.quantize_kv`)."""
+    from lmfoundry.kernels.kv_layout import quantize_kv as store
 
     return store(x, per_head(scale, x.shape[-2]), kv_storage_dtype(kind))
 
@@ -69,7 +69,7 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Read stored KV back: `q * scale` in float32 (the paged-attention kernels' reference),
     cast to the attention dtype."""
-    from lmfoundry.kernels.paged_kv import dequantize_kv as load
+    from lmfoundry.kernels.kv_layout import dequantize_kv as load
 
     return load(q, per_head(scale, q.shape[-2])).to(dtype)
 

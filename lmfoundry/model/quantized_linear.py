@@ -3,10 +3,10 @@
 
 The arithmetic is the kernels' own reference, not a copy of it:
 
-    x_q, s_x = quantize_reference(x)        lmfoundry.kernels.norm_quant: per token absmax / qmax
+    x_q, s_x = quantize_reference(x)        lmfoundry.kernels.w8a8_reference: per token absmax / qmax
                                             (int8 127, fp8 448 with vLLM's floor 1/(448*512)), or
                                             the calibrated static scale; int8 codes in [-128, 127]
-    y        = scaled_mm.reference(...)     exact dot products (int32 by torch._int_mm; float64 for
+    y        = scaled_mm_reference(...)     exact dot products (int32 by torch._int_mm; float64 for
                                             e4m3), then acc * s_x * s_w (+ bias) in fp32
 
 so a CPU result equals what the compiled W8A8 / FP8 GEMM computes up to its accumulation order.
@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.kernels.norm_quant import QMAX, QUANT_FP8, QUANT_INT8, quantize_reference
-from lmfoundry.kernels.scaled_mm import reference as scaled_mm_reference
+from lmfoundry.kernels.w8a8_reference import QMAX, QUANT_FP8, QUANT_INT8, quantize_reference, scaled_mm_reference
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import Scheme
 

@@ -55,7 +55,7 @@ class DeterminismUnavailable(ValueError):
 
 def _invariant(module: nn.Module) -> bool | None:
     """Whether a linear-like module computes each row alone in a fixed order; None: not a linear."""
-    from lmfoundry.kernels.norm_quant import QUANT_INT8
+    from lmfoundry.kernels.w8a8_reference import QUANT_INT8
 
     if isinstance(module, PrepackedLinear):
         return module.batch_invariant

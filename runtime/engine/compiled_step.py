@@ -34,7 +34,16 @@ from lmfoundry.model.reference import AttentionSpec
 _ACTIVE = threading.local()
 
 
-@torch.library.custom_op("lmfoundry::attend", mutates_args=())
+# The two ops are defined on a `torch.library.Library`, not with `torch.library.custom_op`: a
+# custom_op's kernel runs under `torch._disable_dynamo`, whose first call imports TorchDynamo,
+# Inductor and Triton into the serving process (well over 100 MiB resident) for nothing. The
+# schemas are the ones custom_op derived for the packages already built (ints as SymInt).
+_LIBRARY = torch.library.Library("lmfoundry", "DEF")
+_LIBRARY.define("attend(Tensor q, Tensor k, Tensor v, SymInt layer, float scale=0., float softcap=0., "
+                "SymInt window=0) -> Tensor")
+_LIBRARY.define("moe(Tensor x, SymInt layer) -> Tensor")
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float = 0.0,
            softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     """Attention of one layer for the current step (writes k/v into the paged cache, reads it).
@@ -47,13 +56,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale:
     return out.contiguous()
 
 
-@attend.register_fake
+@torch.library.register_fake("lmfoundry::attend", lib=_LIBRARY)
 def _attend_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float = 0.0,
                  softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("lmfoundry::moe", mutates_args=())
 def moe(x: torch.Tensor, layer: int) -> torch.Tensor:
     """The mixture-of-experts block of one layer, run by the eager model's module."""
     block = _active().moe_blocks.get(layer)
@@ -62,9 +70,13 @@ def moe(x: torch.Tensor, layer: int) -> torch.Tensor:
     return block(x).contiguous()
 
 
-@moe.register_fake
+@torch.library.register_fake("lmfoundry::moe", lib=_LIBRARY)
 def _moe_fake(x: torch.Tensor, layer: int) -> torch.Tensor:
     return x.new_empty(x.shape)
+
+
+_LIBRARY.impl("attend", attend, "CompositeExplicitAutograd")
+_LIBRARY.impl("moe", moe, "CompositeExplicitAutograd")
 
 
 @dataclass
@@ -150,6 +162,21 @@ def compiled_step_refusal(entry: dict[str, Any]) -> str | None:
     return None
 
 
+class _PackageRunner:
+    """The package's compiled step through the AOTInductor loader torch's C++ core provides.
+    `torch._inductor.aoti_load_package` wraps the same loader, but importing it loads Inductor,
+    sympy and Triton for the server's life; this step's inputs are two tensors and its output
+    one, so the wrapper's pytree flattening has nothing to do."""
+
+    def __init__(self, package: Path) -> None:
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        outputs = self.loader.boxed_run([ids, positions])
+        if len(outputs) != 1:
+            raise RuntimeError(f"the compiled step returned {len(outputs)} tensors, expected the hidden states")
+        return outputs[0]
+
+
 def load_compiled_step(package: Path, moe: dict[int, nn.Module] | None = None) -> CompiledStep:
-    runner = torch._inductor.aoti_load_package(str(package))
-    return CompiledStep(runner, package, moe)
+    return CompiledStep(_PackageRunner(package), package, moe)

@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 
 from lmfoundry.errors import UserError
+from lmfoundry.kernels.kv_layout import PagedKVCache
 from lmfoundry.kernels.paged_attention import decode_splits, device_sm_count
-from lmfoundry.kernels.paged_kv import PagedKVCache
 from lmfoundry.kernels.rotary import rope_tables
 from lmfoundry.kernels.scaled_mm import ScaledLinear
 from lmfoundry.kernels.tiled_layout import TiledLinear

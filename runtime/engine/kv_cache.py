@@ -125,14 +125,14 @@ def resolve_kv_formats(model: nn.Module, kv_cache_dtype: str = "auto") -> list[K
 
 class KVCacheLayers:
     """The reference executor's paged KV cache: per layer, the kernels' one paged layout
-    (`lmfoundry.kernels.paged_kv.PagedKVCache`: K and V as
+    (`lmfoundry.kernels.kv_layout.PagedKVCache`: K and V as
     [num_blocks, block_size, kv_heads, head_dim], a token's slot is block * block_size + offset),
     so the reference executor and the kernel executor share one layout. Reads gather whole blocks
     (index_select over contiguous rows, several times faster on CPU than gathering single slots)."""
 
     def __init__(self, formats: list[KVFormat], num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int) -> None:
-        from lmfoundry.kernels.paged_kv import PagedKVCache as LayerCache
+        from lmfoundry.kernels.kv_layout import PagedKVCache as LayerCache
         from lmfoundry.model.kv_quant import per_head
 
         self.formats = formats

@@ -30,7 +30,6 @@ from torch import nn
 
 from lmfoundry.checkpoint.lora_adapter import LoRAAdapter, check_adapter, read_adapter
 from lmfoundry.errors import UserError
-from lmfoundry.kernels import lora as lora_ops
 from lmfoundry.kernels.cpu.lora import LoRAKernels, load_lora_kernels
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS, ModelConfig
 
@@ -240,11 +239,14 @@ class LoRAStack:
             expand(shrink(x2, site.a, rows), site.bt, rows, site.ends, y2)
         elif kernels is not None and y2.dtype == site.a.dtype:
             kernels.apply(x2, site.a, site.bt, rows, site.ends, y2)
-        elif y2.is_cuda:
-            lora_ops.lora_expand(lora_ops.lora_shrink(x2, site.a, rows), site.bt, rows, site.ends, y2)
-        else:
-            s = lora_ops.shrink_reference(x2, site.a, rows)
-            lora_ops.expand_reference(s, site.bt, rows, site.ends, y2)
+        else:  # imported here: an engine without LoRA never loads Triton (tens of MiB resident)
+            from lmfoundry.kernels import lora as lora_ops
+
+            if y2.is_cuda:
+                lora_ops.lora_expand(lora_ops.lora_shrink(x2, site.a, rows), site.bt, rows, site.ends, y2)
+            else:
+                s = lora_ops.shrink_reference(x2, site.a, rows)
+                lora_ops.expand_reference(s, site.bt, rows, site.ends, y2)
 
 
 @dataclass

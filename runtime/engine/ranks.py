@@ -85,10 +85,11 @@ def _load_share(spec: ShardSpec, rank: int, folder: Path, alive: Any) -> tuple[A
 def rank_executor(model: Any, config: Any) -> Any:
     """A rank's executor over its share: the bundle's kernels for a `KernelModel` (without CUDA
     graphs: a captured step would replay without its collectives), else the reference path."""
-    from lmfoundry.runtime.engine.executor import KernelModelExecutor, ReferenceModelExecutor
-    from lmfoundry.runtime.engine.kernel_model import KernelModel
+    from lmfoundry.runtime.engine.executor import ReferenceModelExecutor, is_kernel_model
 
-    if isinstance(model, KernelModel):
+    if is_kernel_model(model):
+        from lmfoundry.runtime.engine.kernel_executor import KernelModelExecutor
+
         return KernelModelExecutor(model, dataclasses.replace(config, cuda_graphs=False))
     return ReferenceModelExecutor(model, config)
 

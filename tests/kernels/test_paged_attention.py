@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from lmfoundry.kernels import paged_attention, paged_kv
+from lmfoundry.kernels import kv_layout, paged_attention, paged_kv
 from lmfoundry.kernels.error_bounds import U32, assert_within, assert_written, attention_bound, poisoned
-from lmfoundry.kernels.paged_kv import PagedKVCache
+from lmfoundry.kernels.kv_layout import PagedKVCache
 
 E4M3 = torch.float8_e4m3fn
 PAGE = 16
@@ -32,12 +32,12 @@ def build(lens, hkv, d, dtype, cache_dtype, gen, num_blocks=None):
 
     def scale(x):  # calibrated per head with 0-10 % headroom: no code saturates (or equals the poison)
         amax = x.float().abs().amax(dim=(0, 2))
-        return amax / paged_kv.kv_code_max(cache_dtype) * (1 + 0.1 * torch.rand(hkv, generator=gen))
+        return amax / kv_layout.kv_code_max(cache_dtype) * (1 + 0.1 * torch.rand(hkv, generator=gen))
 
     quantized = cache_dtype in (torch.int8, E4M3)
     cache = PagedKVCache.allocate(num_blocks, PAGE, hkv, d, cache_dtype, "cpu",
                                   scale(k) if quantized else None, scale(v) if quantized else None)
-    paged_kv.store_reference(k, v, cache, slots.to(torch.int32))
+    kv_layout.store_reference(k, v, cache, slots.to(torch.int32))
     return cache, table, slots.to(torch.int32), k, v
 
 
@@ -70,7 +70,7 @@ def test_store_kv_quantizes_on_write(cache_dtype, gen, device):
         assert (left.isnan().all() if cdt.is_floating_point else (left == -128).all()), "only given slots are written"
     keep = slots >= 0
     for got, src, scale in ((got_k, k, cache.k_scale), (got_v, v, cache.v_scale)):
-        deq = paged_kv.dequantize_kv(got[written], scale).double()
+        deq = kv_layout.dequantize_kv(got[written], scale).double()
         x = src[keep].double()
         s = scale.double()[:, None]
         if cdt == torch.int8:

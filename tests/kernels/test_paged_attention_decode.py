@@ -26,10 +26,10 @@ import pytest
 import torch
 from helpers import gpu_kernels_benchmark
 
-from lmfoundry.kernels import harness, paged_attention, paged_kv
+from lmfoundry.kernels import harness, kv_layout, paged_attention
 from lmfoundry.kernels.dispatch import JitLauncher, ReferenceLauncher
 from lmfoundry.kernels.error_bounds import assert_within, assert_written, attention_bound, poisoned
-from lmfoundry.kernels.paged_kv import PagedKVCache
+from lmfoundry.kernels.kv_layout import PagedKVCache
 from lmfoundry.kernels.spec import KernelCall
 
 E4M3 = torch.float8_e4m3fn
@@ -55,11 +55,11 @@ def make_cache(lens, hkv, d, page, dtype, cache_dtype, gen):
 
     def scale(x):
         amax = x.float().abs().amax(dim=(0, 2))
-        return amax / paged_kv.kv_code_max(cache_dtype) * (1 + 0.1 * torch.rand(hkv, generator=gen))
+        return amax / kv_layout.kv_code_max(cache_dtype) * (1 + 0.1 * torch.rand(hkv, generator=gen))
 
     cache = PagedKVCache.allocate(num_blocks, page, hkv, d, cache_dtype, "cpu",
                                   scale(k) if quantized else None, scale(v) if quantized else None)
-    paged_kv.store_reference(k, v, cache, slots.to(torch.int32))
+    kv_layout.store_reference(k, v, cache, slots.to(torch.int32))
     return cache, table
 
 

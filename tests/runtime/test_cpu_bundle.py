@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -156,10 +157,39 @@ def test_inspect_verifies_every_file_of_the_bundle(built: Built, tmp_path: Path,
     assert "weights/config.json: sha256 mismatch" in capsys.readouterr().err
 
 
-def test_serve_compile_step_builds_the_bundle_once_into_the_cache(built: Built, tmp_path, monkeypatch) -> None:
+SERVING_CHILD = """
+import json, sys
+import torch
+from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from lmfoundry.runtime.loader import load_model
+model, tok = load_model(sys.argv[1], dtype=torch.bfloat16)
+engine = LLMEngine(model, tok, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
+out = engine.generate([[1, 5, 9, 200, 17]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+print(json.dumps({"steps": engine.runner.executor.compiled_steps, "tokens": out[0].outputs[0].token_ids,
+                  "loaded": sorted(m for m in ("torch._inductor", "torch._dynamo", "triton") if m in sys.modules)}))
+"""
+
+
+def test_a_bundle_serves_without_importing_inductor_dynamo_or_triton(built: Built, tmp_path) -> None:
+    """The package runs through torch's C++ AOTInductor loader and the step's ops are plain
+    library ops: a serving process keeps none of the compiler's modules resident."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", SERVING_CHILD, str(built.engine)], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["steps"] > 0 and len(result["tokens"]) == 4  # the package served the tokens
+    assert result["loaded"] == []
+
+
+def test_serve_compile_step_builds_the_bundle_once_into_the_cache(built: Built, tmp_path, monkeypatch,
+                                                                   capsys) -> None:
     """`serve --compile-step`: the first start compiles the checkpoint's step into the cache, later
     starts (same files, block size, torch, ISA) reuse it; a bundle or a GPU device is refused."""
-    from lmfoundry.commands.serve import _compiled_step_bundle
+    from lmfoundry import devices
     from lmfoundry.compile import cpu_step
 
     monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path / "cache"))
@@ -171,7 +201,10 @@ def test_serve_compile_step_builds_the_bundle_once_into_the_cache(built: Built, 
     model, tok = load_model(first)
     reference, _ = load_model(built.checkpoint)
     assert_greedy_as(greedy(model, tok), reference, tok)
-    with pytest.raises(UserError, match="engine bundle already"):
-        _compiled_step_bundle(str(built.engine), "cpu", None)
-    with pytest.raises(UserError, match="compiles the CPU step"):
-        _compiled_step_bundle(str(built.checkpoint), "cuda", None)
+    # refused by serve itself, before an engine process starts
+    for spec, device, needle in ((built.engine, "cpu", "engine bundle already"),
+                                 (built.checkpoint, "cuda", "compiles the CPU step")):
+        monkeypatch.setattr(devices, "check_device", lambda d, device=device: device)
+        with pytest.raises(SystemExit):
+            main(["serve", str(spec), "--compile-step", "--port", "0"])
+        assert needle in capsys.readouterr().err

@@ -1,7 +1,9 @@
 """What a serving engine process keeps resident beyond the model: loading a quantized checkpoint
-and building its engine must not import compressed-tensors (our reader of its packed layout is
-`quantformat.int32_packing`) or TorchDynamo (which the meta-device skeleton's arithmetic would pull
-in through torch._refs). Each stays resident for the server's life (benchmarks/serve_memory.py)."""
+and building its CPU engine must not import compressed-tensors (our reader of its packed layout is
+`quantformat.int32_packing`), TorchDynamo (which the meta-device skeleton's arithmetic would pull
+in through torch._refs) or Triton (the GPU kernels' modules; the CPU engine runs their PyTorch
+references from `kernels.kv_layout` and `kernels.w8a8_reference`). Each stays resident for the
+server's life (benchmarks/serve_memory.py)."""
 
 from __future__ import annotations
 
@@ -21,22 +23,25 @@ import torch
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.loader import load_model
 model, tokenizer = load_model(sys.argv[1], dtype=torch.bfloat16)
-engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=32, block_size=4, max_num_batched_tokens=16))
+engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=32, block_size=4, max_num_batched_tokens=16,
+                                                  kv_cache_dtype=sys.argv[2]))
 out = engine.generate([[1, 5, 9, 200, 17]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 print(json.dumps({"tokens": out[0].outputs[0].token_ids,
-                  "loaded": sorted(m for m in ("compressed_tensors", "torch._dynamo") if m in sys.modules)}))
+                  "loaded": sorted(m for m in ("compressed_tensors", "torch._dynamo", "triton") if m in sys.modules)}))
 """
 
 
-def test_a_quantized_engine_imports_neither_compressed_tensors_nor_dynamo(tmp_path: Path) -> None:
+def test_a_quantized_cpu_engine_imports_no_compressed_tensors_dynamo_or_triton(tmp_path: Path) -> None:
     model = tiny_model_folder(tmp_path / "tiny", "llama")
     checkpoint = tmp_path / "w4a16"
     main(["quantize", str(model), "-o", str(checkpoint), "--quiet", "--method", "rtn", "--scheme", "w4a16",
-          "--group-size", "32", "--num-samples", "2", "--seq-len", "32", "--calib", str(write_text(tmp_path / "c.txt"))])
+          "--group-size", "32", "--num-samples", "2", "--seq-len", "32", "--kv-cache", "int8",
+          "--calib", str(write_text(tmp_path / "c.txt"))])
     env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint)], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(result["tokens"]) == 4  # the engine served from the checkpoint it read
-    assert result["loaded"] == []
+    for kv_cache_dtype in ("auto", "bfloat16"):  # auto: the calibrated int8 cache, through the layout's reference
+        run = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), kv_cache_dtype], capture_output=True,
+                             text=True, env=env, cwd=tmp_path, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert len(result["tokens"]) == 4  # the engine served from the checkpoint it read
+        assert result["loaded"] == [], kv_cache_dtype

@@ -25,7 +25,7 @@ from lmfoundry.kernels.cpu.paged_decode import (
     plan_partitions,
 )
 from lmfoundry.kernels.error_bounds import assert_within, attention_bound, poisoned
-from lmfoundry.kernels.paged_kv import PagedKVCache
+from lmfoundry.kernels.kv_layout import PagedKVCache
 
 kernel = load_paged_decode()
 pytestmark = pytest.mark.skipif(kernel is None, reason=f"no native kernel: {unavailable_reason('paged_decode')}")

@@ -17,8 +17,8 @@ import torch
 from lmfoundry.kernels.cpu.build import unavailable_reason
 from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
 from lmfoundry.kernels.error_bounds import assert_within, attention_bound, poisoned
+from lmfoundry.kernels.kv_layout import PagedKVCache
 from lmfoundry.kernels.paged_attention_common import reference
-from lmfoundry.kernels.paged_kv import PagedKVCache
 
 kernel = load_paged_prefill()
 pytestmark = pytest.mark.skipif(kernel is None,

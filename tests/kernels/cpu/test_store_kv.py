@@ -1,4 +1,4 @@
-"""The CPU KV store (`kernels/cpu/store_kv.c`) against `paged_kv.store_reference`: the same cache
+"""The CPU KV store (`kernels/cpu/store_kv.c`) against `kv_layout.store_reference`: the same cache
 bits, padding slots skipped, rows from strided views (a fused q/k/v output) copied as they are."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from lmfoundry.kernels.cpu.build import unavailable_reason
 from lmfoundry.kernels.cpu.store_kv import load_store_kv
-from lmfoundry.kernels.paged_kv import PagedKVCache, store_reference
+from lmfoundry.kernels.kv_layout import PagedKVCache, store_reference
 
 kernel = load_store_kv()
 pytestmark = pytest.mark.skipif(kernel is None, reason=f"no native kernel: {unavailable_reason('store_kv')}")

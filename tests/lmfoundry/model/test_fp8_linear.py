@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmfoundry.errors import UserError
-from lmfoundry.kernels.norm_quant import QUANT_FP8, quantize_reference
+from lmfoundry.kernels.w8a8_reference import QUANT_FP8, quantize_reference
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Fp8Linear
 from lmfoundry.model.quantized_linear import build_activation_linear as build_fp8_linear
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmfoundry.errors import UserError
-from lmfoundry.kernels.norm_quant import QUANT_INT8, quantize_reference
+from lmfoundry.kernels.w8a8_reference import QUANT_INT8, quantize_reference
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear as Int8Linear
 from lmfoundry.model.quantized_linear import build_activation_linear as build_int8_linear
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
