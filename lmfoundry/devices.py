@@ -1,15 +1,31 @@
-"""The `--device` option every verb takes (quantize, eval, eval-gate, serve), read one way."""
+"""The `--device` option every verb takes (quantize, eval, eval-gate, serve), read one way.
+
+Torch is imported only where a GPU is asked for or may be present: `serve` checks it in its API
+process, which never imports torch on a machine without one (`runtime.engine.core_client`).
+"""
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
 from lmfoundry.errors import UserError
+
+# A GPU driver leaves these behind; without any of them no torch build finds a GPU, and `auto` is
+# the CPU without importing torch to ask.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd")
+
+
+def gpu_driver_present() -> bool:
+    return any(Path(p).exists() for p in GPU_DRIVER_PATHS)
 
 
 def check_device(device: str) -> str:
     """A --device value as torch understands it, or a one-line error (cuda asked on a machine
     without one included). `auto` is the GPU where there is one, else the CPU."""
+    if device == "cpu" or (device == "auto" and not gpu_driver_present()):
+        return "cpu"
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:

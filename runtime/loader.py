@@ -35,6 +35,7 @@ from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_module
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import Scheme
 from lmfoundry.runtime.bundle_manifest import bundle_degree, is_engine_bundle, rank_bundle, weights_folder
+from lmfoundry.runtime.placement import degree_refusal
 
 log = logging.getLogger("lmfoundry.runtime")
 
@@ -52,7 +53,7 @@ def load_model(
     if is_engine_bundle(path_or_name):
         degree = bundle_degree(path_or_name)
         if degree != (shard.tp if shard is not None else 1):
-            raise UserError(_degree_refusal(path_or_name, degree, shard.tp if shard is not None else 1))
+            raise UserError(degree_refusal(path_or_name, degree, shard.tp if shard is not None else 1))
         if shard is not None:
             assert comm is not None, "a shard needs its rank's collectives"
             return load_rank_bundle(path_or_name, shard, comm, dtype, device)
@@ -65,32 +66,6 @@ def load_model(
     folder = resolve_model(path_or_name, allow_pickle=allow_pickle)
     model = load_causal_lm(CheckpointReader(folder), dtype, shard, comm)
     return model, load_tokenizer(folder)
-
-
-def check_tensor_parallel(tp: int, device: str, models: Any) -> None:
-    """Refuse a --tp the runtime cannot honour, before any model is loaded (the split itself is
-    checked against each model's heads when its ranks start): an engine bundle runs at the
-    degree it was compiled for, and only there."""
-    if tp < 1:
-        raise UserError(f"--tp must be at least 1, got {tp}")
-    for spec in models:
-        if is_engine_bundle(spec) and (degree := bundle_degree(spec)) != tp:
-            raise UserError(_degree_refusal(spec, degree, tp))
-    if tp > 1 and torch.device(device).type != "cpu":
-        for spec in models:
-            if not is_engine_bundle(spec):
-                raise UserError(f"{spec}: on GPUs --tp {tp} runs an engine bundle compiled with `lmfoundry compile "
-                                f"{spec} --arch ... --tp {tp}` (or split the checkpoint over CPU processes with "
-                                "--device cpu)")
-        if torch.cuda.device_count() < tp:
-            raise UserError(f"--tp {tp} runs one rank per GPU; this machine has {torch.cuda.device_count()}")
-
-
-def _degree_refusal(spec: str | Path, degree: int, tp: int) -> str:
-    if degree == 1:
-        return (f"{spec}: this engine bundle was compiled for one device; run it without --tp, or compile the "
-                f"checkpoint with `lmfoundry compile ... --tp {tp}`")
-    return f"{spec}: this engine bundle was compiled for --tp {degree}; run it with --tp {degree}"
 
 
 def whole_model_config(path: str | Path) -> ModelConfig:
@@ -173,8 +148,6 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
     engine.json first (a tampered or foreign file refuses the bundle), then the kernels for
     `device` (cubins, JIT, interpreter or references) and the weights in their stored form."""
     from lmfoundry.runtime.bundle_manifest import read_manifest, verify_weights
-    from lmfoundry.runtime.engine.kernel_model import load_kernel_model
-    from lmfoundry.runtime.kernel_set import load_engine
 
     device = torch.device(device)
     engine = Path(path)
@@ -192,6 +165,9 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
     refusal = ModelConfig.from_file(engine / "weights").kernel_path_refusal()
     if refusal is not None:  # before any kernel is loaded (Gemma: see ModelConfig.kernel_path_refusal)
         raise UserError(f"{engine}: {refusal}")
+    from lmfoundry.runtime.engine.kernel_model import load_kernel_model  # here: an --arch cpu bundle never
+    from lmfoundry.runtime.kernel_set import load_engine  # loads the GPU kernels' modules (Triton)
+
     kernels = load_engine(engine, device, interpret=interpret)
     model = load_kernel_model(engine, kernels, device)
     weights = engine / "weights"

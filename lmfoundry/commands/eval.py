@@ -74,7 +74,8 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
     from lmfoundry.devices import check_device
     from lmfoundry.evals.gate import check_context, check_model
     from lmfoundry.evals.perplexity import perplexity
-    from lmfoundry.runtime.loader import check_tensor_parallel, load_model, resolve_dtype
+    from lmfoundry.runtime.loader import load_model, resolve_dtype
+    from lmfoundry.runtime.placement import check_tensor_parallel
 
     device = check_device(device)
     check_tensor_parallel(tp, device, models)

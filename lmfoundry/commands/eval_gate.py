@@ -67,8 +67,9 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     from lmfoundry.evals.gate import run_gate
     from lmfoundry.manifest import verify_artifact
     from lmfoundry.runtime.bundle_manifest import is_engine_bundle
-    from lmfoundry.runtime.loader import check_tensor_parallel
+    from lmfoundry.runtime.placement import check_tensor_parallel
 
+    device = check_device(device)
     check_tensor_parallel(tp, device, (candidate, baseline))
     if deterministic and (device != "cpu" or tp > 1):
         raise UserError("--deterministic runs the CPU engine in one process; drop --device / --tp")
@@ -82,7 +83,7 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
 
     res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
                    use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
-                   write_promotion=not no_promotion, progress=not quiet, device=check_device(device),
+                   write_promotion=not no_promotion, progress=not quiet, device=device,
                    dtype=dtype, tp=tp, deterministic=deterministic, lora=adapter)
     for m in res.report["metrics"]:
         if m["gated"]:

@@ -31,6 +31,8 @@ STOP_BOUND_SECONDS = 15.0  # documented: serve exits within --shutdown-timeout +
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine import EngineInfo
+    from lmfoundry.runtime.engine.engine_config import EngineConfig
+    from lmfoundry.runtime.engine.llm_engine import LLMEngine
     from lmfoundry.runtime.server.app import ApiOptions
 
 
@@ -58,17 +60,13 @@ def _bundle_block_size(path: str) -> int:
     return int(read_manifest(folder)["kv_cache"]["block_size"])
 
 
-def _compiled_step_bundle(model: str, device: str, block_size: int | None) -> str:
-    """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new)."""
+def _compiled_step_bundle(model: str, block_size: int) -> str:
+    """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new;
+    `serve` refused a GPU or a bundle before the engine process started)."""
     from lmfoundry.compile.cpu_step import cached_cpu_engine
-    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
 
-    if device != "cpu":
-        raise UserError("--compile-step compiles the CPU step; on a GPU serve a `lmfoundry compile` bundle")
-    if is_engine_bundle(model):
-        raise UserError(f"{model} is an engine bundle already: serve it without --compile-step")
     t0 = time.perf_counter()
-    engine, built = cached_cpu_engine(model, block_size=block_size or 16, log_line=lambda m: click.echo(m, err=True))
+    engine, built = cached_cpu_engine(model, block_size=block_size, log_line=lambda m: click.echo(m, err=True))
     if built:
         click.echo(f"compiled step built in {time.perf_counter() - t0:.0f} s: {engine}", err=True)
     return str(engine)
@@ -99,7 +97,7 @@ def _compiled_step_by_default(model: str, device: str, tp: int, deterministic: b
     return "this CPU has AMX and the checkpoint's weights are integer weight-only"
 
 
-def _default_compiled_step(model: str, device: str, block_size: int | None, reason: str | None) -> str:
+def _default_compiled_step(model: str, block_size: int, reason: str | None) -> str:
     """MODEL, or its cached compiled-step bundle where `reason` says to build it by default. A
     default is an optimization the user did not ask for: if the build fails (no C++ compiler,
     a step Inductor cannot compile), serve says why in one line and serves the eager model."""
@@ -107,11 +105,34 @@ def _default_compiled_step(model: str, device: str, block_size: int | None, reas
         return model
     click.echo(f"serving through the compiled step: {reason} (--no-compile-step serves the eager model)", err=True)
     try:
-        return _compiled_step_bundle(model, device, block_size)
+        return _compiled_step_bundle(model, block_size)
     except Exception as exc:  # noqa: BLE001 - any failure of the optional build falls back, said in one line
         detail = " ".join(str(exc).split())[:200] or type(exc).__name__
         click.echo(f"warning: the compiled step could not be built ({detail}); serving the eager model", err=True)
         return model
+
+
+def serving_engine(model: str, dtype: str, config: EngineConfig, *, device: str, compile_step: bool | None,
+                   draft_model: str | None = None) -> LLMEngine:
+    """The engine `serve` runs, built in the engine process. Everything that reads the CPU or
+    needs torch is decided here and not in the API process, which then never imports torch (on
+    a CPU machine): the CPU's line, --dtype auto, the compiled step (the default's choice and the
+    build), then the model. Its lines go to the terminal the engine process shares with serve,
+    its UserErrors to serve through the engine's start-up (`core_client`)."""
+    from lmfoundry.runtime import cpu_isa
+    from lmfoundry.runtime.engine.llm_engine import LLMEngine
+    from lmfoundry.runtime.loader import resolve_dtype
+
+    if device == "cpu":
+        click.echo(cpu_isa.describe(dtype), err=True)
+    run_dtype = resolve_dtype(dtype, model, device)
+    if compile_step:
+        model = _compiled_step_bundle(model, config.block_size)
+    elif compile_step is None:
+        reason = _compiled_step_by_default(model, device, config.tensor_parallel_size, config.deterministic, run_dtype,
+                                           config.max_loras, config.speculative)
+        model = _default_compiled_step(model, config.block_size, reason)
+    return LLMEngine.from_pretrained(model, run_dtype, config, device=device, draft_model=draft_model)
 
 
 def _weight_only_integer(model: str) -> bool:
@@ -375,12 +396,11 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     model, lora_modules = split_positionals(model, extra, lora_modules)
     adapter_specs = [parse_spec(v, "--lora") for v in loras] + [parse_spec(v, "--lora-modules") for v in lora_modules]
     from lmfoundry.devices import check_device
-    from lmfoundry.runtime import cpu_isa
+    from lmfoundry.heap import freeze_heap
     from lmfoundry.runtime.bundle_manifest import is_engine_bundle
-    from lmfoundry.runtime.engine import EngineConfig, LLMEngine
-    from lmfoundry.runtime.engine.core import EngineSpec, freeze_heap
-    from lmfoundry.runtime.engine.core_client import EngineCoreClient
-    from lmfoundry.runtime.loader import check_tensor_parallel, resolve_dtype
+    from lmfoundry.runtime.engine.core_client import EngineCoreClient, EngineSpec
+    from lmfoundry.runtime.engine.engine_config import EngineConfig
+    from lmfoundry.runtime.placement import check_tensor_parallel
     from lmfoundry.runtime.server.app import create_app
     from lmfoundry.runtime.server.background import uvicorn_config
 
@@ -388,15 +408,19 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     check_tensor_parallel(tp, device, (model,))
     if deterministic:
         _check_deterministic(device, tp, bool(compile_step))
-    if tp > 1:
-        if compile_step:
+    if compile_step:  # refused here: the engine process builds it after every check below
+        if device != "cpu":
+            raise UserError("--compile-step compiles the CPU step; on a GPU serve a `lmfoundry compile` bundle")
+        if tp > 1:
             raise UserError("--compile-step compiles one process's step; drop it with --tp")
+        if is_engine_bundle(model):
+            raise UserError(f"{model} is an engine bundle already: serve it without --compile-step")
+    if tp > 1:
         from lmfoundry.model.head_split import split_heads
         from lmfoundry.runtime.loader import whole_model_config
 
         split_heads(whole_model_config(model), tp)  # before anything starts
-    run_dtype = resolve_dtype(dtype, model, device)
-    # the name clients use: what the user named, even when a compiled step below serves it
+    # the name clients use: what the user named, even when the engine serves a compiled step of it
     name = served_model_name or os.path.basename(os.path.normpath(model))
     lora_slots, adapters = lora_config(model, adapter_specs, enable_lora, max_loras, max_lora_rank, name, tp, device)
     if not skip_verify and not is_engine_bundle(model):
@@ -407,8 +431,6 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         for spec in (model, draft_model):
             if spec is not None and Path(spec).is_dir():
                 verify_artifact(Path(spec), "serve")
-    if device == "cpu":
-        click.echo(cpu_isa.describe(dtype), err=True)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_step_tokens(device)
     for flag, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
@@ -418,13 +440,6 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
             raise UserError(f"{flag} must be at least 1")
     if (speculative == "draft") != (draft_model is not None):
         raise UserError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
-    source = model  # the alias clients may send, kept when a compiled step below serves it
-    if compile_step:
-        model = _compiled_step_bundle(model, device, block_size)
-    elif compile_step is None:
-        model = _default_compiled_step(model, device, block_size,
-                                       _compiled_step_by_default(model, device, tp, deterministic, run_dtype,
-                                                                 lora_slots, speculative))
     if is_engine_bundle(model):  # its paged-attention kernels were specialized for one block size
         compiled_block = _bundle_block_size(model)
         if block_size is not None and block_size != compiled_block:
@@ -452,8 +467,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         if server is not None:
             server.should_exit = True  # in-flight requests have their 503; stop listening
 
-    engine_spec = EngineSpec(LLMEngine.from_pretrained, (model, run_dtype, config),
-                             {"device": device, "draft_model": draft_model})
+    engine_spec = EngineSpec(serving_engine, (model, dtype, config),
+                             {"device": device, "compile_step": compile_step, "draft_model": draft_model})
     # While the model loads, SIGTERM leaves like Ctrl-C does: through the client's cleanup, which
     # stops the engine process (its default action would end this process and orphan it). Signal
     # handlers belong to the main thread (serve called from another one keeps the process's own).
@@ -466,7 +481,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         try:
             _note_capped_context(engine.info, max_model_len, kv_cache_gb)
             _print_runtime(name, engine.info)
-            app = create_app(engine, name, api_key=api_key, aliases=(source,),
+            app = create_app(engine, name, api_key=api_key, aliases=(model,),
                              max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read,
                              options=api_options)
             http = uvicorn_config(app, host, port, log_level, read_timeout=timeout_read, keep_alive=timeout_keep_alive)

@@ -10,19 +10,18 @@ then running, and the engine keeps serving.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from lmfoundry.errors import UserError
-from lmfoundry.heap import release_free_heap
+from lmfoundry.heap import freeze_heap
 from lmfoundry.runtime.engine.client import EngineDead, EngineRequest, RequestFailed
+from lmfoundry.runtime.engine.core_client import EngineSpec
 from lmfoundry.runtime.engine.llm_engine import LLMEngine
 from lmfoundry.runtime.engine.outputs import EmbeddingResult, LoRAResult, StepEvent
 
@@ -82,19 +81,6 @@ class EngineCore:
                 out.append((ev.request_id, ev))
         out += [(result.request_id, result) for result in self.engine.take_embeddings()]
         return out
-
-
-@dataclass
-class EngineSpec:
-    """How the engine process builds its engine: a module-level callable and its arguments. They
-    cross a process boundary (pickled; the process is spawned, not forked), so they must pickle."""
-
-    factory: Callable[..., LLMEngine]
-    args: tuple = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def build(self) -> LLMEngine:
-        return self.factory(*self.args, **self.kwargs)
 
 
 def main(folder: str) -> None:
@@ -188,17 +174,6 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
         sys.stderr.flush()
     if lost:
         os._exit(1)  # not sys.exit: the lost group's processes must not be waited for
-
-
-def freeze_heap() -> None:
-    """Move every object allocated so far (modules, the model's and tokenizer's Python objects) out
-    of the garbage collector's reach, then hand the start-up's freed heap back to the system.
-    Serving allocates and frees objects per token; without the freeze each full collection walks
-    all those long-lived objects again (vLLM's processes do the same). Start-up frees far more than
-    it keeps; `release_free_heap` stops resident memory counting those pages."""
-    gc.collect()
-    gc.freeze()
-    release_free_heap()
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:

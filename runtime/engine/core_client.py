@@ -31,12 +31,15 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 from lmfoundry.child_python import child_env, importable_path
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.client import EngineClient, EngineDead
-from lmfoundry.runtime.engine.core import EngineSpec
+
+if TYPE_CHECKING:
+    from lmfoundry.runtime.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,19 @@ ENGINE_MAIN = (
     "import sys; sys.path[:] = [p for p in sys.path if p]; "
     "from lmfoundry.runtime.engine.core import main; main(sys.argv[1])"
 )
+
+
+@dataclass
+class EngineSpec:
+    """How the engine process builds its engine: a module-level callable and its arguments. They
+    cross a process boundary (pickled; the process is spawned, not forked), so they must pickle."""
+
+    factory: Callable[..., LLMEngine]
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> LLMEngine:
+        return self.factory(*self.args, **self.kwargs)
 
 
 class EngineCoreClient(EngineClient):

@@ -11,9 +11,10 @@ stream until it is known they do not begin a stop string, so a stop string is ne
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lmfoundry.runtime.engine.sequence import Sequence
+if TYPE_CHECKING:  # the API process detokenizes `output_processor`'s stand-ins and never imports torch
+    from lmfoundry.runtime.engine.sequence import Sequence
 
 CONTEXT_TOKENS = 5
 

@@ -25,7 +25,9 @@ Python's `json.dumps` writes) and no other whitespace is allowed. A grammar that
 whitespace anywhere lets a small or uncertain model emit newlines and spaces until max_tokens; a
 fixed layout keeps every output short and parseable at the cost of the model's own indentation.
 
-llguidance is imported on first use, so engines that never see a structured request never load it.
+llguidance is imported on first use, so engines that never see a structured request never load it;
+torch only by the two mask functions, which the engine calls: the API process validates and
+compiles grammars without it.
 """
 
 from __future__ import annotations
@@ -36,11 +38,10 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
-
 from lmfoundry.runtime.engine.grammar_checks import probe_matcher, unproductive
 
 if TYPE_CHECKING:
+    import torch
     from llguidance import LLExecutor, LLMatcher, LLTokenizer
     from llguidance._lib import JsonCompileOptions
 
@@ -99,6 +100,8 @@ def fill_bitmasks(matchers: list[GrammarMatcher]) -> torch.Tensor:
     """The next-token bitmasks of `matchers`, computed together: int32 [len(matchers), words] on
     the CPU; bit b of word w is set when token 32 * w + b is allowed. Callers leave out matchers in
     their error state (`apply_grammar_masks` fails those rows instead)."""
+    import torch  # here, not above: the API process compiles grammars and never imports torch
+
     words = max(m.vocab_words for m in matchers)
     bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
     # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module: it
@@ -112,6 +115,8 @@ def bitmask_to_allowed(bitmask: torch.Tensor, vocab: int, device: torch.device |
     """Unpack a [rows, words] int32 bitmask into bool [rows, vocab] on `device`: True where the
     token is allowed. Columns past the bitmask's 32 * words tokens are False (ids the grammar's
     tokenizer does not know)."""
+    import torch
+
     packed = bitmask.to(device)
     shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
     # An arithmetic right shift keeps the low bit right for negative words (bit 31 set) too.

@@ -35,11 +35,18 @@ from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
 from lmfoundry.runtime.engine.lora_adapters import AdapterInUse, LoRAManager
 from lmfoundry.runtime.engine.model_runner import ModelRunner
-from lmfoundry.runtime.engine.outputs import CompletionOutput, EmbeddingResult, LoRAResult, RequestOutput, StepEvent
+from lmfoundry.runtime.engine.outputs import (
+    CompletionOutput,
+    EmbeddingResult,
+    LoRAResult,
+    RequestOutput,
+    StepEvent,
+    TokenLogprob,
+)
 from lmfoundry.runtime.engine.sampler import Sampler
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.scheduler import Scheduler
-from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
+from lmfoundry.runtime.engine.sequence import Sequence
 from lmfoundry.runtime.engine.speculative import DraftModelProposer, NgramProposer, Speculator, verify
 from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.engine.weight_format import runtime_form

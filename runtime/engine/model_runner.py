@@ -23,8 +23,9 @@ from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.executor import StepInputs, make_executor
 from lmfoundry.runtime.engine.lora_adapters import step_rows
+from lmfoundry.runtime.engine.outputs import TokenLogprob
 from lmfoundry.runtime.engine.scheduler import ScheduledBatch
-from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
+from lmfoundry.runtime.engine.sequence import Sequence
 
 PROMPT_LOGPROB_ROWS = 128  # vocab projections done at once for prompt logprobs (memory bound)
 

@@ -1,10 +1,29 @@
-"""What the engine hands back: per-step deltas (for streaming) and whole results (offline)."""
+"""What the engine hands back: per-step deltas (for streaming) and whole results (offline).
+
+Torch-free: the API process unpickles these, and it never imports torch (see `core_client`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmfoundry.runtime.engine.sequence import SequenceTimes, TokenLogprob
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one chosen token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SequenceTimes:
+    """When (time.monotonic, shared by the processes of one machine) the sequence was first
+    scheduled, got its first output token and finished: its queue, prefill and decode times."""
+
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
 
 
 @dataclass

@@ -43,8 +43,9 @@ from typing import Iterable
 import torch
 
 from lmfoundry.runtime.engine.grammar import GrammarMatcher, advance, bitmask_to_allowed, fill_bitmasks
+from lmfoundry.runtime.engine.outputs import TokenLogprob
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
-from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
+from lmfoundry.runtime.engine.sequence import Sequence
 
 # Smallest temperature used as a divisor: below it float32 rounds the divisor to 0 (0 / 0 = NaN).
 MIN_DIVISOR = torch.finfo(torch.float32).tiny

@@ -9,11 +9,11 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from lmfoundry.runtime.engine.outputs import SequenceTimes, TokenLogprob
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -26,26 +26,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class TokenLogprob:
-    """Log-probability of one chosen token and the top alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
 _ids = itertools.count()
-
-
-@dataclass
-class SequenceTimes:
-    """When (time.monotonic, shared by the processes of one machine) the sequence was first
-    scheduled, got its first output token and finished: its queue, prefill and decode times."""
-
-    scheduled: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
 
 
 class Sequence:

@@ -38,9 +38,10 @@ import torch
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.block_manager import BlockManager
 from lmfoundry.runtime.engine.engine_config import EngineConfig
+from lmfoundry.runtime.engine.outputs import TokenLogprob
 from lmfoundry.runtime.engine.sampler import Sampler
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
-from lmfoundry.runtime.engine.sequence import Sequence, TokenLogprob
+from lmfoundry.runtime.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,7 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator, Callable
 
-from lmfoundry.runtime.engine.outputs import StepEvent
-from lmfoundry.runtime.engine.sequence import TokenLogprob
+from lmfoundry.runtime.engine.outputs import StepEvent, TokenLogprob
 from lmfoundry.runtime.server.prepare import PreparedChat, PreparedCompletion
 from lmfoundry.runtime.server.tools import ToolCallStream
 

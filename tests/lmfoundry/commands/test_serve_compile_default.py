@@ -5,6 +5,7 @@ it serves the eager model, and a default build that fails falls back to it in on
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,73 +65,71 @@ def test_a_default_build_that_fails_serves_the_eager_model(folders, monkeypatch,
 
     monkeypatch.setattr(serve_command, "_compiled_step_bundle", broken)
     model = folders["w4a16"]
-    assert serve_command._default_compiled_step(model, "cpu", None, "reason") == model
+    assert serve_command._default_compiled_step(model, 16, "reason") == model
     err = capsys.readouterr().err
     assert "serving through the compiled step: reason" in err
     assert "could not be built (no C++ compiler found); serving the eager model" in err
-    monkeypatch.setattr(serve_command, "_compiled_step_bundle", lambda m, d, b: str(Path(m) / "bundle"))
-    assert serve_command._default_compiled_step(model, "cpu", None, "reason") == str(Path(model) / "bundle")
-    assert serve_command._default_compiled_step(model, "cpu", None, None) == model  # no reason: no build
+    monkeypatch.setattr(serve_command, "_compiled_step_bundle", lambda m, b: str(Path(m) / "bundle"))
+    assert serve_command._default_compiled_step(model, 16, "reason") == str(Path(model) / "bundle")
+    assert serve_command._default_compiled_step(model, 16, None) == model  # no reason: no build
 
 
-def test_serve_takes_the_default_and_no_compile_step_turns_it_off(folders, amx, monkeypatch, capsys) -> None:
-    """The CLI path: on an AMX CPU `serve CKPT` goes for the compiled step (stopped here before
-    anything builds); with `--no-compile-step` the engine starts on the checkpoint itself (stopped
-    there)."""
+class EngineHere:
+    """`EngineCoreClient`'s stand-in: runs the spec's factory (what the engine process runs) in
+    this process, with `LLMEngine.from_pretrained` recording the model it was asked to load."""
+
+    info = SimpleNamespace(max_position_embeddings=64, max_model_len=64)
+
+    def __init__(self, spec, **kwargs) -> None:
+        spec.build()
+
+    def shutdown(self, seconds) -> None:
+        pass
+
+
+@pytest.fixture
+def engine_here(monkeypatch) -> list[str]:
     from lmfoundry.errors import UserError
+    from lmfoundry.runtime.engine import core_client, llm_engine
 
-    def stop(model, device, block_size):
-        raise UserError(f"would build the compiled step of {model}")
-
-    monkeypatch.setattr(serve_command, "_compiled_step_bundle", stop)
-    monkeypatch.setattr(serve_command, "_default_compiled_step",
-                        lambda model, device, block_size, reason: stop(model, device, block_size) if reason else model)
-    with pytest.raises(SystemExit):
-        main(["serve", folders["w4a16"], "--port", "0", "--dtype", "bfloat16"])
-    assert "would build the compiled step" in capsys.readouterr().err
-    from lmfoundry.runtime.engine import core_client
-
-    def engine_start(spec, **kwargs):
-        raise UserError(f"engine started on {spec.args[0]}")
-
-    monkeypatch.setattr(core_client, "EngineCoreClient", engine_start)
-    with pytest.raises(SystemExit):
-        main(["serve", folders["w4a16"], "--port", "0", "--dtype", "bfloat16", "--no-compile-step"])
-    err = capsys.readouterr().err
-    assert "would build" not in err and f"engine started on {folders['w4a16']}" in err
-
-
-def test_a_compiled_step_is_served_under_the_checkpoints_name(folders, amx, monkeypatch, capsys) -> None:
-    """The engine loads the cached bundle, but clients keep addressing the model they named: the
-    served name is the checkpoint's, not the cache folder's digest."""
-    from types import SimpleNamespace
-
-    from lmfoundry.errors import UserError
-    from lmfoundry.runtime.engine import core_client
-
-    model = folders["w4a16"]
-    cached = str(Path(model).parent / "cache" / "cpu-steps" / "0123abcd")
-    monkeypatch.setattr(serve_command, "_default_compiled_step", lambda m, d, b, reason: cached if reason else m)
     loaded: list[str] = []
 
-    class Engine:
-        info = SimpleNamespace(max_position_embeddings=64, max_model_len=64)
-
-        def __init__(self, spec, **kwargs) -> None:
-            loaded.append(spec.args[0])
-
-        def shutdown(self, seconds) -> None:
-            pass
+    def load(model, *args, **kwargs):
+        loaded.append(model)
 
     def named(name, info):
         raise UserError(f"served as {name}")
 
-    monkeypatch.setattr(core_client, "EngineCoreClient", Engine)
+    monkeypatch.setattr(core_client, "EngineCoreClient", EngineHere)
+    monkeypatch.setattr(llm_engine.LLMEngine, "from_pretrained", load)
     monkeypatch.setattr(serve_command, "_print_runtime", named)
+    return loaded
+
+
+def test_serve_takes_the_default_and_no_compile_step_turns_it_off(folders, amx, engine_here, monkeypatch,
+                                                                    capsys) -> None:
+    """The CLI path: on an AMX CPU the engine of `serve CKPT` loads the compiled step's bundle;
+    with `--no-compile-step` it loads the checkpoint itself. Either way clients address the model
+    they named, not the cache folder's digest."""
+    model = folders["w4a16"]
+    cached = str(Path(model).parent / "cache" / "cpu-steps" / "0123abcd")
+    built: list[tuple[str, int]] = []
+
+    def build(m, block_size):
+        built.append((m, block_size))
+        return cached
+
+    monkeypatch.setattr(serve_command, "_compiled_step_bundle", build)
     with pytest.raises(SystemExit):
         main(["serve", model, "--port", "0", "--dtype", "bfloat16"])
-    assert loaded == [cached]
-    assert f"served as {Path(model).name}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert built == [(model, 16)] and engine_here == [cached]
+    assert "serving through the compiled step" in err and f"served as {Path(model).name}" in err
+    with pytest.raises(SystemExit):
+        main(["serve", model, "--port", "0", "--dtype", "bfloat16", "--no-compile-step"])
+    err = capsys.readouterr().err
+    assert built == [(model, 16)] and engine_here == [cached, model]
+    assert "compiled step" not in err and f"served as {Path(model).name}" in err
 
 
 def test_options_are_checked_before_a_default_build(folders, amx, monkeypatch, capsys) -> None:
@@ -146,7 +145,7 @@ def test_options_are_checked_before_a_default_build(folders, amx, monkeypatch, c
 
 def test_gguf_files_and_builtin_names_are_not_read_for_the_default(amx, monkeypatch) -> None:
     """Only a checkpoint folder's config.json is read: a GGUF file or a built-in name would be
-    converted in the HTTP process to find out, and neither is ever weight-only quantized."""
+    converted just to find out, and neither is ever weight-only quantized."""
     from lmfoundry.checkpoint import sources
 
     monkeypatch.setattr(sources, "resolve_model", lambda *a, **k: pytest.fail("converted in the front process"))

@@ -9,8 +9,7 @@ import helpers
 import pytest
 from helpers import plant_checkout
 
-from lmfoundry.runtime.engine.core import EngineSpec
-from lmfoundry.runtime.engine.core_client import EngineCoreClient
+from lmfoundry.runtime.engine.core_client import EngineCoreClient, EngineSpec
 
 pytestmark = pytest.mark.timeout(180)
 

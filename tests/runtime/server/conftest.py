@@ -13,8 +13,7 @@ import pytest
 from toy import toy_engine
 
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineClient
-from lmfoundry.runtime.engine.core import EngineSpec
-from lmfoundry.runtime.engine.core_client import EngineCoreClient
+from lmfoundry.runtime.engine.core_client import EngineCoreClient, EngineSpec
 from lmfoundry.runtime.server.app import ApiOptions, create_app
 from lmfoundry.runtime.server.background import serve_in_thread
 

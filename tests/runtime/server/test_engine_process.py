@@ -17,8 +17,7 @@ from helpers import post_in_background, start_serve, stop_serve, wait_for_url
 from toy import save_toy_checkpoint, toy_engine
 
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.engine.core import EngineSpec
-from lmfoundry.runtime.engine.core_client import EngineCoreClient
+from lmfoundry.runtime.engine.core_client import EngineCoreClient, EngineSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -78,6 +77,34 @@ def test_engine_steps_in_its_own_process_and_leaves_with_the_api(tmp_path) -> No
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
+def test_the_api_process_never_loads_torch(tmp_path) -> None:
+    """Tokenizing, validating and compiling a grammar, detokenizing and streaming logprobs all run
+    in the API process without torch, whose import alone would be most of its resident memory:
+    the engine process decides everything that needs torch (`commands.serve.serving_engine`)."""
+    folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
+    proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
+                        "--dtype", "float32", "--skip-verify"])
+    try:
+        url = wait_for_url(proc)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "logprobs": True,
+                "top_logprobs": 2, "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "n", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}
+        r = httpx.post(f"{url}/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"]["content"]
+        with httpx.stream("POST", f"{url}/completions", timeout=60,
+                          json={"prompt": "hello", "max_tokens": 8, "stream": True, "logprobs": 2}) as streamed:
+            assert streamed.status_code == 200 and "[DONE]" in streamed.read().decode()
+        api_maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        engine_maps = Path(f"/proc/{psutil.Process(proc.pid).children()[0].pid}/maps").read_text()
+        assert "libtorch" in engine_maps  # the check can see torch where it is loaded
+        assert "libtorch" not in api_maps
+    finally:
+        if proc.poll() is None:
+            stop_serve(proc)
 
 
 def test_serve_exits_non_zero_when_the_engine_dies(tmp_path) -> None:
