@@ -3,8 +3,10 @@
 
 Every file is checked against engine.json; on a CPU of the bundle's ISA with the same torch the
 engine's steps run the package with no JIT compile; otherwise the same weights are served by the
-packed eager model, with one log line saying why. The eager layers stay loaded beside the package
-(whole-window scoring in `eval` runs them).
+packed eager model, with one log line saying why. The eager layers are loaded beside the package
+(whole-window scoring in `eval` runs them, and so do LoRA steps and steps over the package's
+size); `serve` drops their linears when its engine can never run them
+(`LLMEngine.release_eager_weights`), so the weights are held once.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def serving_engine(model: str, dtype: str, config: EngineConfig, *, device: str,
     """The engine `serve` runs, built in the engine process. Everything that reads the CPU or
     needs torch is decided here and not in the API process, which then never imports torch (on
     a CPU machine): the CPU's line, --dtype auto, the compiled step (the default's choice and the
-    build), then the model. Its lines go to the terminal the engine process shares with serve,
+    build), then the model, less the eager weights a compiled step makes unused. Its lines go to the terminal the engine process shares with serve,
     its UserErrors to serve through the engine's start-up (`core_client`)."""
     from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.engine.llm_engine import LLMEngine
@@ -132,7 +132,9 @@ def serving_engine(model: str, dtype: str, config: EngineConfig, *, device: str,
         reason = _compiled_step_by_default(model, device, config.tensor_parallel_size, config.deterministic, run_dtype,
                                            config.max_loras, config.speculative)
         model = _default_compiled_step(model, config.block_size, reason)
-    return LLMEngine.from_pretrained(model, run_dtype, config, device=device, draft_model=draft_model)
+    engine = LLMEngine.from_pretrained(model, run_dtype, config, device=device, draft_model=draft_model)
+    engine.release_eager_weights()  # a compiled step's package holds the weights: not twice
+    return engine
 
 
 def _weight_only_integer(model: str) -> bool:

@@ -125,6 +125,41 @@ def moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     return {i: layer.mlp for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE)}
 
 
+class ReleasedLinear(nn.Module):
+    """Stands in for a decoder linear whose weights `release_decoder_linears` dropped: the compiled
+    step holds its own copy of them. It keeps the shape; calling it is refused (the executor
+    refuses a step the compiled step cannot take before any linear is reached)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.in_features, self.out_features = module.in_features, module.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this linear's eager weights were released: the compiled step serves every step")
+
+
+def release_decoder_linears(model: nn.Module) -> int:
+    """Replace every decoder linear of `model` (any module with in_features and out_features,
+    fused products and their parts alike) by a `ReleasedLinear`, except inside mixture-of-experts
+    blocks (the compiled step calls those); returns how many were replaced. Norms, the
+    embeddings and the LM head stay: they are small, or the engine runs them."""
+    moe = set(map(id, moe_blocks(model).values()))
+
+    def release(parent: nn.Module) -> int:
+        count = 0
+        for name, child in list(parent.named_children()):
+            if id(child) in moe or isinstance(child, ReleasedLinear):
+                continue
+            if hasattr(child, "in_features") and hasattr(child, "out_features"):
+                setattr(parent, name, ReleasedLinear(child))
+                count += 1
+            else:
+                count += release(child)
+        return count
+
+    return release(model.get_submodule("model.layers"))
+
+
 @contextlib.contextmanager
 def step_context(context: Any, blocks: dict[int, nn.Module] | None = None) -> Iterator[None]:
     previous = getattr(_ACTIVE, "step", None)

@@ -121,6 +121,7 @@ class ReferenceModelExecutor:
         self.compiled_step = getattr(model, "compiled_step", None)
         self.compiled_max_tokens = int(getattr(model, "compiled_max_tokens", 0))
         self.compiled_steps = 0
+        self.eager_released = False  # `release_eager_linears`: only the compiled step can run a step
         self.decode_kernel = self._decode_kernel(model)
         self.prefill_kernel = None if self.deterministic else self._prefill_kernel()
         if self.deterministic and self.decode_kernel is None:
@@ -302,7 +303,24 @@ class ReferenceModelExecutor:
         if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:
             self.compiled_steps += 1
             return self.compiled_step(ids, positions, context)
+        if self.eager_released:
+            raise RuntimeError(f"a step of {len(step.ids)} tokens needs the eager model, whose linears were released "
+                               f"for the compiled step (at most {self.compiled_max_tokens} tokens, no LoRA)")
         return self.model.hidden_states(ids, positions, context)
+
+    def release_eager_linears(self, max_step_tokens: int) -> int:
+        """Drop the eager decoder linears of an `--arch cpu` bundle's model when its compiled step
+        takes every step this engine can schedule (at most `max_step_tokens` tokens, within the
+        step's size; no LoRA, whose adapters wrap the eager linears): the package holds its own
+        copy of those weights, so keeping the eager one would hold them twice. Returns how many
+        linears were released (0: the eager model may still run, nothing is dropped). Callers
+        that also call the model directly (eval's whole-window scoring) must not ask."""
+        from lmfoundry.runtime.engine.compiled_step import release_decoder_linears
+
+        if self.compiled_step is None or self.lora is not None or max_step_tokens > self.compiled_max_tokens:
+            return 0
+        self.eager_released = True
+        return release_decoder_linears(self.model)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden).float()

@@ -154,6 +154,16 @@ class LLMEngine:
         model, tokenizer = load_model(path_or_name, dtype=dtype, device=device)
         return cls(model, tokenizer, config, draft)
 
+    def release_eager_weights(self) -> int:
+        """Drop the eager copy of weights a compiled step also holds (`ReferenceModelExecutor.
+        release_eager_linears`), for an engine that alone uses its model: `serve` asks, eval (which
+        also scores whole windows on the model directly) does not. Kept with speculative
+        decoding, whose verify steps are sized by the proposals. Returns the linears released."""
+        release = getattr(self.runner.executor, "release_eager_linears", None)
+        if release is None or self.speculator is not None:
+            return 0
+        return release(self.config.max_num_batched_tokens)
+
     def close(self) -> None:
         """Stop the processes of a tensor-parallel model (nothing to do for one process)."""
         close = getattr(self.model, "close", None)

@@ -157,6 +157,28 @@ def test_inspect_verifies_every_file_of_the_bundle(built: Built, tmp_path: Path,
     assert "weights/config.json: sha256 mismatch" in capsys.readouterr().err
 
 
+def test_a_serving_engine_releases_the_eager_linears_the_package_holds(built: Built) -> None:
+    """`serve` drops the eager decoder linears of a bundle whose compiled step takes every step:
+    the same tokens after, and a step the package cannot take is refused in one line, not run on
+    missing weights. With steps larger than the package's, or LoRA, nothing is dropped."""
+    model, tok = load_model(built.engine, dtype=torch.bfloat16)
+    engine = LLMEngine(model, tok, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
+    released = engine.release_eager_weights()
+    assert released == sum(1 for m in model.modules() if type(m).__name__ == "ReleasedLinear") > 0
+    assert [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)] == before
+    engine.runner.executor.compiled_max_tokens = 4  # a chunk of 8 new prompt tokens is now the eager model's
+    with pytest.raises(RuntimeError, match="linears were released"):
+        engine.generate([list(range(100, 130))], params)
+    for config in ({"max_num_batched_tokens": 128}, {"max_loras": 1}):  # over the package's 64 tokens; LoRA
+        kept, tok = load_model(built.engine, dtype=torch.bfloat16)
+        engine = LLMEngine(kept, tok, EngineConfig(num_kv_blocks=64, block_size=4, **config))
+        assert engine.release_eager_weights() == 0, config
+    eager, tok = load_model(built.checkpoint, dtype=torch.bfloat16)  # no compiled step: nothing to release
+    assert LLMEngine(eager, tok, EngineConfig(num_kv_blocks=64, block_size=4)).release_eager_weights() == 0
+
+
 SERVING_CHILD = """
 import json, sys
 import torch

@@ -88,6 +88,10 @@ def test_the_bundle_serves_the_checkpoints_tokens_through_its_compiled_step(bund
     eager, _ = load_model(checkpoint, dtype=torch.bfloat16)
     _, want = _greedy(eager, tok)
     assert_greedy_up_to_bf16_ties(eager, [o.outputs[0].token_ids for o in outs], want)
+    # as serve runs it: the eager linears released (an MoE block's experts stay, the package calls them)
+    assert engine.release_eager_weights() > 0
+    again = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
 
 
 def test_a_mixture_of_experts_keeps_its_experts_outside_the_package(bundle: tuple[Path, Path]) -> None:

@@ -96,6 +96,7 @@ def engine_here(monkeypatch) -> list[str]:
 
     def load(model, *args, **kwargs):
         loaded.append(model)
+        return SimpleNamespace(release_eager_weights=lambda: 0)
 
     def named(name, info):
         raise UserError(f"served as {name}")
