@@ -29,14 +29,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lmfoundry.compile.bundle import (
-    _check_output,
-    _install,
-    _remove_dirs,
-    _staging,
-    default_output,
-    place_files,
-)
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import sha256_file, verify_artifact
 from lmfoundry.model.config import ModelConfig
@@ -98,6 +90,10 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
     """Write the `--arch cpu` bundle of `checkpoint`; (bundle folder, engine.json, seconds)."""
     from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.checkpoint.sources import resolve_model
+
+    # imported here, not above: compile.bundle imports the GPU kernel selection (Triton), which a
+    # serving process that only looks its compiled step up in the cache must not keep resident
+    from lmfoundry.compile.bundle import _check_output, _install, _remove_dirs, _staging, default_output, place_files
     from lmfoundry.runtime.cpu_isa import cpu_features, isa, native_bf16
     from lmfoundry.runtime.loader import load_causal_lm
 
@@ -163,7 +159,10 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     files, block size, step size, torch, compiler and ISA (all in the key) and reused. The files
     enter the key by name, size and modification time, as quantize's resume journal keys its
     source: `serve` has just verified their sha256 against the manifest, and hashing gigabytes of
-    weights a second time on every start would cost more than the lookup saves."""
+    weights a second time on every start would cost more than the lookup saves.
+
+    The build runs in a process of its own (`lmfoundry compile`, its lines on stderr): it loads the
+    model and Inductor, and the serving process that asks must not keep either resident."""
     from lmfoundry.checkpoint.sources import resolve_model
     from lmfoundry.resources import cache_dir
     from lmfoundry.runtime.cpu_isa import isa
@@ -177,5 +176,17 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     if is_engine_bundle(engine):
         return engine, False
     log_line(f"compiling the CPU step of {checkpoint} once (minutes); it is kept in {engine}")
-    build_cpu_engine(folder, engine, block_size=block_size, max_tokens=max_tokens, log_line=log_line)
+    build_in_child(folder, engine, block_size, max_tokens)
     return engine, True
+
+
+def build_in_child(folder: Path, engine: Path, block_size: int, max_tokens: int) -> None:
+    """`lmfoundry compile FOLDER --arch cpu -o ENGINE` in a child process, its output on stderr; a
+    failure is one UserError line (the child printed why above it)."""
+    from lmfoundry.child_python import child_env, python_command
+
+    cmd = python_command("lmfoundry.cli", "compile", str(folder), "--arch", "cpu", "-o", str(engine),
+                         "--block-size", str(block_size), "--max-tokens", str(max_tokens))
+    code = subprocess.run(cmd, env=child_env(), stdout=2, check=False).returncode  # fd 2: this process's stderr
+    if code != 0 or not is_engine_bundle(engine):
+        raise UserError(f"compiling the CPU step of {folder} failed (exit code {code}; its error is printed above)")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from lmfoundry.errors import UserError
 
-# A GPU driver leaves these behind; without any of them no torch build finds a GPU, and `auto` is
-# the CPU without importing torch to ask.
-GPU_DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd")
+# A GPU driver leaves one of these behind (NVIDIA's, WSL2's GPU paravirtualization, ROCm's); without
+# any of them no torch build finds a GPU, and `auto` is the CPU without importing torch to ask.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
 
 
 def gpu_driver_present() -> bool:

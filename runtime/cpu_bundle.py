@@ -60,8 +60,9 @@ def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype |
     if reason is not None:
         log.warning("%s: %s; serving the packed eager model instead", engine, reason)
         return model
-    # the eager layers stay: `eval ppl` and eval-gate call the model on whole windows without a paged
-    # cache, and a step over more than max_tokens tokens runs them
+    # the eager layers stay here: `eval ppl` and eval-gate call the model on whole windows without a
+    # paged cache, and a step over more than max_tokens tokens runs them (serve's engine, which can
+    # run neither, drops their linears: `LLMEngine.release_eager_weights`)
     model.compiled_step = load_compiled_step(package, moe_blocks(model))  # type: ignore[assignment]
     model.compiled_max_tokens = int(entry["max_tokens"])  # type: ignore[assignment]
     return model

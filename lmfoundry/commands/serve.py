@@ -116,9 +116,10 @@ def serving_engine(model: str, dtype: str, config: EngineConfig, *, device: str,
                    draft_model: str | None = None) -> LLMEngine:
     """The engine `serve` runs, built in the engine process. Everything that reads the CPU or
     needs torch is decided here and not in the API process, which then never imports torch (on
-    a CPU machine): the CPU's line, --dtype auto, the compiled step (the default's choice and the
-    build), then the model, less the eager weights a compiled step makes unused. Its lines go to the terminal the engine process shares with serve,
-    its UserErrors to serve through the engine's start-up (`core_client`)."""
+    a CPU machine): the CPU's line, --dtype auto, the compiled step (the default's choice, and
+    the build in a child process), then the model, less the eager weights a compiled step makes
+    unused. Its lines go to the terminal the engine process shares with serve, its UserErrors to
+    serve through the engine's start-up (`core_client`)."""
     from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.engine.llm_engine import LLMEngine
     from lmfoundry.runtime.loader import resolve_dtype

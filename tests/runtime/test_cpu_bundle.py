@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,9 +197,6 @@ print(json.dumps({"steps": engine.runner.executor.compiled_steps, "tokens": out[
 def test_a_bundle_serves_without_importing_inductor_dynamo_or_triton(built: Built, tmp_path) -> None:
     """The package runs through torch's C++ AOTInductor loader and the step's ops are plain
     library ops: a serving process keeps none of the compiler's modules resident."""
-    import subprocess
-    import sys
-
     env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-c", SERVING_CHILD, str(built.engine)], capture_output=True, text=True,
                          env=env, cwd=tmp_path, timeout=300)
@@ -205,6 +204,21 @@ def test_a_bundle_serves_without_importing_inductor_dynamo_or_triton(built: Buil
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["steps"] > 0 and len(result["tokens"]) == 4  # the package served the tokens
     assert result["loaded"] == []
+
+
+CACHED_CHILD = """
+import json, sys
+import torch
+from lmfoundry.compile.cpu_step import cached_cpu_engine
+from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+bundle, built = cached_cpu_engine(sys.argv[1], max_tokens=64)
+engine = LLMEngine.from_pretrained(str(bundle), torch.bfloat16,
+                                   EngineConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=8))
+released = engine.release_eager_weights()
+out = engine.generate([[1, 5, 9, 200, 17]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+print(json.dumps({"built": built, "released": released, "tokens": len(out[0].outputs[0].token_ids),
+                  "loaded": sorted(m for m in ("torch._inductor", "torch._dynamo", "triton") if m in sys.modules)}))
+"""
 
 
 def test_serve_compile_step_builds_the_bundle_once_into_the_cache(built: Built, tmp_path, monkeypatch,
@@ -217,9 +231,18 @@ def test_serve_compile_step_builds_the_bundle_once_into_the_cache(built: Built, 
     monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path / "cache"))
     first, built_now = cpu_step.cached_cpu_engine(built.checkpoint, max_tokens=64)  # a small step: quick
     assert built_now and (first / "engine.json").is_file() and first.parent == tmp_path / "cache" / "cpu-steps"
-    monkeypatch.setattr(cpu_step, "build_cpu_engine", lambda *a, **k: pytest.fail("built twice"))
+    monkeypatch.setattr(cpu_step, "build_in_child", lambda *a, **k: pytest.fail("built twice"))
     again, built_now = cpu_step.cached_cpu_engine(built.checkpoint, max_tokens=64)
     assert again == first and not built_now
+    # serve's engine process looks the step up in the cache and serves it, keeping neither the build's
+    # modules nor the GPU kernels' resident
+    run = subprocess.run([sys.executable, "-c", CACHED_CHILD, str(built.checkpoint)], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1"), cwd=tmp_path,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"built": False, "released": result["released"], "tokens": 4, "loaded": []}
+    assert result["released"] > 0
     model, tok = load_model(first)
     reference, _ = load_model(built.checkpoint)
     assert_greedy_as(greedy(model, tok), reference, tok)
