@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -61,15 +60,12 @@ def _bundle_block_size(path: str) -> int:
 
 
 def _compiled_step_bundle(model: str, block_size: int) -> str:
-    """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new;
-    `serve` refused a GPU or a bundle before the engine process started)."""
+    """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new, by
+    a `lmfoundry compile` child that prints its own lines and time; `serve` refused a GPU or a
+    bundle before the engine process started)."""
     from lmfoundry.compile.cpu_step import cached_cpu_engine
 
-    t0 = time.perf_counter()
-    engine, built = cached_cpu_engine(model, block_size=block_size, log_line=lambda m: click.echo(m, err=True))
-    if built:
-        click.echo(f"compiled step built in {time.perf_counter() - t0:.0f} s: {engine}", err=True)
-    return str(engine)
+    return str(cached_cpu_engine(model, block_size=block_size, log_line=lambda m: click.echo(m, err=True))[0])
 
 
 def _compiled_step_by_default(model: str, device: str, tp: int, deterministic: bool, run_dtype: Any,

@@ -49,7 +49,6 @@ def packed_views(buf: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     return [buf[at : at + n] for at, n in zip(packed_starts(lengths), lengths, strict=False)]
 
 
-
 class KernelModelExecutor:
     """An engine bundle's kernels (see `kernel_model.py`). Step metadata goes to the device as one
     int32 buffer (one host-to-device copy per step), sliced into ids, positions, slots, tables, each
