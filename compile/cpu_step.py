@@ -4,13 +4,14 @@ Bundle layout (the GPU bundle's, with a compiled step instead of cubins):
     engine.json                   manifest: target cpu, ISA, the package's sha256, toolchain
     weights/                      the checkpoint's files, copied (tokenizer, config, and the
                                   weights the eager fallback serves on another ISA)
-    cpu/<isa>/step.pt2            AOTInductor package of `CausalLM.hidden_states` (see
-                                  `runtime.engine.compiled_step`), weights inside as constants
+    cpu/<isa>/step.pt2            AOTInductor package of the decoder over embedded tokens (see
+                                  `runtime.engine.compiled_step`), the decoder's weights
+                                  inside as constants
 
 Build: the checkpoint's manifest is verified first; the model is loaded as `serve` loads it on
 this CPU (bfloat16, W4A16/W8A16 packed), traced with torch.export over a dynamic token count, and
-compiled by AOTInductor with max-autotune GEMM templates (Inductor benchmarks its C++ AMX /
-AVX-512 micro-kernels against ATen for each distinct GEMM shape on this machine). Everything is
+compiled by AOTInductor with max-autotune (with AMX, Inductor benchmarks its C++ AMX micro-kernels
+against ATen for each distinct GEMM shape on this machine; see `gemm_backends`). Everything is
 written into a staging folder moved into place at the end (`compile.bundle`). The runtime loads
 it (`runtime.cpu_bundle`); this module uses the runtime's model and step, not the other way.
 """
@@ -24,7 +25,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, MANIFEST_NAME, is_e
 STEP_FILE = "step.pt2"
 DEFAULT_MAX_TOKENS = 8192  # the compiled step's largest flat batch (--max-num-batched-tokens above it: eager)
 DTYPE = "bfloat16"
+# what the package's step takes: the tokens' embedding rows, looked up by the engine in the table
+# it keeps ("ids": packages built before, which hold a copy of the table and look ids up in it)
+STEP_INPUTS = "embeddings"
 
 
 def compiler_version() -> str:
@@ -48,8 +52,11 @@ def compiler_version() -> str:
 
 
 class _Step(nn.Module):
-    """hidden_states over a flat batch: every attention an `lmfoundry::attend` op, every
-    mixture-of-experts block an `lmfoundry::moe` op (see `runtime.engine.compiled_step`)."""
+    """The decoder over a flat batch of embedded tokens: every attention an `lmfoundry::attend`
+    op, every mixture-of-experts block an `lmfoundry::moe` op (see `runtime.engine.compiled_step`).
+    It holds the rotary table, the layers and the final norm, not the model: the embedding table
+    (and an LM head) would otherwise be traced in as the package's constants, a copy of a table the
+    engine keeps anyway to look a step's rows up and to apply the head."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()
@@ -57,37 +64,50 @@ class _Step(nn.Module):
 
         for layer in moe_blocks(model):  # the experts stay the eager model's, outside the package
             model.model.layers[layer].mlp = ExportedMoE(layer)
-        self.model = model  # CausalLM
+        self.rotary_emb, self.layers, self.norm = model.model.rotary_emb, model.model.layers, model.model.norm
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        from lmfoundry.model.reference import run_decoder
         from lmfoundry.runtime.engine.compiled_step import ExportedAttention
 
-        return self.model.hidden_states(ids, positions, ExportedAttention())
+        return run_decoder(self, embeds, positions, ExportedAttention())
 
 
-def compile_step(model: nn.Module, package: Path, max_tokens: int) -> None:
-    """Export `model`'s step with a dynamic token count and AOT-compile it into `package`."""
+def gemm_backends(target: str) -> str:
+    """The GEMM implementations Inductor's max-autotune chooses among for a CPU of ISA `target`.
+    With AMX, its C++ templates (AMX micro-kernels) beside ATen's. Without, ATen's alone: on
+    AVX-512 the C++ int4 template was slower than ATen's int4 kernel at every step size measured
+    (`benchmarks/cpu_step_gemm.py`), yet timing at the export's example size could pick it for
+    every linear of a package."""
+    return "CPP,ATEN" if target == "amx" else "ATEN"
+
+
+def compile_step(model: nn.Module, package: Path, max_tokens: int, backends: str = "CPP,ATEN") -> None:
+    """Export `model`'s step with a dynamic token count and AOT-compile it into `package`, its GEMMs
+    chosen among `backends` (`gemm_backends`)."""
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
 
     step = _Step(model).eval()
-    example = torch.arange(8, dtype=torch.long)
+    config = cast(Any, model).config
+    embeds = torch.randn(8, config.hidden_size, dtype=cast(Any, model).dtype)
     tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
     # a step of one token must not be specialized away: the same graph serves 1..max_tokens
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
-        exported = torch.export.export(step, (example, example.clone()),
-                                       dynamic_shapes={"ids": {0: tokens}, "positions": {0: tokens}})
+        exported = torch.export.export(step, (embeds, torch.arange(8, dtype=torch.long)),
+                                       dynamic_shapes={"embeds": {0: tokens}, "positions": {0: tokens}})
         package.parent.mkdir(parents=True, exist_ok=True)
-        options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
+        options = {"max_autotune": True, "max_autotune_gemm_backends": backends, "freezing": True}
         with inductor_config.patch({"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
                                                      inductor_configs=options)
 
 
 def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *, block_size: int = 16,
-                     max_tokens: int = DEFAULT_MAX_TOKENS, log_line: Callable[[str], None] = lambda m: None
-                     ) -> tuple[Path, dict[str, Any], float]:
-    """Write the `--arch cpu` bundle of `checkpoint`; (bundle folder, engine.json, seconds)."""
+                     max_tokens: int = DEFAULT_MAX_TOKENS, log_line: Callable[[str], None] = lambda m: None,
+                     backends: str | None = None) -> tuple[Path, dict[str, Any], float]:
+    """Write the `--arch cpu` bundle of `checkpoint`; (bundle folder, engine.json, seconds).
+    `backends`: the GEMMs autotuning chooses among (None: `gemm_backends` of this CPU)."""
     from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.checkpoint.sources import resolve_model
 
@@ -116,10 +136,11 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
     stage, created = _staging(final)
     try:
         rel = Path("cpu") / target / STEP_FILE
+        backends = backends or gemm_backends(target)
         log_line(f"exporting the step (1..{max_tokens} tokens) and compiling it with AOTInductor "
-                 "(max-autotune GEMM templates timed on this CPU; minutes)")
+                 f"(GEMMs: {backends}, timed on this CPU; minutes)")
         tc = time.perf_counter()
-        compile_step(model, stage / rel, max_tokens)
+        compile_step(model, stage / rel, max_tokens, backends)
         compile_seconds = time.perf_counter() - tc
         (stage / "weights").mkdir()
         files = place_files(sorted(p for p in folder.iterdir() if p.is_file()), stage / "weights", "copy")
@@ -135,8 +156,9 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
             "archs": {},
             "cpu": {"isa": target, "features": sorted(k for k, v in features.items() if v),
                     "step": {"path": rel.as_posix(), "sha256": sha256_file(stage / rel),
-                             "bytes": (stage / rel).stat().st_size},
-                    "max_tokens": max_tokens, "torch": torch.__version__, "compile_seconds": round(compile_seconds, 1)},
+                             "bytes": (stage / rel).stat().st_size, "inputs": STEP_INPUTS},
+                    "max_tokens": max_tokens, "torch": torch.__version__, "compile_seconds": round(compile_seconds, 1),
+                    "gemm_backends": backends},
             "toolchain": {"torch": torch.__version__, "compiler": compiler_version(), "machine": platform.machine()},
             "fusions": [],
             "weights": {"mode": "copy", "files": files},
@@ -170,7 +192,7 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     folder = resolve_model(checkpoint)
     files = {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
     key = {"files": files, "block_size": block_size, "max_tokens": max_tokens, "isa": isa(),
-           "torch": torch.__version__, "compiler": compiler_version(), "format": ENGINE_FORMAT}
+           "torch": torch.__version__, "compiler": compiler_version(), "format": ENGINE_FORMAT, "inputs": STEP_INPUTS}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     engine = cache_dir() / "cpu-steps" / digest
     if is_engine_bundle(engine):

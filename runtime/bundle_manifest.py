@@ -131,6 +131,8 @@ def check_manifest(manifest: Any, manifest_path: Path) -> dict[str, Any]:
         step = f(cpu, "step", dict, "cpu")
         f(step, "path", str, "cpu.step")
         f(step, "sha256", str, "cpu.step")
+        if step.get("inputs", "ids") not in ("embeddings", "ids"):  # absent: built before it took embeddings
+            raise _malformed(manifest_path, f"cpu.step.inputs must be 'embeddings' or 'ids', got {step['inputs']!r}")
     elif not archs:
         raise _malformed(manifest_path, "archs is empty")
     for name in archs:

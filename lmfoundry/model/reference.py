@@ -501,6 +501,17 @@ class LogitSoftcap:
         return torch.tanh(out / self.cap) * self.cap
 
 
+def run_decoder(decoder: Any, x: torch.Tensor, positions: torch.Tensor,
+                context: AttentionContext | None = None) -> torch.Tensor:
+    """Final-norm hidden states of embedded inputs `x`: `decoder`'s rotary table, layers and final
+    norm (a `DecoderModel`, or a module holding just those three, as `compile --arch cpu`'s step
+    does so that the embedding table stays out of its package)."""
+    cos, sin = decoder.rotary_emb(positions, x.dtype)
+    for layer in decoder.layers:
+        x = layer(x, cos, sin, context)
+    return cast(torch.Tensor, decoder.norm(x))
+
+
 class CausalLM(nn.Module):
     """Decoder + LM head. `forward(ids)` returns float32 logits for whole causal sequences.
 
@@ -539,11 +550,11 @@ class CausalLM(nn.Module):
         """Final-norm hidden states. input_ids: [B, T] (or [T] with a context)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-        x = embed(self.config, self.model.embed_tokens, input_ids)
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, context)
-        return self.model.norm(x)
+        return run_decoder(self.model, self.embed_inputs(input_ids), positions, context)
+
+    def embed_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's inputs for `input_ids`: their embedding rows (see `embed`)."""
+        return embed(self.config, self.model.embed_tokens, input_ids)
 
     def forward(
         self,

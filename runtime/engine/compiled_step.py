@@ -1,8 +1,8 @@
 """The model's step compiled ahead of time for a CPU (`lmfoundry compile --arch cpu`), run by the engine.
 
-What is compiled: `CausalLM.hidden_states(ids [T], positions [T])` for any T (the flat batch of a
-step: decodes and prefill chunks together), with the packed W4A16/W8A16 linears as int4pack /
-int8pack ops, which Inductor's C++ GEMM templates (AMX or AVX-512 micro-kernels) replace, and the
+What is compiled: the decoder of `CausalLM.hidden_states` over embedded tokens (embeds [T, D],
+positions [T]) for any T (the flat batch of a step: decodes and prefill chunks together), with the
+packed W4A16/W8A16 linears as int4pack / int8pack ops, which Inductor's C++ GEMM templates (AMX or AVX-512 micro-kernels) replace, and the
 norms, rotary and SiLU fused into C++ loops. What is not, each one opaque op that calls back into
 the engine around each call (`step_context`):
 - attention over the paged KV cache, whose shape is the step's (ragged decode group, chunks,
@@ -12,7 +12,8 @@ the engine around each call (`step_context`):
 - a mixture-of-experts block, which routes tokens by value (a traced graph has one shape per
   tensor): `lmfoundry::moe(x, layer)` runs the eager model's `SparseMoE` of that layer, so the
   experts' weights are the eager model's, not a second copy in the package.
-The LM head stays eager (the engine applies it to the rows it samples).
+The embedding table and the LM head stay eager, one copy: the engine looks a step's rows up in the
+table before the call and applies the head to the rows it samples.
 
 A compiled step is machine code for one ISA: `load_compiled_step` refuses a package built for
 another one (or by another torch) with the reason, and the caller serves the packed eager model.
@@ -171,17 +172,21 @@ def step_context(context: Any, blocks: dict[int, nn.Module] | None = None) -> It
 
 
 class CompiledStep:
-    """hidden_states(ids, positions, context) through an AOTInductor package; `moe_blocks` are
-    the eager model's mixture-of-experts blocks its `lmfoundry::moe` calls run."""
+    """`model.hidden_states(ids, positions, context)` through an AOTInductor package; `moe_blocks`
+    are the eager model's mixture-of-experts blocks its `lmfoundry::moe` calls run. A package takes
+    the tokens' embedding rows, looked up in the eager model's table (`embedded`); one built
+    before that change takes the ids and holds a copy of the table."""
 
-    def __init__(self, runner: Any, path: Path, moe_blocks: dict[int, nn.Module] | None = None) -> None:
+    def __init__(self, runner: Any, path: Path, moe_blocks: dict[int, nn.Module] | None = None,
+                 embedded: bool = True) -> None:
         self.runner = runner
         self.path = path
         self.moe_blocks = moe_blocks or {}
+        self.embedded = embedded
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, context: Any) -> torch.Tensor:
+    def __call__(self, model: Any, ids: torch.Tensor, positions: torch.Tensor, context: Any) -> torch.Tensor:
         with step_context(context, self.moe_blocks), torch.inference_mode():
-            return self.runner(ids, positions)
+            return self.runner(model.embed_inputs(ids) if self.embedded else ids, positions)
 
 
 def compiled_step_refusal(entry: dict[str, Any]) -> str | None:
@@ -213,5 +218,10 @@ class _PackageRunner:
         return outputs[0]
 
 
-def load_compiled_step(package: Path, moe: dict[int, nn.Module] | None = None) -> CompiledStep:
-    return CompiledStep(_PackageRunner(package), package, moe)
+def load_compiled_step(package: Path, moe: dict[int, nn.Module] | None = None, inputs: str = "embeddings"
+                       ) -> CompiledStep:
+    """The package's step; `inputs` is what it takes, as its engine.json says ("ids" for packages
+    built before the step took embedding rows)."""
+    if inputs not in ("embeddings", "ids"):
+        raise ValueError(f"a compiled step takes 'embeddings' or 'ids', not {inputs!r}")
+    return CompiledStep(_PackageRunner(package), package, moe, embedded=inputs == "embeddings")

@@ -302,7 +302,7 @@ class ReferenceModelExecutor:
                 return self.model.hidden_states(ids, positions, context)
         if self.compiled_step is not None and len(step.ids) <= self.compiled_max_tokens:
             self.compiled_steps += 1
-            return self.compiled_step(ids, positions, context)
+            return self.compiled_step(self.model, ids, positions, context)
         if self.eager_released:
             raise RuntimeError(f"a step of {len(step.ids)} tokens needs the eager model, whose linears were released "
                                f"for the compiled step (at most {self.compiled_max_tokens} tokens, no LoRA)")

@@ -92,13 +92,74 @@ def test_the_compiled_step_equals_the_eager_step_within_bf16(built: Built) -> No
     ids = torch.randint(0, 256, (12,))
     positions = torch.arange(12)
 
-    compiled = step(ids, positions, OwnTokens()).float()
+    compiled = step(model, ids, positions, OwnTokens()).float()
     eager = model.hidden_states(ids, positions, OwnTokens()).float()
     assert compiled.shape == eager.shape == (12, model.config.hidden_size)
     assert torch.isfinite(compiled).all()
     # bf16 rounding of each of the ~7 ops per layer's outputs, relative to the activations' size
     layers = model.config.num_layers
     assert ((compiled - eager).norm() / eager.norm()) < 8 * layers * 2.0**-8
+
+
+def test_the_package_looks_rows_up_in_the_eager_table(built: Built) -> None:
+    """The package takes embedding rows, looked up in the one table the engine keeps (for the LM
+    head too): a row changed in the eager table changes what the compiled step computes, exactly
+    as it changes the eager step, and the package holds no copy of the table."""
+    model, _ = load_model(built.engine, dtype=torch.bfloat16)
+    manifest = json.loads((built.engine / "engine.json").read_text())
+    assert manifest["cpu"]["step"]["inputs"] == "embeddings" and model.compiled_step.embedded
+    step = model.compiled_step
+    del model.compiled_step
+    ids, positions = torch.tensor([7, 8, 9, 7]), torch.arange(4)
+    before = step(model, ids, positions, OwnTokens()).float()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7] = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    compiled = step(model, ids, positions, OwnTokens()).float()
+    eager = model.hidden_states(ids, positions, OwnTokens()).float()
+    assert not torch.allclose(compiled[0], before[0])
+    assert ((compiled - eager).norm() / eager.norm()) < 8 * model.config.num_layers * 2.0**-8
+
+
+@pytest.mark.slow
+def test_a_package_of_the_ids_step_still_loads(built: Built, tmp_path: Path) -> None:
+    """Bundles written before the step took embedding rows hold the table and take the ids
+    (engine.json has no cpu.step.inputs): they load and serve as before."""
+    from torch import nn
+
+    from lmfoundry.runtime.engine.compiled_step import ExportedAttention
+
+    class IdsStep(nn.Module):  # the step as those bundles compiled it
+        def __init__(self, model) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self.model.hidden_states(ids, positions, ExportedAttention())
+
+    import torch.fx.experimental._config as fx_config
+
+    copy = Path(shutil.copytree(built.engine, tmp_path / "engine"))
+    manifest = json.loads((copy / "engine.json").read_text())
+    package = copy / manifest["cpu"]["step"]["path"]
+    model, tok = load_model(built.checkpoint, dtype=torch.bfloat16)
+    example, tokens = torch.arange(8), torch.export.Dim("tokens", min=1, max=64)
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        exported = torch.export.export(IdsStep(model).eval(), (example, example.clone()),
+                                       dynamic_shapes={"ids": {0: tokens}, "positions": {0: tokens}})
+        package.unlink()
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(package))
+    from lmfoundry.manifest import sha256_file
+
+    manifest["cpu"]["step"]["sha256"] = sha256_file(package)
+    del manifest["cpu"]["step"]["inputs"]
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    old, _ = load_model(copy, dtype=torch.bfloat16)
+    assert not old.compiled_step.embedded
+    engine = LLMEngine(old, tok, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
+    got = [o.outputs[0].token_ids for o in engine.generate(
+        PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    assert engine.runner.executor.compiled_steps > 0
+    assert_greedy_as(got, model, tok)
 
 
 def test_a_modified_step_is_refused(built: Built, tmp_path: Path) -> None:
@@ -110,6 +171,15 @@ def test_a_modified_step_is_refused(built: Built, tmp_path: Path) -> None:
     data[len(data) // 2] ^= 1
     step.write_bytes(bytes(data))
     with pytest.raises(EngineIntegrityError, match="sha256"):
+        load_model(copy)
+
+
+def test_a_step_input_it_does_not_know_is_refused(built: Built, tmp_path: Path) -> None:
+    copy = Path(shutil.copytree(built.engine, tmp_path / "engine"))
+    manifest = json.loads((copy / "engine.json").read_text())
+    manifest["cpu"]["step"]["inputs"] = "pixels"
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="cpu.step.inputs must be 'embeddings' or 'ids'"):
         load_model(copy)
 
 

@@ -70,7 +70,7 @@ def test_the_compiled_step_equals_the_eager_step_within_bf16(bundle: tuple[Path,
     del model.compiled_step
     ids = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(24)
-    compiled = step(ids, positions, OwnTokens()).float()
+    compiled = step(model, ids, positions, OwnTokens()).float()
     eager = model.hidden_states(ids, positions, OwnTokens()).float()
     assert compiled.shape == eager.shape == (24, model.config.hidden_size)
     assert torch.isfinite(compiled).all()

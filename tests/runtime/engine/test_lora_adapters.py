@@ -150,9 +150,9 @@ def test_a_step_with_adapters_bypasses_a_compiled_step(adapters) -> None:
     executor = engine.runner.executor
     calls = []
 
-    def compiled(ids, positions, context):
+    def compiled(model, ids, positions, context):
         calls.append(len(ids))
-        return executor.model.hidden_states(ids, positions, context)
+        return model.hidden_states(ids, positions, context)
 
     executor.compiled_step, executor.compiled_max_tokens = compiled, 1024
     engine.generate([[1, 2, 3]], [SamplingParams(max_tokens=3, temperature=0, lora="a")])
