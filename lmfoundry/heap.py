@@ -37,3 +37,36 @@ def freeze_heap() -> None:
     gc.collect()
     gc.freeze()
     release_free_heap()
+
+
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (clean file pages are dropped, not lost)
+
+
+def page_out_mapped_files(suffix: str) -> int:
+    """Ask the kernel to reclaim the resident pages of this process's read-only, non-executable
+    mappings of files whose name ends with `suffix`; returns the bytes of the mappings asked.
+
+    An AOTInductor package's library carries its weights in a read-only section, and the loader
+    copies them into memory of its own at load: the section's pages, read once, would otherwise
+    stay counted in the server's resident memory beside the copy. They are clean file pages, so
+    reclaiming them loses nothing (a later read would fault them in from the file again); writable
+    and executable mappings are left alone. Where madvise or MADV_PAGEOUT does not exist (not
+    Linux, or a kernel before 5.4) nothing happens."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        maps = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return 0
+    madvise = getattr(libc, "madvise", None)
+    if madvise is None:
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    asked = 0
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].endswith(suffix) or fields[1] != "r--p":
+            continue
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if madvise(low, high - low, MADV_PAGEOUT) == 0:
+            asked += high - low
+    return asked

@@ -209,7 +209,11 @@ class _PackageRunner:
     one, so the wrapper's pytree flattening has nothing to do."""
 
     def __init__(self, package: Path) -> None:
+        from lmfoundry.heap import page_out_mapped_files
+
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+        # the loader copied the weights out of the library's read-only section: its pages go
+        page_out_mapped_files(".wrapper.so")
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         outputs = self.loader.boxed_run([ids, positions])
