@@ -2,9 +2,10 @@
 
 What is compiled: the decoder of `CausalLM.hidden_states` over embedded tokens (embeds [T, D],
 positions [T]) for any T (the flat batch of a step: decodes and prefill chunks together), with the
-packed W4A16/W8A16 linears as int4pack / int8pack ops, which Inductor's C++ GEMM templates (AMX or AVX-512 micro-kernels) replace, and the
-norms, rotary and SiLU fused into C++ loops. What is not, each one opaque op that calls back into
-the engine around each call (`step_context`):
+packed W4A16/W8A16 linears as int4pack / int8pack ops (on an AMX CPU Inductor's C++ GEMM templates
+may replace them: `compile.cpu_step.gemm_backends`), and the norms, rotary and SiLU fused into C++
+loops. What is not, each one opaque op that calls back into the engine around each call
+(`step_context`):
 - attention over the paged KV cache, whose shape is the step's (ragged decode group, chunks,
   prefix hits): `lmfoundry::attend(q, k, v, layer, scale, softcap, window)` calls the step's
   `PagedAttention` (the engine's CPU attention, in whatever format the KV cache stores), with the
