@@ -21,6 +21,7 @@ engine does not leave by itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -32,7 +33,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lmfoundry.child_python import child_env, importable_path
 from lmfoundry.errors import UserError
@@ -66,6 +67,29 @@ class EngineSpec:
         return self.factory(*self.args, **self.kwargs)
 
 
+@contextlib.contextmanager
+def signals_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back while the block runs, then deliver them to the handlers they had.
+
+    serve's SIGTERM handler raises to leave through the client's cleanup. Raised inside
+    `subprocess.Popen`, after the engine process was started but before Popen returned it, the
+    exception would lose the only handle on that process: it outlived serve, loading the model,
+    until it noticed its parent was gone, and its folder stayed. Handlers belong to the main
+    thread; called from another one, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in signums}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for sig in dict.fromkeys(caught):
+            signal.raise_signal(sig)
+
+
 class EngineCoreClient(EngineClient):
     """Start the engine process for `spec` and wait until its engine is built (or raise the
     UserError it failed with). `on_death(exitcode)` is called from the receiver thread if the
@@ -97,13 +121,18 @@ class EngineCoreClient(EngineClient):
             pickle.dump((importable_path(sys.path), os.getpid(), threading.current_thread() is threading.main_thread()),
                         f)
             pickle.dump(spec, f)
-        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir], env=child_env(),
-                                        start_new_session=True)
-        self._exited = _exit_fd(self.process.pid)
+        self._exited: int | None = None
         try:
+            with signals_deferred():  # a handler raising inside Popen would lose the child it started
+                self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir], env=child_env(),
+                                                start_new_session=True)
+            self._exited = _exit_fd(self.process.pid)
             info, tokenizer, stats = self._handshake(start_timeout)
         except BaseException:
-            self._close(kill=True)
+            if hasattr(self, "process"):
+                self._close(kill=True)
+            else:  # Popen itself failed: nothing was started
+                self._release()
             raise
         super().__init__(info.capacity)
         self.info, self.tokenizer, self._stats = info, tokenizer, stats
@@ -227,6 +256,10 @@ class EngineCoreClient(EngineClient):
         receiver = getattr(self, "_receiver", None)
         if receiver is not None and receiver is not threading.current_thread():
             receiver.join(POLL_MS / 1000 * 2)
+        self._release()
+
+    def _release(self) -> None:
+        """Close the sockets and the exit descriptor and remove the private folder."""
         self._commands.close(linger=0)
         self._outputs.close(linger=0)
         self._ctx.term()

@@ -52,6 +52,39 @@ def test_failed_start_is_one_user_error() -> None:
         EngineCoreClient(EngineSpec(toy_engine, kwargs=dict(speculative="bogus")))
 
 
+def test_a_signal_while_the_engine_process_starts_still_stops_it(monkeypatch) -> None:
+    """SIGTERM delivered while `subprocess.Popen` is starting the engine process (serve's handler
+    raises to leave through the client's cleanup): the handler runs once Popen has returned the
+    process, so the cleanup stops it and removes its folder instead of losing it."""
+    import subprocess
+
+    from lmfoundry.runtime.engine import core_client
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen_interrupted(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        signal.raise_signal(signal.SIGTERM)  # arrives before Popen returns the child
+        time.sleep(0.05)  # where the handler would run without the deferral
+        return started[0]
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(core_client.subprocess, "Popen", popen_interrupted)
+    previous = signal.signal(signal.SIGTERM, leave)
+    before = set(Path(tempfile.gettempdir()).glob("lmfoundry-engine-*"))
+    try:
+        with pytest.raises(SystemExit) as left:
+            EngineCoreClient(EngineSpec(toy_engine))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert left.value.code == 128 + signal.SIGTERM
+    assert started and started[0].poll() is not None  # stopped and reaped, not left loading
+    assert set(Path(tempfile.gettempdir()).glob("lmfoundry-engine-*")) <= before
+
+
 def test_engine_steps_in_its_own_process_and_leaves_with_the_api(tmp_path) -> None:
     """A streamed request is served by a child process; killing `serve` outright (no chance to
     shut the engine down) still ends the engine within seconds."""
