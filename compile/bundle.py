@@ -35,7 +35,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_NAME, parse_compile_arch
 from lmfoundry.manifest import sha256_file, verify_artifact
 from lmfoundry.model.tensor_parallel import RankShard
-from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, MANIFEST_NAME, is_rank_folder, rank_folder
+from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, ENGINE_FORMATS, MANIFEST_NAME, is_rank_folder, rank_folder
 
 WEIGHT_MODES = ("link", "copy", "repack")
 
@@ -73,7 +73,7 @@ def _is_engine_bundle(folder: Path) -> bool:
         manifest = json.loads((folder / MANIFEST_NAME).read_bytes())
     except (OSError, ValueError):
         return False
-    return isinstance(manifest, dict) and manifest.get("format") == ENGINE_FORMAT
+    return isinstance(manifest, dict) and manifest.get("format") in ENGINE_FORMATS
 
 
 def _check_output(out: Path, checkpoint: Path) -> None:

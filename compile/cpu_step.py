@@ -33,7 +33,7 @@ from torch import nn
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import sha256_file, verify_artifact
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, MANIFEST_NAME, is_engine_bundle
+from lmfoundry.runtime.bundle_manifest import CPU_EMBEDDED_FORMAT, MANIFEST_NAME, is_engine_bundle
 
 STEP_FILE = "step.pt2"
 DEFAULT_MAX_TOKENS = 8192  # the compiled step's largest flat batch (--max-num-batched-tokens above it: eager)
@@ -79,7 +79,7 @@ def gemm_backends(target: str) -> str:
     AVX-512 the C++ int4 template was slower than ATen's int4 kernel at every step size measured
     (`benchmarks/cpu_step_gemm.py`), yet timing at the export's example size could pick it for
     every linear of a package."""
-    return "CPP,ATEN" if target == "amx" else "ATEN"
+    return "CPP,ATEN" if target == "amx" else "ATEN"  # W8A16 and dense linears freeze into oneDNN's either way
 
 
 def compile_step(model: nn.Module, package: Path, max_tokens: int, backends: str = "CPP,ATEN") -> None:
@@ -146,7 +146,7 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
         files = place_files(sorted(p for p in folder.iterdir() if p.is_file()), stage / "weights", "copy")
         features = cpu_features()
         manifest = {
-            "format": ENGINE_FORMAT,
+            "format": CPU_EMBEDDED_FORMAT,
             "target": "cpu",
             "source": {"path": str(folder.resolve()), "config_sha256": sha256_file(folder / "config.json")},
             "model": {"model_type": cfg.model_type, "dtype": DTYPE, "hidden_size": cfg.hidden_size,
@@ -178,7 +178,8 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     """The `--arch cpu` bundle of `checkpoint` from the cache, built there on first use; (bundle,
     built now). `serve --compile-step` runs a checkpoint through it: the compiled step is what
     makes the CPU runtime fast, and building it takes minutes, so it is built once per checkpoint
-    files, block size, step size, torch, compiler and ISA (all in the key) and reused. The files
+    files, block size, step size, torch, compiler, ISA and bundle format (all in the key) and
+    reused. The files
     enter the key by name, size and modification time, as quantize's resume journal keys its
     source: `serve` has just verified their sha256 against the manifest, and hashing gigabytes of
     weights a second time on every start would cost more than the lookup saves.
@@ -192,7 +193,8 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     folder = resolve_model(checkpoint)
     files = {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
     key = {"files": files, "block_size": block_size, "max_tokens": max_tokens, "isa": isa(),
-           "torch": torch.__version__, "compiler": compiler_version(), "format": ENGINE_FORMAT, "inputs": STEP_INPUTS}
+           "torch": torch.__version__, "compiler": compiler_version(), "format": CPU_EMBEDDED_FORMAT,
+           "inputs": STEP_INPUTS}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     engine = cache_dir() / "cpu-steps" / digest
     if is_engine_bundle(engine):

@@ -30,6 +30,10 @@ class EngineIntegrityError(UserError):
 
 
 ENGINE_FORMAT = "lmfoundry-engine/1"  # engine.json's "format": compile writes it, read_manifest requires it
+# an --arch cpu bundle whose compiled step takes embedding rows: a reader that knows only /1 would
+# hand that step token ids, so such a bundle says /2 and those readers refuse it in one line
+CPU_EMBEDDED_FORMAT = "lmfoundry-engine/2"
+ENGINE_FORMATS = (ENGINE_FORMAT, CPU_EMBEDDED_FORMAT)
 MANIFEST_NAME = "engine.json"
 ENGINE_JSON_MAX_BYTES = 64 << 20  # a real engine.json is a few hundred KiB
 _RANK_FOLDER = re.compile(r"rank[0-9]+")
@@ -111,7 +115,7 @@ def check_manifest(manifest: Any, manifest_path: Path) -> dict[str, Any]:
     are only checked lexically here (plain names under weights/); `verify` resolves kernel files."""
     if not isinstance(manifest, dict):
         raise _malformed(manifest_path, f"the top level must be an object, got {type(manifest).__name__}")
-    if manifest.get("format") != ENGINE_FORMAT:
+    if manifest.get("format") not in ENGINE_FORMATS:
         raise UserError(f"{manifest_path}: unknown engine format {manifest.get('format')!r}")
     f = functools.partial(_field, manifest_path=manifest_path)
     model = f(manifest, "model", dict, "engine.json")
@@ -133,8 +137,13 @@ def check_manifest(manifest: Any, manifest_path: Path) -> dict[str, Any]:
         f(step, "sha256", str, "cpu.step")
         if step.get("inputs", "ids") not in ("embeddings", "ids"):  # absent: built before it took embeddings
             raise _malformed(manifest_path, f"cpu.step.inputs must be 'embeddings' or 'ids', got {step['inputs']!r}")
+        if (step.get("inputs") == "embeddings") != (manifest["format"] == CPU_EMBEDDED_FORMAT):
+            raise _malformed(manifest_path, f"a step taking embedding rows is format {CPU_EMBEDDED_FORMAT} "
+                                            "(and only such a step)")
     elif not archs:
         raise _malformed(manifest_path, "archs is empty")
+    if manifest["format"] == CPU_EMBEDDED_FORMAT and manifest.get("target") != "cpu":
+        raise _malformed(manifest_path, f"format {CPU_EMBEDDED_FORMAT} is an --arch cpu bundle's")
     for name in archs:
         arch = f(archs, name, dict, "archs")
         f(arch, "capability", int, f"archs.{name}")

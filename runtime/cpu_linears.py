@@ -27,7 +27,8 @@ bf16 matrix for one AMX/AVX512 GEMM instead. Serving times that crossover on its
 every quantized linear it keeps, C product or not (`runtime.cpu_crossover`); other callers take
 `DEQUANT_ROWS`, a default (benchmarks/cpu_packed.py prints both paths). Nothing dense is kept
 between calls. Traced for
-`compile --arch cpu`, the op stays whole: Inductor's C++ WOQ GEMM template serves every size.
+`compile --arch cpu`, the op stays whole: one GEMM serves every size (with AMX Inductor's C++ WOQ
+template where autotuning picks it, else ATen's int4 kernel: `compile.cpu_step.gemm_backends`).
 
 `packed_linear` returns the module or the reason the codes do not fit a kernel (the caller then
 keeps the dequantized dense linear and says so).
@@ -95,7 +96,7 @@ def _dequantize_first(x: torch.Tensor, rows: int | None = DEQUANT_ROWS) -> bool:
     """Eager: whether this many rows run faster as dequantize-then-GEMM (never with `rows` None:
     the deterministic mode keeps every row on the per-row kernel, whose result for a row does not
     depend on the rows beside it). Traced (`compile --arch cpu`): never, the op stays one node
-    that Inductor's GEMM template serves at every size."""
+    that one GEMM of the package serves at every size."""
     return rows is not None and not torch.compiler.is_compiling() and x.shape[0] >= rows
 
 

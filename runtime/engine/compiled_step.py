@@ -23,6 +23,7 @@ another one (or by another torch) with the reason, and the caller serves the pac
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,7 +215,8 @@ class _PackageRunner:
 
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
         # the loader copied the weights out of the library's read-only section: its pages go
-        page_out_mapped_files(".wrapper.so")
+        paged = page_out_mapped_files(".wrapper.so")
+        logging.getLogger("lmfoundry.runtime").debug("%s: %d bytes of library pages paged out", package, paged)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         outputs = self.loader.boxed_run([ids, positions])

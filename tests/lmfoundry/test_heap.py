@@ -65,7 +65,16 @@ def _filesystem_type(path) -> str:
     return kind
 
 
-@pytest.mark.skipif(platform.system() != "Linux", reason="madvise(MADV_PAGEOUT) is Linux's")
+def _kernel_version() -> tuple[int, int]:
+    parts = platform.release().split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or _kernel_version() < (5, 4),
+                    reason="madvise(MADV_PAGEOUT) is Linux's, from 5.4")
 def test_read_only_file_pages_are_paged_out_and_still_read_back(tmp_path) -> None:
     """What a compiled step's library gets once the loader has copied its weights out: the pages
     of its read-only mapping leave resident memory, and reading them again reads the file."""

@@ -108,6 +108,10 @@ def test_the_package_looks_rows_up_in_the_eager_table(built: Built) -> None:
     model, _ = load_model(built.engine, dtype=torch.bfloat16)
     manifest = json.loads((built.engine / "engine.json").read_text())
     assert manifest["cpu"]["step"]["inputs"] == "embeddings" and model.compiled_step.embedded
+    assert manifest["format"] == "lmfoundry-engine/2"  # readers that know only /1 refuse it
+    from lmfoundry.heap import page_out_mapped_files
+
+    assert page_out_mapped_files(".wrapper.so") > 0  # the loaded library is what the page-out names
     step = model.compiled_step
     del model.compiled_step
     ids, positions = torch.tensor([7, 8, 9, 7]), torch.arange(4)
@@ -152,6 +156,7 @@ def test_a_package_of_the_ids_step_still_loads(built: Built, tmp_path: Path) -> 
 
     manifest["cpu"]["step"]["sha256"] = sha256_file(package)
     del manifest["cpu"]["step"]["inputs"]
+    manifest["format"] = "lmfoundry-engine/1"  # as those bundles were
     (copy / "engine.json").write_text(json.dumps(manifest))
     old, _ = load_model(copy, dtype=torch.bfloat16)
     assert not old.compiled_step.embedded
@@ -174,12 +179,22 @@ def test_a_modified_step_is_refused(built: Built, tmp_path: Path) -> None:
         load_model(copy)
 
 
-def test_a_step_input_it_does_not_know_is_refused(built: Built, tmp_path: Path) -> None:
+@pytest.mark.parametrize("edit, message", [
+    ({"inputs": "pixels"}, "cpu.step.inputs must be 'embeddings' or 'ids'"),
+    ({"format": "lmfoundry-engine/1"}, "a step taking embedding rows is format lmfoundry-engine/2"),
+    ({"inputs": None}, "a step taking embedding rows is format lmfoundry-engine/2"),
+], ids=["unknown input", "embeddings under /1", "ids under /2"])
+def test_a_step_input_its_format_does_not_say_is_refused(built: Built, tmp_path: Path, edit, message) -> None:
     copy = Path(shutil.copytree(built.engine, tmp_path / "engine"))
     manifest = json.loads((copy / "engine.json").read_text())
-    manifest["cpu"]["step"]["inputs"] = "pixels"
+    if "format" in edit:
+        manifest["format"] = edit["format"]
+    elif edit["inputs"] is None:
+        del manifest["cpu"]["step"]["inputs"]
+    else:
+        manifest["cpu"]["step"]["inputs"] = edit["inputs"]
     (copy / "engine.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="cpu.step.inputs must be 'embeddings' or 'ids'"):
+    with pytest.raises(UserError, match=message):
         load_model(copy)
 
 
