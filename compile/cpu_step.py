@@ -82,7 +82,7 @@ def gemm_backends(target: str) -> str:
     return "CPP,ATEN" if target == "amx" else "ATEN"  # W8A16 and dense linears freeze into oneDNN's either way
 
 
-def compile_step(model: nn.Module, package: Path, max_tokens: int, backends: str = "CPP,ATEN") -> None:
+def compile_step(model: nn.Module, package: Path, max_tokens: int, backends: str) -> None:
     """Export `model`'s step with a dynamic token count and AOT-compile it into `package`, its GEMMs
     chosen among `backends` (`gemm_backends`)."""
     import torch._inductor.config as inductor_config
@@ -179,10 +179,10 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     built now). `serve --compile-step` runs a checkpoint through it: the compiled step is what
     makes the CPU runtime fast, and building it takes minutes, so it is built once per checkpoint
     files, block size, step size, torch, compiler, ISA and bundle format (all in the key) and
-    reused. The files
-    enter the key by name, size and modification time, as quantize's resume journal keys its
-    source: `serve` has just verified their sha256 against the manifest, and hashing gigabytes of
-    weights a second time on every start would cost more than the lookup saves.
+    reused. The files enter the key by name, size and modification time, as quantize's resume
+    journal keys its source: `serve` has just verified their sha256 against the manifest, and
+    hashing gigabytes of weights a second time on every start would cost more than the lookup
+    saves.
 
     The build runs in a process of its own (`lmfoundry compile`, its lines on stderr): it loads the
     model and Inductor, and the serving process that asks must not keep either resident."""
@@ -193,8 +193,7 @@ def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_token
     folder = resolve_model(checkpoint)
     files = {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
     key = {"files": files, "block_size": block_size, "max_tokens": max_tokens, "isa": isa(),
-           "torch": torch.__version__, "compiler": compiler_version(), "format": CPU_EMBEDDED_FORMAT,
-           "inputs": STEP_INPUTS}
+           "torch": torch.__version__, "compiler": compiler_version(), "format": CPU_EMBEDDED_FORMAT}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     engine = cache_dir() / "cpu-steps" / digest
     if is_engine_bundle(engine):

@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (None where it cannot be)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def release_free_heap() -> bool:
     """Return the freed heap's pages to the system; False where the C library has no way to
     (not glibc)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    trim = getattr(libc, "malloc_trim", None)
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is None:
         return False
     trim(0)
@@ -52,13 +58,12 @@ def page_out_mapped_files(suffix: str) -> int:
     reclaiming them loses nothing (a later read would fault them in from the file again); writable
     and executable mappings are left alone. Where madvise or MADV_PAGEOUT does not exist (not
     Linux, or a kernel before 5.4) nothing happens."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None:
+        return 0
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         maps = open("/proc/self/maps").read().splitlines()
     except OSError:
-        return 0
-    madvise = getattr(libc, "madvise", None)
-    if madvise is None:
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     asked = 0

@@ -63,7 +63,7 @@ def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype |
     # the eager layers stay here: `eval ppl` and eval-gate call the model on whole windows without a
     # paged cache, and a step over more than max_tokens tokens runs them (serve's engine, which can
     # run neither, drops their linears: `LLMEngine.release_eager_weights`)
-    inputs = entry["step"].get("inputs", "ids")  # bundles built before the step took embedding rows: ids
-    model.compiled_step = load_compiled_step(package, moe_blocks(model), inputs)  # type: ignore[assignment]
+    embedded = entry["step"].get("inputs") == "embeddings"  # absent: built before, the step takes ids
+    model.compiled_step = load_compiled_step(package, moe_blocks(model), embedded)  # type: ignore[assignment]
     model.compiled_max_tokens = int(entry["max_tokens"])  # type: ignore[assignment]
     return model

@@ -32,6 +32,7 @@ from typing import Any, Iterator, cast
 import torch
 from torch import nn
 
+from lmfoundry.heap import page_out_mapped_files
 from lmfoundry.model.reference import AttentionSpec
 
 _ACTIVE = threading.local()
@@ -211,8 +212,6 @@ class _PackageRunner:
     one, so the wrapper's pytree flattening has nothing to do."""
 
     def __init__(self, package: Path) -> None:
-        from lmfoundry.heap import page_out_mapped_files
-
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
         # the loader copied the weights out of the library's read-only section: its pages go
         paged = page_out_mapped_files(".wrapper.so")
@@ -225,10 +224,8 @@ class _PackageRunner:
         return outputs[0]
 
 
-def load_compiled_step(package: Path, moe: dict[int, nn.Module] | None = None, inputs: str = "embeddings"
+def load_compiled_step(package: Path, moe: dict[int, nn.Module] | None = None, embedded: bool = True
                        ) -> CompiledStep:
-    """The package's step; `inputs` is what it takes, as its engine.json says ("ids" for packages
-    built before the step took embedding rows)."""
-    if inputs not in ("embeddings", "ids"):
-        raise ValueError(f"a compiled step takes 'embeddings' or 'ids', not {inputs!r}")
-    return CompiledStep(_PackageRunner(package), package, moe, embedded=inputs == "embeddings")
+    """The package's step; `embedded`: it takes embedding rows, as its engine.json says (False for
+    packages built before, which take the ids)."""
+    return CompiledStep(_PackageRunner(package), package, moe, embedded)
