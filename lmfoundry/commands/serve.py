@@ -205,7 +205,8 @@ def _http_options(command: Any) -> Any:
                           f"(default: none, no CORS; vLLM's default is '*'){listed}."),
         click.option("--allowed-methods", multiple=True, help=f"CORS: methods allowed (default '*'){listed}."),
         click.option("--allowed-headers", multiple=True, help=f"CORS: request headers allowed (default '*'){listed}."),
-        click.option("--allow-credentials", is_flag=True, help="CORS: allow cookies and Authorization from those origins."),
+        click.option("--allow-credentials", is_flag=True,
+                     help="CORS: allow cookies and Authorization from those origins (listed explicitly: not with '*')."),
         click.option("--lenient-request-fields", is_flag=True,
                      help="Log and ignore request fields this server does not know (vLLM's behaviour) instead of "
                           "refusing the request with HTTP 400 naming them (OpenAI's), for clients that send extras."),
@@ -249,6 +250,9 @@ def _api_options(allowed_origins: tuple[str, ...], allowed_methods: tuple[str, .
             raise UserError(f"--allowed-origins {origin!r}: an origin is scheme://host[:port] (or '*')")
     if not origins and (allowed_methods or allowed_headers or allow_credentials):
         raise UserError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
+    if allow_credentials and "*" in origins:  # what ApiOptions refuses too, said with the flags' names
+        raise UserError("--allow-credentials with --allowed-origins '*' would let every web page send requests with "
+                        "the user's credentials; list the origins explicitly (--allowed-origins https://app.example)")
     return ApiOptions(allowed_origins=origins, allowed_methods=_listed(allowed_methods, "--allowed-methods") or ("*",),
                       allowed_headers=_listed(allowed_headers, "--allowed-headers") or ("*",),
                       allow_credentials=allow_credentials, lenient_request_fields=lenient_request_fields,

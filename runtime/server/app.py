@@ -5,7 +5,9 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE stream
 GET /v1/models, GET /health (and /ping, its SageMaker name, as vLLM answers it), GET /metrics, and
 vLLM's tokenizer endpoints (GET /tokenizer_info, POST /tokenize, POST /detokenize), with which
 `lm_eval --model local-completions` tokenizes through the server and needs no local copy of the
-tokenizer; GET /openapi.json when `ApiOptions.openapi`. Unknown request fields are a 400 naming
+tokenizer; GET /openapi.json when `ApiOptions.openapi`. With an API key, every route but the
+probes (/health, /ping, /version, /metrics) needs it, the schema included (it maps the API for
+whoever reads it; /docs and /redoc are not served). Unknown request fields are a 400 naming
 them (`request_body.parse_body`; `ApiOptions.lenient_request_fields` drops them instead).
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for invalid
 requests, 401 for a missing or wrong API key, 404 for an unknown model, 408 for a body that does
@@ -29,7 +31,8 @@ The engine streams token ids; their text and stop strings are worked out here (o
 reaching a keyless server on 127.0.0.1 with cross-site "simple" requests (text/plain or form
 bodies are sent without a CORS preflight; application/json is not). CORS is off unless origins
 are allowed (`ApiOptions.allowed_origins`, vLLM's flags): then Starlette's middleware answers the
-preflights and marks the responses, errors included, for those origins.
+preflights and marks the responses, errors included, for those origins ("*" with credentials is
+refused: the middleware would reflect any origin as allowed to send them).
 """
 
 from __future__ import annotations
@@ -114,7 +117,15 @@ class ApiOptions:
     allow_credentials: bool = False
     lenient_request_fields: bool = False  # log and drop unknown request fields instead of a 400
     metrics_names: str = "both"  # ours | vllm | both (metrics.METRICS_NAMES)
-    openapi: bool = False  # serve GET /openapi.json
+    openapi: bool = False  # serve GET /openapi.json (behind the API key, as every route but the probes)
+
+    def __post_init__(self) -> None:
+        """Starlette's CORS middleware, given "*" with credentials, answers every origin with that
+        origin and Allow-Credentials: true, so any web page could act with the user's cookies or
+        browser-held credentials: the combination is refused rather than built."""
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("allow_credentials with allowed_origins '*' would let every web page send "
+                             "credentialed requests; list the origins explicitly")
 
 
 class OpenAIServer:
@@ -350,8 +361,9 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         yield
         server.prep.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="lmfoundry", docs_url=None, redoc_url=None, lifespan=lifespan,
-                  openapi_url="/openapi.json" if options.openapi else None)
+    # FastAPI's own /openapi.json, /docs and /redoc are routes outside any router's dependencies, so
+    # the API key would not cover them: the docs pages stay off and the schema is served by `api` below.
+    app = FastAPI(title="lmfoundry", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
     if options.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -363,8 +375,9 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
     async def authorize(request: Request) -> None:
-        """--api-key: every route of `api` (all but /health, /ping, /version and /metrics) asks
-        for it before its handler runs; async, so the check stays on the event loop."""
+        """--api-key: every route of `api` (all but the probes /health, /ping, /version and
+        /metrics, /openapi.json included) asks for it before its handler runs; async, so the check
+        stays on the event loop."""
         if api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -443,6 +456,11 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     @api.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         return await server.detokenize(request)
+
+    if options.openapi:
+        @api.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request) -> Response:
+            return JSONResponse(openapi_schema(app))
 
     register_lora_routes(api, server)
     app.include_router(api)

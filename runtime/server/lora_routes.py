@@ -23,24 +23,24 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from pydantic import BaseModel, ConfigDict
 
 from lmfoundry.runtime.engine.client import EngineDead, QueueFull
 from lmfoundry.runtime.engine.outputs import LoRAResult
-from lmfoundry.runtime.server.request_body import APIError, engine_dead, parse_body
+from lmfoundry.runtime.server.protocol import StrictModel
+from lmfoundry.runtime.server.request_body import APIError, engine_dead
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.server.app import OpenAIServer
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class LoadLoRAAdapterRequest(StrictModel):
+    """Unknown fields are refused by name (or dropped when lenient), as on every other route."""
+
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class UnloadLoRAAdapterRequest(StrictModel):
     lora_name: str
     lora_int_id: int | None = None  # vLLM's; names identify adapters here
 
@@ -80,7 +80,7 @@ def register_lora_routes(api: APIRouter, server: OpenAIServer) -> None:
 
     @api.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        req: LoadLoRAAdapterRequest = parse_body(await server._body(request), LoadLoRAAdapterRequest)
+        req = server.preparer.parse(await server._body(request), LoadLoRAAdapterRequest)
         enabled()
         if req.lora_name in server.names:
             raise APIError(400, f"{req.lora_name!r} is the served model's name; give the adapter another",
@@ -92,7 +92,7 @@ def register_lora_routes(api: APIRouter, server: OpenAIServer) -> None:
 
     @api.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        req: UnloadLoRAAdapterRequest = parse_body(await server._body(request), UnloadLoRAAdapterRequest)
+        req = server.preparer.parse(await server._body(request), UnloadLoRAAdapterRequest)
         enabled()
         result = await _apply(server, "unload", req.lora_name, None)
         return PlainTextResponse(result.message)

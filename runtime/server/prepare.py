@@ -74,10 +74,16 @@ class Preparer:
         """A request body as `schema`; unknown fields per `ApiOptions.lenient_request_fields`."""
         return parse_body(body, schema, self.lenient)  # type: ignore[no-any-return]
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, without_adapters: str | None = None) -> None:
+        """A 404 for a `model` that is neither served nor a loaded adapter. `without_adapters`: the
+        endpoint, when it computes with the base weights only; an adapter's name there is a 400, as
+        answering with the base's output under the adapter's name would be a silent wrong answer."""
         if model is not None and model not in self.names and model not in self.adapters:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", code="model_not_found", param="model")
+        if without_adapters is not None and model is not None and model not in self.names:
+            raise APIError(400, f"{model!r} is a LoRA adapter, which {without_adapters} cannot apply (it runs the "
+                                f"base model); send model {self.model_name!r}", param="model")
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs report it."""
@@ -129,7 +135,7 @@ class Preparer:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
         try:
-            tool_choice = req.resolve_tool_choice()
+            tool_choice = req.resolve_tool_choice(self.lenient)
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         ids = self._template(req, tool_choice)
@@ -177,7 +183,7 @@ class Preparer:
     # ---- /v1/embeddings ---------------------------------------------------------------------
     def embedding(self, body: bytes) -> tuple[EmbeddingRequest, list[list[int]]]:
         req = self.parse(body, EmbeddingRequest)
-        self.check_model(req.model)
+        self.check_model(req.model, without_adapters="/v1/embeddings")
         hidden = self.info.hidden_size
         if req.dimensions is not None and req.dimensions != hidden:
             raise APIError(400, f"dimensions must be this model's {hidden} (embeddings are not truncated)",

@@ -4,7 +4,8 @@ onto `SamplingParams`.
 Unknown fields are a 400 naming them, as OpenAI answers (a typo such as `max_token` must not pass
 silently): every request schema forbids extra fields, and `request_body.parse_body` is the one
 place that turns them into that 400, or, under `serve --lenient-request-fields`, logs and drops
-them (vLLM's behaviour). Message objects are the exception: clients send back the assistant
+them (vLLM's behaviour); `tool_choice`, checked on its own, goes through the same code
+(`parse_field`). Message objects are the exception: clients send back the assistant
 messages they received, with keys a chat template never reads (`refusal`, `annotations`,
 `reasoning_content`, ...), so their other keys are left out of the template rather than refused.
 Fields a client may send that change nothing here are declared and accepted (`user`, `store`,
@@ -28,9 +29,10 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
+from lmfoundry.runtime.server.request_body import parse_field
 from lmfoundry.runtime.server.tools import NAME_PATTERN, NO_PARAMETERS, ToolChoice, ToolMode
 
 
@@ -372,11 +374,13 @@ class ChatCompletionRequest(_Sampling):
                 return f"{name} is not supported by this server"
         return super().unsupported()
 
-    def resolve_tool_choice(self) -> ToolChoice:
-        """The resolved tool choice (FieldError for tools or a tool_choice that cannot be honoured):
-        "auto" when tools are given without a tool_choice, "none" without tools."""
+    def resolve_tool_choice(self, lenient: bool = False) -> ToolChoice:
+        """The resolved tool choice (FieldError for tools or a tool_choice that cannot be honoured;
+        APIError, from `parse_field`, for a named tool_choice's unknown or mistyped keys): "auto"
+        when tools are given without a tool_choice, "none" without tools. `lenient`: unknown keys of
+        a named tool_choice are dropped, as the body's are (`--lenient-request-fields`)."""
         tools = self.tools or []
-        choice = self._tool_choice()
+        choice = self._tool_choice(lenient)
         if not tools:
             if choice is not None and choice != "none":
                 raise FieldError("tool_choice needs tools", "tool_choice")
@@ -404,17 +408,12 @@ class ChatCompletionRequest(_Sampling):
                              "'required' or a named function (the output is the tool call)", "response_format")
         return resolved
 
-    def _tool_choice(self) -> str | NamedToolChoice | None:
+    def _tool_choice(self, lenient: bool) -> str | NamedToolChoice | None:
         choice = self.tool_choice
         if choice is None or choice in ("none", "auto", "required"):
             return choice
-        if isinstance(choice, dict):
-            try:
-                return NamedToolChoice.model_validate(choice)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                where = ".".join(str(x) for x in err.get("loc", ()))
-                raise FieldError(f"tool_choice{'.' + where if where else ''}: {err.get('msg')}", "tool_choice") from None
+        if isinstance(choice, dict):  # unknown keys as anywhere in the body (an APIError naming them)
+            return parse_field(choice, NamedToolChoice, lenient, "tool_choice")  # type: ignore[no-any-return]
         raise FieldError("tool_choice must be 'none', 'auto', 'required' or "
                          f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}', "tool_choice")
 

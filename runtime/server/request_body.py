@@ -45,9 +45,11 @@ def engine_dead(exc: EngineDead) -> APIError:
     return APIError(503, f"the engine is not running: {exc}", type_="server_error", code="engine_unavailable")
 
 
-def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+def validation_message(exc: ValidationError, where: tuple[str, ...] = ()) -> tuple[str, str | None]:
+    """The first error as a one-line message and the `param` it names; `where`: the location of the
+    validated value in the body."""
     err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()))
+    loc = ".".join(str(x) for x in (*where, *err.get("loc", ())))
     return (f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))), loc or None
 
 
@@ -96,14 +98,27 @@ def parse_body(body: bytes, schema: type[BaseModel], lenient: bool = False) -> A
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    return _validate(body, data, schema, lenient, ())
+
+
+def parse_field(value: dict[str, Any], schema: type[BaseModel], lenient: bool, name: str) -> Any:
+    """A body field the request schema leaves untyped (chat's `tool_choice`, a string or an object,
+    checked on its own for a clearer message) as `schema`, under the body's rules: its unknown keys
+    are refused by name, or dropped when `lenient`; `name`: the field, for the messages."""
+    raw = json.dumps(value).encode()
+    return _validate(raw, json.loads(raw), schema, lenient, (name,))  # a copy: dropping keys leaves `value` as sent
+
+
+def _validate(raw: bytes, data: dict[str, Any], schema: type[BaseModel], lenient: bool, where: tuple[str, ...]) -> Any:
+    """`raw` (the JSON of `data`, located at `where` in the body) as `schema`; see `parse_body`."""
     try:
-        return schema.model_validate_json(body)
+        return schema.model_validate_json(raw)
     except ValidationError as exc:
         unknown = [err["loc"] for err in exc.errors() if err["type"] == "extra_forbidden"]
         if not unknown:
-            message, param = validation_message(exc)
+            message, param = validation_message(exc, where)
             raise APIError(400, message, param=param) from None
-    names = [".".join(str(x) for x in loc) for loc in unknown]
+    names = [".".join(str(x) for x in (*where, *loc)) for loc in unknown]
     if not lenient:
         many = "s" if len(names) > 1 else ""
         raise APIError(400, f"Unrecognized request argument{many} supplied: {', '.join(names)} (this server refuses "
@@ -119,4 +134,4 @@ def parse_body(body: bytes, schema: type[BaseModel], lenient: bool = False) -> A
                 node = node[step] if isinstance(node, list) and isinstance(step, int) and step < len(node) else None
         if isinstance(node, dict):
             node.pop(key, None)
-    return parse_body(json.dumps(data).encode(), schema)  # anything left is refused
+    return _validate(json.dumps(data).encode(), data, schema, False, where)  # anything left is refused

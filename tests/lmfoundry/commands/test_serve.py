@@ -93,6 +93,8 @@ def test_serve_refuses_bad_http_flags_in_one_line(capsys) -> None:
     for args, needle in ((["--allowed-origins", "[bad"], "--allowed-origins"),
                          (["--allowed-origins", "localhost:3000"], "scheme://host"),
                          (["--allowed-methods", "GET"], "need --allowed-origins"),
+                         (["--allowed-origins", "*", "--allow-credentials"], "list the origins explicitly"),
+                         (["--allowed-origins", '["http://a.example", "*"]', "--allow-credentials"], "--allow-credentials"),
                          (["--metrics-names", "all"], "--metrics-names")):
         code, _, err = run_cli(["serve", "never-loaded", *args], capsys)
         if needle == "--metrics-names":  # click's own usage error

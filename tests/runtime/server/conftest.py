@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import pytest
+from fastapi import FastAPI
 from toy import toy_engine
 
 from lmfoundry.runtime.engine import AsyncLLMEngine, EngineClient
@@ -19,8 +20,8 @@ from lmfoundry.runtime.server.background import serve_in_thread
 
 
 class Live:
-    def __init__(self, url: str, engine: EngineClient) -> None:
-        self.url, self.engine = url, engine
+    def __init__(self, url: str, engine: EngineClient, app: FastAPI) -> None:
+        self.url, self.engine, self.app = url, engine, app  # app: for tests that walk its route table
 
 
 @contextmanager
@@ -36,8 +37,9 @@ def live_server(api_key: str | None = None, in_process: bool = False, step_delay
     else:
         engine = EngineCoreClient(EngineSpec(toy_engine, kwargs=dict(seed=2, step_delay=step_delay, **cfg)))
     try:
-        with serve_in_thread(create_app(engine, "toy", api_key=api_key, options=options or ApiOptions())) as url:
-            yield Live(url, engine)
+        app = create_app(engine, "toy", api_key=api_key, options=options or ApiOptions())
+        with serve_in_thread(app) as url:
+            yield Live(url, engine, app)
     finally:
         engine.shutdown()
 

@@ -1,5 +1,5 @@
 """The app's HTTP options (`ApiOptions`, set by serve's flags) and what tooling expects of the
-server: CORS with vLLM's flag names (off by default), /ping, /openapi.json behind a flag, the
+server: CORS with vLLM's flag names (off by default; credentials only for listed origins), /ping, /openapi.json behind a flag, the
 /metrics names (ours, vLLM's or both), and what runs (dtype, CPU path, weight format) on
 /v1/models and /metrics."""
 
@@ -41,6 +41,36 @@ def test_cors_preflights_and_responses_for_the_allowed_origins(make_server) -> N
         # errors reach the page too (a browser hides a response without the header)
         denied = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers={"Origin": PAGE})
         assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == PAGE
+
+
+EVIL = "http://evil.example"
+
+
+@pytest.mark.parametrize("origins", [("*",), (PAGE, "*")])
+def test_credentials_with_any_origin_cannot_be_built(origins: tuple[str, ...]) -> None:
+    """Starlette would answer every origin with that origin and Allow-Credentials: true."""
+    with pytest.raises(ValueError, match="list the origins explicitly"):
+        ApiOptions(allowed_origins=origins, allow_credentials=True)
+
+
+def test_credentials_go_only_to_the_listed_origins(make_server) -> None:
+    """No origin outside the list gets itself reflected with Allow-Credentials: true, and the
+    wildcard without credentials never allows them, cookies or not."""
+    cookie = {"Origin": EVIL, "Cookie": "session=1"}
+    body = {"prompt": "a", "max_tokens": 1}
+    with make_server(options=ApiOptions(allowed_origins=(PAGE,), allow_credentials=True)) as live:
+        pre = httpx.options(f"{live.url}/v1/completions", headers=PREFLIGHT)
+        assert pre.headers["access-control-allow-origin"] == PAGE
+        assert pre.headers["access-control-allow-credentials"] == "true"
+        evil = httpx.options(f"{live.url}/v1/completions", headers={**PREFLIGHT, "Origin": EVIL})
+        assert evil.status_code == 400 and "access-control-allow-origin" not in evil.headers
+        r = httpx.post(f"{live.url}/v1/completions", json=body, headers=cookie)
+        assert r.headers.get("access-control-allow-origin") is None
+    with make_server(options=ApiOptions(allowed_origins=("*",))) as live:
+        for r in (httpx.options(f"{live.url}/v1/completions", headers={**PREFLIGHT, "Origin": EVIL}),
+                  httpx.post(f"{live.url}/v1/completions", json=body, headers=cookie)):
+            assert r.status_code == 200, r.text
+            assert "access-control-allow-credentials" not in r.headers, r.headers
 
 
 def test_ping_answers_like_health(server) -> None:

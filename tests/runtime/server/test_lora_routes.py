@@ -1,7 +1,7 @@
 """LoRA adapters over HTTP (the engine in its own process, as `serve` runs it): a request's
-`model` picks the adapter, /v1/models lists each with its parent, adapters load and unload at run
-time behind the API key (refused while in use), and /metrics counts requests per adapter under our
-names and vLLM's."""
+`model` picks the adapter (an endpoint that cannot apply one refuses its name), /v1/models lists
+each with its parent, adapters load and unload at run time behind the API key (refused while in
+use), and /metrics counts requests per adapter under our names and vLLM's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from toy import byte_tokenizer, toy_engine, toy_model
 
 from lmfoundry.runtime.engine import SamplingParams
+from lmfoundry.runtime.server.app import ApiOptions
 
 from .test_server import metric
 
@@ -79,6 +80,62 @@ def test_the_model_field_picks_the_adapter(live, adapters) -> None:
         assert tokens_of(r) == [tok.decode([t]) for t in offline(adapters, "hello there", lora)], model
     r = complete(live.url, "nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_chat_and_responses_run_the_adapter(live, adapters) -> None:
+    tok = byte_tokenizer()
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    r = httpx.post(f"{live.url}/v1/chat/completions", headers=KEY, timeout=60, json={
+        "model": "a", "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True})
+    assert r.status_code == 200 and r.json()["model"] == "a", r.text
+    got = [c["token"] for c in r.json()["choices"][0]["logprobs"]["content"]]
+    assert got == [tok.decode([t]) for t in offline(adapters, prompt, "a")]
+    chat = httpx.post(f"{live.url}/v1/chat/completions", headers=KEY, timeout=60,
+                      json={"model": "a", "messages": messages, "max_tokens": 8, "temperature": 0})
+    resp = httpx.post(f"{live.url}/v1/responses", headers=KEY, timeout=60,
+                      json={"model": "a", "input": "hello there", "max_output_tokens": 8, "temperature": 0})
+    assert resp.status_code == 200 and resp.json()["model"] == "a", resp.text
+    texts = [part["text"] for item in resp.json()["output"] for part in item.get("content", [])]
+    assert "".join(texts) == chat.json()["choices"][0]["message"]["content"]
+
+
+def test_endpoints_that_cannot_apply_an_adapter_refuse_its_name(live) -> None:
+    """Embeddings come from the base weights: an adapter's name there is a 400 saying so, not the
+    base's vectors under the adapter's name. The tokenizer endpoints answer for an adapter as for
+    the base: an adapter runs with the base's tokenizer (one that adapts the embedding or the LM
+    head is refused at load)."""
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{live.url}{path}", headers=KEY, timeout=60, json=body)
+
+    r = post("/v1/embeddings", {"model": "a", "input": "hi"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and "LoRA adapter" in err["message"] and "'toy'" in err["message"], err
+    base = post("/v1/embeddings", {"model": "toy", "input": "hi"})
+    assert base.status_code == 200 and base.json()["model"] == "toy"
+    assert post("/v1/embeddings", {"model": "nope", "input": "hi"}).status_code == 404
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [65, 66]})):
+        assert post(path, {**body, "model": "a"}).json() == post(path, {**body, "model": "toy"}).json()
+
+
+def test_load_and_unload_refuse_unknown_fields_by_name(live, adapters) -> None:
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["c"]), "lora_scale": 2}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "a", "force": True})):
+        r = httpx.post(f"{live.url}{path}", headers=KEY, timeout=60, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["message"].startswith("Unrecognized request argument supplied: ") and err["param"] in body, err
+    assert [m["id"] for m in httpx.get(f"{live.url}/v1/models", headers=KEY).json()["data"]] == ["toy", "a", "b"]
+
+
+def test_a_lenient_server_ignores_unknown_fields_of_load_and_unload(make_server_module, adapters) -> None:
+    with make_server_module(max_loras=1, options=ApiOptions(lenient_request_fields=True)) as live:
+        r = httpx.post(f"{live.url}/v1/load_lora_adapter", timeout=60,
+                       json={"lora_name": "a", "lora_path": str(adapters["a"]), "lora_scale": 2})
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{live.url}/v1/unload_lora_adapter", timeout=60, json={"lora_name": "a", "force": True})
+        assert r.status_code == 200, r.text
 
 
 def test_twelve_concurrent_streams_of_the_base_and_adapters_equal_each_alone(live, adapters) -> None:

@@ -78,6 +78,28 @@ def test_the_lenient_server_logs_and_ignores_unknown_fields(make_server, caplog)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_unknown_keys_of_a_named_tool_choice_follow_the_body_rules(server, make_server) -> None:
+    """tool_choice is checked on its own (a string or an object), with the body's rule for unknown
+    keys: refused by name, or dropped by a lenient server, as at the top level."""
+    choice = {"type": "function", "function": {"name": "f", "strict": True}, "extra": 1}
+    body = {"messages": USER, "max_tokens": 2, "tools": TOOLS, "tool_choice": choice}
+    err = post(server.url, "/v1/chat/completions", body).json()["error"]
+    assert err["message"].startswith("Unrecognized request arguments supplied: tool_choice.function.strict, "
+                                     "tool_choice.extra "), err
+    assert err["param"] == "tool_choice.function.strict"
+    r = post(server.url, "/v1/chat/completions", {**body, "tool_choice": {"type": "function"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function", r.text
+    with make_server(options=ApiOptions(lenient_request_fields=True)) as live:
+        r = post(live.url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
+        r = post(live.url, "/v1/chat/completions", {**body, "tool_choice": {**choice, "function": {"name": "g"}}})
+        assert r.status_code == 400 and "'g'" in r.json()["error"]["message"]  # what it knows is still checked
+
+
 def test_what_the_openai_sdk_sends_passes(server) -> None:
     """The SDK's parameters (each only sent when given), OpenAI's no-op fields and vLLM's extensions
     through extra_body, on every endpoint the SDK calls."""
