@@ -319,7 +319,9 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     needs_data = inputs.quantizer.needs_calibration or bool(extra)
 
     shards = safetensors_files(folder)
-    source_files = {f.name: [(st := f.stat()).st_size, st.st_mtime_ns] for f in shards}
+    # by content: `cp -p` keeps a shard's name, size and mtime across a changed weight, and --resume
+    # would then continue with layers quantized from the old one
+    source_files = {f.name: sha256_file(f) for f in shards}
     key = run_key({"recipe": rec.to_dict(), "source": source_files,
                    "config_sha256": sha256_file(folder / "config.json"), "calibration": calib.describe(),
                    "dtype": str(out_dtype), "versions": tool_versions()})

@@ -10,8 +10,10 @@ that rank's share (`lmfoundry.compile.rank_shares`), under a manifest naming the
     engine.json                         manifest: source, degree, each rank's engine.json sha256
     rank<r>/                            rank r's bundle, as above
 
-The bundle is written into a hidden sibling folder and moved into place once complete: a build
-that is refused, fails or is interrupted leaves neither a half-written bundle nor a damaged old one.
+The bundle is written into a hidden sibling folder (`.ENGINE.partial-PID-RANDOM`) and moved into
+place once complete: a build that is refused, fails or is interrupted (Ctrl-C, SIGTERM) leaves
+neither a half-written bundle nor a damaged old one. A build killed outright (SIGKILL) leaves its
+stage; the next build of the same output removes it (`lmfoundry.staging`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,7 @@ from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_NAME, parse_compile_arch
 from lmfoundry.manifest import sha256_file, verify_artifact
 from lmfoundry.model.tensor_parallel import RankShard
 from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, ENGINE_FORMATS, MANIFEST_NAME, is_rank_folder, rank_folder
+from lmfoundry.staging import sigterm_raises, stage_path, sweep_dead_stages
 
 WEIGHT_MODES = ("link", "copy", "repack")
 
@@ -107,9 +109,10 @@ def _staging(out: Path) -> tuple[Path, list[Path]]:
     while not parent.exists() and parent != parent.parent:
         created.append(parent)
         parent = parent.parent
-    stage = real.parent / f".{real.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    stage = stage_path(real)
     try:
         real.parent.mkdir(parents=True, exist_ok=True)
+        sweep_dead_stages(real.parent, real.name)  # stages of this output whose build was killed
         stage.mkdir()
     except OSError as exc:
         _remove_dirs(created)
@@ -217,18 +220,19 @@ def build_engine(
                             "to link to; use repack or copy")
     else:
         build = _select(ck, caps, block_size, tune, log, lora)
-    stage, created = _staging(final)
-    try:
-        if build is None:
-            built = _write_tp_bundle(stage, ck, caps, src, tp, dtype, block_size, weights, workers, tune, progress,
-                                     log, t0)
-        else:
-            built = _write_bundle(stage, ck, build, caps, src, weights, workers, tune, progress, log, t0)
-        _install(stage, final)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        _remove_dirs(created)
-        raise
+    with sigterm_raises():  # a SIGTERM'd build removes its stage below like a failed one
+        stage, created = _staging(final)
+        try:
+            if build is None:
+                built = _write_tp_bundle(stage, ck, caps, src, tp, dtype, block_size, weights, workers, tune,
+                                         progress, log, t0)
+            else:
+                built = _write_bundle(stage, ck, build, caps, src, weights, workers, tune, progress, log, t0)
+            _install(stage, final)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            _remove_dirs(created)
+            raise
     ranks = [BuildResult(final / rank_folder(i), r.manifest, r.seconds) for i, r in enumerate(built.ranks)]
     return BuildResult(final, built.manifest, time.perf_counter() - t0, ranks)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ from lmfoundry.errors import UserError
 from lmfoundry.manifest import sha256_file, verify_artifact
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.runtime.bundle_manifest import CPU_EMBEDDED_FORMAT, MANIFEST_NAME, is_engine_bundle
+from lmfoundry.staging import sigterm_raises
 
 STEP_FILE = "step.pt2"
 DEFAULT_MAX_TOKENS = 8192  # the compiled step's largest flat batch (--max-num-batched-tokens above it: eager)
@@ -133,83 +135,162 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
     target = isa()
     log_line(f"loading {folder} in {DTYPE} (packed weights) for {target}")
     model = load_causal_lm(CheckpointReader(folder), torch.bfloat16)
-    stage, created = _staging(final)
-    try:
-        rel = Path("cpu") / target / STEP_FILE
-        backends = backends or gemm_backends(target)
-        log_line(f"exporting the step (1..{max_tokens} tokens) and compiling it with AOTInductor "
-                 f"(GEMMs: {backends}, timed on this CPU; minutes)")
-        tc = time.perf_counter()
-        compile_step(model, stage / rel, max_tokens, backends)
-        compile_seconds = time.perf_counter() - tc
-        (stage / "weights").mkdir()
-        files = place_files(sorted(p for p in folder.iterdir() if p.is_file()), stage / "weights", "copy")
-        features = cpu_features()
-        manifest = {
-            "format": CPU_EMBEDDED_FORMAT,
-            "target": "cpu",
-            "source": {"path": str(folder.resolve()), "config_sha256": sha256_file(folder / "config.json")},
-            "model": {"model_type": cfg.model_type, "dtype": DTYPE, "hidden_size": cfg.hidden_size,
-                      "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
-                      "context_limit": cfg.max_position_embeddings},
-            "kv_cache": {"dtype": "auto", "block_size": block_size},
-            "archs": {},
-            "cpu": {"isa": target, "features": sorted(k for k, v in features.items() if v),
-                    "step": {"path": rel.as_posix(), "sha256": sha256_file(stage / rel),
-                             "bytes": (stage / rel).stat().st_size, "inputs": STEP_INPUTS},
-                    "max_tokens": max_tokens, "torch": torch.__version__, "compile_seconds": round(compile_seconds, 1),
-                    "gemm_backends": backends},
-            "toolchain": {"torch": torch.__version__, "compiler": compiler_version(), "machine": platform.machine()},
-            "fusions": [],
-            "weights": {"mode": "copy", "files": files},
-            "kernels": [],
-        }
-        (stage / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
-        _install(stage, final)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        _remove_dirs(created)  # the parents made for -o, only while empty
-        raise
+    with sigterm_raises():  # a SIGTERM'd build (serve stopping while it builds) removes its stage below
+        stage, created = _staging(final)
+        try:
+            rel = Path("cpu") / target / STEP_FILE
+            backends = backends or gemm_backends(target)
+            log_line(f"exporting the step (1..{max_tokens} tokens) and compiling it with AOTInductor "
+                     f"(GEMMs: {backends}, timed on this CPU; minutes)")
+            tc = time.perf_counter()
+            compile_step(model, stage / rel, max_tokens, backends)
+            compile_seconds = time.perf_counter() - tc
+            (stage / "weights").mkdir()
+            files = place_files(sorted(p for p in folder.iterdir() if p.is_file()), stage / "weights", "copy")
+            features = cpu_features()
+            manifest = {
+                "format": CPU_EMBEDDED_FORMAT,
+                "target": "cpu",
+                "source": {"path": str(folder.resolve()), "config_sha256": sha256_file(folder / "config.json")},
+                "model": {"model_type": cfg.model_type, "dtype": DTYPE, "hidden_size": cfg.hidden_size,
+                          "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
+                          "context_limit": cfg.max_position_embeddings},
+                "kv_cache": {"dtype": "auto", "block_size": block_size},
+                "archs": {},
+                "cpu": {"isa": target, "features": sorted(k for k, v in features.items() if v),
+                        "step": {"path": rel.as_posix(), "sha256": sha256_file(stage / rel),
+                                 "bytes": (stage / rel).stat().st_size, "inputs": STEP_INPUTS},
+                        "max_tokens": max_tokens, "torch": torch.__version__, "compile_seconds": round(compile_seconds, 1),
+                        "gemm_backends": backends},
+                "toolchain": {"torch": torch.__version__, "compiler": compiler_version(), "machine": platform.machine()},
+                "fusions": [],
+                "weights": {"mode": "copy", "files": files},
+                "kernels": [],
+            }
+            (stage / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+            _install(stage, final)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            _remove_dirs(created)  # the parents made for -o, only while empty
+            raise
     return final, manifest, time.perf_counter() - t0
 
 
-def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_tokens: int = DEFAULT_MAX_TOKENS,
-                      log_line: Callable[[str], None] = lambda m: None) -> tuple[Path, bool]:
-    """The `--arch cpu` bundle of `checkpoint` from the cache, built there on first use; (bundle,
-    built now). `serve --compile-step` runs a checkpoint through it: the compiled step is what
-    makes the CPU runtime fast, and building it takes minutes, so it is built once per checkpoint
-    files, block size, step size, torch, compiler, ISA and bundle format (all in the key) and
-    reused. The files enter the key by name, size and modification time, as quantize's resume
-    journal keys its source: `serve` has just verified their sha256 against the manifest, and
-    hashing gigabytes of weights a second time on every start would cost more than the lookup
-    saves.
+def checkpoint_content(folder: Path, verified: bool = False) -> dict[str, str]:
+    """sha256 of every file of checkpoint `folder` that its `--arch cpu` bundle copies (the regular
+    files at its top): what the bundle computes is a function of these bytes, and names, sizes or
+    modification times say nothing about them (`cp -p` keeps all three across a changed weight).
 
-    The build runs in a process of its own (`lmfoundry compile`, its lines on stderr): it loads the
-    model and Inductor, and the serving process that asks must not keep either resident."""
-    from lmfoundry.checkpoint.sources import resolve_model
-    from lmfoundry.resources import cache_dir
+    `verified`: the caller has just checked the folder against its lmfoundry.json
+    (`verify_artifact`), so the sha256s recorded there are the files' and are taken instead of
+    reading gigabytes of weights a second time; otherwise (`--skip-verify`, or a plain Hugging Face
+    folder without a manifest) every file is hashed."""
+    from lmfoundry.manifest import MANIFEST, recorded_files
+    from lmfoundry.manifest import read_manifest as read_artifact_manifest
+
+    recorded: dict[str, str] = {}
+    if verified and os.path.lexists(folder / MANIFEST):
+        recorded = recorded_files(read_artifact_manifest(folder), folder / MANIFEST)
+    return {p.name: recorded.get(p.name) or sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def step_cache_key(folder: Path, *, block_size: int, max_tokens: int, verified: bool = False) -> dict[str, Any]:
+    """Everything the cached `--arch cpu` bundle of `folder` depends on: the checkpoint's content
+    (`checkpoint_content`), the block size and step size it was compiled for, the torch and C++
+    compiler that compiled it, the CPU path it was compiled for, and the bundle format. The same
+    fields are read back from a cached bundle's engine.json (`cache_mismatch`)."""
     from lmfoundry.runtime.cpu_isa import isa
 
+    return {"files": checkpoint_content(folder, verified), "block_size": block_size, "max_tokens": max_tokens,
+            "isa": isa(), "torch": torch.__version__, "compiler": compiler_version(), "format": CPU_EMBEDDED_FORMAT}
+
+
+def cache_mismatch(engine: Path, key: dict[str, Any]) -> str | None:
+    """None when the bundle at `engine` was built for `key` (`step_cache_key`), else what differs.
+    A cache folder is named by the key's digest, but a name proves nothing: a folder copied, swapped
+    or restored from another machine's cache would serve another model's weights. Its engine.json
+    records the sha256 of every file it copied from its checkpoint (and the loader checks the
+    bundle's files against engine.json), so comparing those with the key ties the bundle to this
+    checkpoint's content."""
+    from lmfoundry.runtime.bundle_manifest import read_manifest
+
+    try:
+        manifest = read_manifest(engine)
+    except UserError as exc:
+        return str(exc)
+    if manifest.get("target") != "cpu":
+        return "not an --arch cpu bundle"
+    cpu, toolchain = manifest["cpu"], manifest["toolchain"]
+    recorded = {"files": {name: entry.get("sha256") for name, entry in manifest["weights"]["files"].items()},
+                "block_size": manifest["kv_cache"]["block_size"], "max_tokens": cpu["max_tokens"],
+                "isa": cpu["isa"], "torch": toolchain.get("torch"), "compiler": toolchain.get("compiler"),
+                "format": manifest["format"]}
+    differ = [field for field, value in key.items() if recorded.get(field) != value]
+    return f"its {', '.join(differ)} differ" if differ else None
+
+
+def cached_cpu_engine(checkpoint: str | Path, *, block_size: int = 16, max_tokens: int = DEFAULT_MAX_TOKENS,
+                      log_line: Callable[[str], None] = lambda m: None, verified: bool = False) -> tuple[Path, bool]:
+    """The `--arch cpu` bundle of `checkpoint` from the cache, built there on first use; (bundle,
+    built now). `serve --compile-step` runs a checkpoint through it: the compiled step is what
+    makes the CPU runtime fast, and building it takes minutes, so it is built once per
+    `step_cache_key` (the checkpoint's content, block size, step size, torch, compiler, ISA and
+    bundle format) and reused. A cached folder is used only if its engine.json says it was built
+    for that key (`cache_mismatch`); one that is not (swapped, copied in, half-replaced) is removed
+    and built again. `verified`: see `checkpoint_content` (serve passes it when it has verified the
+    checkpoint's manifest).
+
+    The build runs in a process of its own (`lmfoundry compile`, its lines on stderr): it loads the
+    model and Inductor, and the serving process that asks must not keep either resident. Stages a
+    killed build left in the cache are removed first (`lmfoundry.staging`)."""
+    from lmfoundry.checkpoint.sources import resolve_model
+    from lmfoundry.resources import cache_dir
+    from lmfoundry.staging import remove, stage_path, sweep_dead_stages
+
     folder = resolve_model(checkpoint)
-    files = {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
-    key = {"files": files, "block_size": block_size, "max_tokens": max_tokens, "isa": isa(),
-           "torch": torch.__version__, "compiler": compiler_version(), "format": CPU_EMBEDDED_FORMAT}
+    key = step_cache_key(folder, block_size=block_size, max_tokens=max_tokens, verified=verified)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     engine = cache_dir() / "cpu-steps" / digest
-    if is_engine_bundle(engine):
-        return engine, False
+    sweep_dead_stages(engine.parent)
+    if os.path.lexists(engine):
+        wrong = cache_mismatch(engine, key)
+        if wrong is None:
+            return engine, False
+        log_line(f"{engine}: not the compiled step of {checkpoint} ({wrong}); building it again")
+        aside = stage_path(engine)  # a stage name: swept like one if this process dies before removing it
+        os.replace(engine, aside)
+        remove(aside)
     log_line(f"compiling the CPU step of {checkpoint} once (minutes); it is kept in {engine}")
     build_in_child(folder, engine, block_size, max_tokens)
+    wrong = cache_mismatch(engine, key)
+    if wrong is not None:
+        raise UserError(f"the CPU step built into {engine} is not that of {checkpoint} as it was when the build "
+                        f"started ({wrong}); was the checkpoint changed meanwhile? Start again")
     return engine, True
+
+
+STOP_GRACE_SECONDS = 1.5  # a stopping build's time to remove its stage (serve's engine group gets 2 s)
 
 
 def build_in_child(folder: Path, engine: Path, block_size: int, max_tokens: int) -> None:
     """`lmfoundry compile FOLDER --arch cpu -o ENGINE` in a child process, its output on stderr; a
-    failure is one UserError line (the child printed why above it)."""
+    failure is one UserError line (the child printed why above it). If this process is stopped
+    meanwhile (SIGTERM, Ctrl-C), the child is sent SIGTERM and given a moment to remove its stage
+    before it is killed."""
     from lmfoundry.child_python import child_env, python_command
 
     cmd = python_command("lmfoundry.cli", "compile", str(folder), "--arch", "cpu", "-o", str(engine),
                          "--block-size", str(block_size), "--max-tokens", str(max_tokens))
-    code = subprocess.run(cmd, env=child_env(), stdout=2, check=False).returncode  # fd 2: this process's stderr
+    child = subprocess.Popen(cmd, env=child_env(), stdout=2)  # fd 2: this process's stderr
+    try:
+        code = child.wait()
+    except BaseException:
+        child.terminate()
+        try:
+            child.wait(STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise
     if code != 0 or not is_engine_bundle(engine):
         raise UserError(f"compiling the CPU step of {folder} failed (exit code {code}; its error is printed above)")

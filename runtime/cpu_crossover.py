@@ -102,21 +102,27 @@ def _override(env: str, unit: str, least: int) -> tuple[int | None] | None:
 def _cached(name: str, key: list[Any], compute: Callable[[], Any]) -> Any:
     """`compute()`'s JSON-able answer for `key`, kept in the cache (`cpu-crossover/`) together
     with this CPU's flags and torch's version, so a server measures on its first start only; a
-    read-only cache means measuring again next start."""
+    read-only cache means measuring again next start. The file records the whole key and is used
+    only for it: its name holds a prefix of the key's digest, and a file swapped or copied in
+    from another machine's cache would otherwise hand this one another CPU's crossover."""
     from lmfoundry.kernels.cpu.build import _cpu_flags
     from lmfoundry.resources import cache_dir
+    from lmfoundry.staging import stage_path, sweep_dead_stages
 
     text = json.dumps([name, key, torch.__version__, _cpu_flags()], sort_keys=True)
     path = cache_dir() / "cpu-crossover" / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
     try:
-        return json.loads(path.read_text())["answer"]
+        data = json.loads(path.read_text())
+        if data["key"] == text:
+            return data["answer"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     answer = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"answer": answer}))
+        sweep_dead_stages(path.parent)
+        tmp = stage_path(path)
+        tmp.write_text(json.dumps({"key": text, "answer": answer}))
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("cannot cache the crossover in %s (%s)", path.parent, exc.strerror or exc)

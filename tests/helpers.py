@@ -800,3 +800,23 @@ class OwnTokens:
         allowed = spec.allowed(pos, pos) if spec is not None else pos[None, :] <= pos[:, None]
         out = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vf
         return out.transpose(0, 1).to(q.dtype)
+
+
+def copy_with_one_weight_changed(src: Path, dst: Path) -> Path:
+    """`cp -p` of model folder `src` with one weight changed in place: the final norm negated
+    (every greedy token changes), the file's name, size and modification time kept as they were,
+    which is all a cache keyed by file metadata would see."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(src, dst, copy_function=shutil.copy2)
+    weights = dst / "model.safetensors"
+    before = weights.stat()
+    state = load_file(str(weights))
+    state["model.norm.weight"] = -state["model.norm.weight"]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert weights.stat().st_size == before.st_size
+    return dst

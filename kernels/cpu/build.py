@@ -6,8 +6,11 @@ context once per layer and step, which is most of a decode step's time at high c
 
 Why built here and not shipped: the loops are written plainly and compiled with `-march=native`,
 so they vectorize for this CPU (AVX-512 where it has it) without per-ISA intrinsics. A build takes
-about a second; the shared object is cached under the lmfoundry cache, keyed by the source, the
-compiler's version, the flags and this CPU's feature flags, so a server pays it once per machine.
+about a second; the shared object is cached under the lmfoundry cache, keyed by the source (and
+the headers it includes), the compiler's version, the flags and this CPU's feature flags, so a
+server pays it once per machine. Beside each object a record holds its full key and sha256, and an
+object is loaded only when both match (`_is_built_for`): a swapped, copied or damaged one is built
+again, never loaded.
 The objects link OpenMP through `-fopenmp`, which resolves to the libgomp.so.1 torch has already
 loaded, so our loops and torch's ops share one thread pool.
 
@@ -22,17 +25,20 @@ and callers keep their PyTorch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from lmfoundry.errors import UserError
 from lmfoundry.kernels.cpu import isa as cpu_isa
+from lmfoundry.manifest import parse_json_object, read_bounded, sha256_file
 
 T = TypeVar("T")
 
@@ -91,6 +97,7 @@ def forced_flags(cc: str) -> tuple[str, ...]:
 
 def _build(name: str, cc: str) -> Path:
     from lmfoundry.resources import cache_dir
+    from lmfoundry.staging import stage_path, sweep_dead_stages
 
     source = HERE / f"{name}.c"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -99,21 +106,42 @@ def _build(name: str, cc: str) -> Path:
     key = hashlib.sha256("\0".join([source.read_text(), *headers, version, " ".join(flags), _cpu_flags()])
                          .encode()).hexdigest()
     target = cache_dir() / "native" / f"{name}-{key[:16]}.so"
-    if target.exists():
+    if _is_built_for(target, key):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then an atomic rename: no half-written object
-    os.close(fd)
+    sweep_dead_stages(target.parent)  # objects and records of builds that were killed
+    stage, record = stage_path(target), stage_path(_record(target))  # then atomic renames: nothing half-written
     try:
-        done = subprocess.run([cc, *flags, "-include", str(HERE / PROBE), f"-I{HERE}", str(source), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cc, *flags, "-include", str(HERE / PROBE), f"-I{HERE}", str(source), "-o", str(stage),
+                               "-lm"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise NativeUnavailable(f"{cc} could not build {source.name}: {done.stderr.strip()[-400:]}")
-        os.replace(tmp, target)
+        record.write_text(json.dumps({"key": key, "sha256": sha256_file(stage)}))
+        os.replace(stage, target)
+        os.replace(record, _record(target))
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (stage, record):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
     return target
+
+
+def _record(target: Path) -> Path:
+    """The record beside a built object: the full key it was built for and its sha256."""
+    return target.with_name(target.name + ".json")
+
+
+def _is_built_for(target: Path, key: str) -> bool:
+    """Whether `target` is the object built for `key`: its record names that key and its bytes
+    hash to the record's sha256. Its file name carries only a prefix of the key and proves nothing:
+    two cached objects swapped with each other, one copied from another machine, or truncated bytes
+    would otherwise be loaded (and fail on a missing symbol mid-start, or compute with another
+    kernel); any of those is built again instead."""
+    try:
+        record = parse_json_object(read_bounded(_record(target), 4096, "build record"), _record(target), "record")
+        return record.get("key") == key and record.get("sha256") == sha256_file(target)
+    except (UserError, OSError):
+        return False
 
 
 _LOADED: dict[str, ctypes.CDLL | NativeUnavailable] = {}  # failures too: a failed build is not retried

@@ -7,9 +7,13 @@ checkpoints (`*.bin`, `*.pt`) execute code on load and are refused unless the us
 
 Conversion cache: each converted folder is named by the sha256 of what it was made from (the
 GGUF file; every file of a pickle folder), so an edited input is converted again instead of the
-stale copy being reused. It is built in a private temporary folder and published with one
-rename, under a per-entry file lock: two processes converting the same input at once do the work
-once, and even without the lock (NFS, Windows) the loser of the rename uses the winner's folder.
+stale copy being reused, and records that sha256 in its `SOURCE` file (the built-in model: the
+packaged GGUF's name): a folder is reused only when its record names this input, so one swapped
+with another entry, or copied in from elsewhere, is converted again rather than served. It is
+built in a private staging folder (`.NAME.partial-PID-RANDOM`; those of killed conversions are
+removed by the next one) and published with one rename, under a per-entry file lock: two
+processes converting the same input at once do the work once, and even without the lock (NFS,
+Windows) the loser of the rename uses the winner's folder.
 
 A model folder may be a download: the shard names its index lists are kept inside the folder
 (or, for a hub cache snapshot, inside its repo) and must be regular files.
@@ -129,54 +133,66 @@ def _conversion_lock(target: Path) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def _complete(target: Path) -> bool:
-    return (target / "config.json").is_file()
+SOURCE = "SOURCE"  # a converted folder's record of its input: its name, then `sha256 <hex>`
 
 
-def _publish(target: Path, build: Callable[[Path], None]) -> Path:
-    """Return the cache folder `target`, building it once with `build(tmp)` if it is absent.
+def _complete(target: Path, source: str) -> bool:
+    """Whether `target` is a finished conversion of the input that `source` (a line of its SOURCE
+    record) names: config.json is written last, and the record ties the folder to its input."""
+    try:
+        return (target / "config.json").is_file() and source in (target / SOURCE).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _publish(target: Path, build: Callable[[Path], None], source: str) -> Path:
+    """Return the cache folder `target`, building it once with `build(tmp)` unless it holds a
+    complete conversion of the input named by `source` (see `_complete`; `build` writes SOURCE).
 
     `tmp` is private to this process, so a concurrent conversion never writes into or deletes
     our files; the finished folder is published with one rename. If another process published
     first (it held the lock, or there is no lock), its folder is used and ours is discarded."""
-    if _complete(target):
+    from lmfoundry.staging import sweep_dead_stages
+
+    if _complete(target, source):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _conversion_lock(target):
-        if _complete(target):  # converted by the process we waited for
+        if _complete(target, source):  # converted by the process we waited for
             return target
-        tmp = new_unique_folder(target.parent, f".{target.name}.tmp-")
+        sweep_dead_stages(target.parent, target.name)  # conversions of this entry that were killed
+        tmp = new_unique_folder(target.parent, f".{target.name}.partial-{os.getpid()}-")
         try:
             build(tmp)
-            _rename_into_place(tmp, target)
+            _rename_into_place(tmp, target, source)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # already gone when the rename succeeded
     return target
 
 
-def _rename_into_place(tmp: Path, target: Path) -> None:
+def _rename_into_place(tmp: Path, target: Path, source: str) -> None:
     """Publish `tmp` as `target`; a complete `target` published meanwhile wins and is kept."""
     try:
         os.rename(tmp, target)
         return
     except OSError:
-        if _complete(target):  # another process won the race: use its folder
+        if _complete(target, source):  # another process won the race: use its folder
             return
         if not os.path.lexists(target):
             raise
-    # An incomplete folder that no current version publishes (an older version's leftover):
-    # move it aside under a private name, then publish ours.
-    trash = new_unique_folder(target.parent, f".{target.name}.stale-")
+    # An incomplete folder, or one that is not this input's conversion (an older version's
+    # leftover, a swapped entry): move it aside under a private name, then publish ours.
+    trash = new_unique_folder(target.parent, f".{target.name}.partial-{os.getpid()}-")  # a stage: swept if we die
     try:
         os.replace(target, trash)
     except OSError:
-        if not _complete(target):
+        if not _complete(target, source):
             raise
     else:
         with contextlib.suppress(OSError):
             os.rename(tmp, target)
     shutil.rmtree(trash, ignore_errors=True)
-    if not _complete(target):
+    if not _complete(target, source):
         raise UserError(f"{target}: could not publish the converted model in the cache")
 
 
@@ -184,7 +200,9 @@ def _converted_gguf(gguf: Path, name: str | None) -> Path:
     """Dequantize a GGUF once into a float32 safetensors folder in the cache (see `_publish`)."""
     digest = file_sha256(gguf) if name is None else None
     target = cache_dir() / "models" / (name if name is not None else f"gguf-{str(digest)[:16]}")
-    if _complete(target):
+    # the built-in model's GGUF comes from a pinned wheel: its name identifies it without hashing it each time
+    source = gguf.name if digest is None else f"sha256 {digest}"
+    if _complete(target, source):
         return target
 
     def build(tmp: Path) -> None:
@@ -211,11 +229,11 @@ def _converted_gguf(gguf: Path, name: str | None) -> Path:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "SOURCE").write_text(f"{gguf.name}\nsha256 {digest or file_sha256(gguf)}\n")
+        (tmp / SOURCE).write_text(f"{gguf.name}\nsha256 {digest or file_sha256(gguf)}\n")
         # config.json last: its presence marks a complete folder (`_complete`)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
 
-    return _publish(target, build)
+    return _publish(target, build, source)
 
 
 def _regular_files(folder: Path) -> list[Path]:
@@ -230,20 +248,22 @@ def _regular_files(folder: Path) -> list[Path]:
     return sorted(out)
 
 
-def pickle_cache_key(folder: Path) -> str:
-    """A name for the conversion of a pickle folder, from its content: the relative path, size
-    and sha256 of every file, so replacing a .bin (or editing config.json) at the same path makes
-    a new conversion instead of silently reusing the old weights."""
+def pickle_digest(folder: Path) -> str:
+    """The sha256 that names the conversion of a pickle folder, from its content: the relative
+    path, size and sha256 of every file, so replacing a .bin (or editing config.json) at the same
+    path makes a new conversion instead of silently reusing the old weights."""
     h = hashlib.sha256()
     for p in _regular_files(folder):
         h.update(f"{p.relative_to(folder).as_posix()}\0{p.stat().st_size}\0{file_sha256(p)}\n".encode())
-    return f"pickle-{h.hexdigest()[:16]}"
+    return h.hexdigest()
 
 
 def _converted_pickle(folder: Path, pickles: list[Path]) -> Path:
     """Opt-in conversion of pickle weights to safetensors (weights_only loading, in the cache)."""
-    target = cache_dir() / "models" / pickle_cache_key(folder)
-    if _complete(target):
+    digest = pickle_digest(folder)
+    target = cache_dir() / "models" / f"pickle-{digest[:16]}"
+    source = f"sha256 {digest}"
+    if _complete(target, source):
         return target
 
     def build(tmp: Path) -> None:
@@ -263,7 +283,8 @@ def _converted_pickle(folder: Path, pickles: list[Path]) -> Path:
                 continue
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, tmp / rel)
+        (tmp / SOURCE).write_text(f"{folder}\n{source}\n")
         # config.json last: its presence marks a complete folder (`_complete`)
         shutil.copy2(folder / "config.json", tmp / "config.json")
 
-    return _publish(target, build)
+    return _publish(target, build, source)

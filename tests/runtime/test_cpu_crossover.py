@@ -179,3 +179,31 @@ def test_the_silu_crossover_is_measured_per_width_once_then_cached(tmp_path, mon
     monkeypatch.setenv(cpu_crossover.SILU_ENV, "many")
     with pytest.raises(ValueError, match="expected `never` or a number"):
         cpu_crossover.set_silu_mul_from(fresh)
+
+
+def test_a_cached_answer_is_used_only_for_the_key_it_records(tmp_path, monkeypatch) -> None:
+    """Two cache files swapped with each other (or one copied in from another machine's cache)
+    are measured again rather than read; a killed write's staged file is swept."""
+    from pathlib import Path
+
+    monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path))
+    calls: list[int] = []
+
+    def answer(n: int):
+        return lambda: calls.append(n) or n * 100
+
+    assert cpu_crossover._cached("probe", [1], answer(1)) == 100
+    assert cpu_crossover._cached("probe", [2], answer(2)) == 200
+    assert cpu_crossover._cached("probe", [1], answer(1)) == 100 and calls == [1, 2]  # read back
+    one, two = sorted((tmp_path / "cpu-crossover").glob("probe-*.json"))
+    texts = one.read_text(), two.read_text()
+    one.write_text(texts[1])
+    two.write_text(texts[0])
+    assert cpu_crossover._cached("probe", [1], answer(1)) == 100
+    assert cpu_crossover._cached("probe", [2], answer(2)) == 200
+    assert calls == [1, 2, 1, 2]  # both measured again
+    dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    staged = tmp_path / "cpu-crossover" / f".{one.name}.partial-{dead_pid}-0a1b2c"
+    staged.write_text("{")
+    cpu_crossover._cached("probe", [3], answer(3))
+    assert not staged.exists() and len(list((tmp_path / "cpu-crossover").iterdir())) == 3

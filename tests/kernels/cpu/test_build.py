@@ -101,3 +101,45 @@ def test_every_product_builds_where_the_cpu_path_has_bf16_dot_products(name) -> 
         pytest.skip(f"the {isa.isa()} path has no AVX-512 BF16")
     assert build.unavailable_reason(name) is None
     assert getattr(build.load(name), f"lmf_{name}_supported")() == 1
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
+def test_swapped_or_damaged_objects_are_built_again_not_loaded(fresh, monkeypatch) -> None:
+    """Two cached objects swapped with each other used to be loaded as they were (the engine then
+    failed to start on an undefined symbol); the record beside each (its key and sha256) makes
+    any object that is not the one built for its key, and one without a record, be built again."""
+    cc = build.compiler()
+    assert cc is not None
+    rope, store = build._build("rope", cc), build._build("store_kv", cc)
+    rope_bytes, store_bytes = rope.read_bytes(), store.read_bytes()
+    rope.write_bytes(store_bytes)
+    store.write_bytes(rope_bytes)
+    compiled = []
+    real_run = build.subprocess.run
+
+    def counting(cmd, **kwargs):
+        compiled.extend(c for c in cmd if c.endswith(".c"))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(build.subprocess, "run", counting)
+    lib = build.load("rope")  # first opened in this process after the swap: what it loads is the file now
+    assert lib is not None and hasattr(lib, "lmf_rope_qk_bf16")
+    assert build._build("store_kv", cc) == store and store.read_bytes() != rope_bytes
+    assert compiled == [str(build.HERE / "rope.c"), str(build.HERE / "store_kv.c")]
+    for damage in (lambda: store.write_bytes(b"\x7fELF garbage"), lambda: build._record(store).unlink()):
+        damage()
+        compiled.clear()
+        assert build._build("store_kv", cc) == store and compiled == [str(build.HERE / "store_kv.c")]
+    assert build._build("store_kv", cc) == store and len(compiled) == 1  # intact now: reused
+    assert sorted(p.name for p in fresh.iterdir()) == sorted([rope.name, build._record(rope).name, store.name,
+                                                              build._record(store).name])
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
+def test_a_killed_builds_staged_object_is_swept(fresh) -> None:
+    dead_pid = int(open("/proc/sys/kernel/pid_max").read()) + 1
+    fresh.mkdir(parents=True)
+    dead = fresh / f".rope-0123456789abcdef.so.partial-{dead_pid}-0a1b2c"
+    dead.write_bytes(b"half an object")
+    assert build.load("rope") is not None
+    assert not dead.exists() and not [p for p in fresh.iterdir() if ".partial-" in p.name]
