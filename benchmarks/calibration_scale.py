@@ -66,7 +66,7 @@ def quantize(model: Path, out: Path, method: str, num_samples: int, seq_len: int
     load = os.getloadavg()[1]  # 5-minute load average at the end: other work sharing the cores
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    m = json.loads((out / "lmfoundry.json").read_text())
+    m = json.loads((out / "lmfoundry-run.json").read_text())  # the run record: times and RSS
     seconds = list(m["layer_seconds"].values())
     return {"method": method, "device": device, "baseline_rss_bytes": m["baseline_rss_bytes"],
             "peak_rss_bytes": m["peak_rss_bytes"], "wall_s": round(time.time() - t0, 1),

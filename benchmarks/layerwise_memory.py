@@ -101,11 +101,11 @@ def measure(layers: int = 8, hidden: int = 2048, intermediate: int = 5632, vocab
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
-    manifest = json.loads((out / "lmfoundry.json").read_text())
+    run = json.loads((out / "lmfoundry-run.json").read_text())  # the run record: times and RSS
     row = {
         "checkpoint_bytes": size, "layers": layers, "hidden": hidden, "method": method,
-        "baseline_rss_bytes": manifest["baseline_rss_bytes"], "peak_rss_bytes": manifest["peak_rss_bytes"],
-        "bound_bytes": manifest["baseline_rss_bytes"] + size // 2, "quantize_wall_s": manifest["wall_s"],
+        "baseline_rss_bytes": run["baseline_rss_bytes"], "peak_rss_bytes": run["peak_rss_bytes"],
+        "bound_bytes": run["baseline_rss_bytes"] + size // 2, "quantize_wall_s": run["wall_s"],
         "write_s": round(write_s, 1),
     }
     row["within_bound"] = row["peak_rss_bytes"] < row["bound_bytes"]

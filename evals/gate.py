@@ -590,7 +590,8 @@ def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md
         "candidate_sha256": report["candidate"]["sha256"],
         "failing": report["failing"],
         **({"lora": report["lora"]} if report.get("lora") else {}),
-        "report": str(json_path.resolve()), "report_sha256": sha256_file(json_path),
+        # the report by name and hash: its folder is local (the manifest holds no local path)
+        "report": json_path.name, "report_sha256": sha256_file(json_path),
         "markdown_sha256": sha256_file(md_path),
         "created_unix": int(time.time()),
     }

@@ -5,6 +5,14 @@ source model hash, the calibration token hash, per-layer errors, and file hashes
 `lmfoundry inspect` verifies (the manifest itself is excluded from the hash list; later stages,
 such as eval-gate's promotion record, may add keys to it).
 
+The manifest describes the artifact, not the run that built it, so the same inputs give the same
+bytes on every machine: sources are named by package, file name and sha256, never by a local path
+(the user's home or `LMFOUNDRY_CACHE` would leak into a published artifact and change its hash),
+and what the run measured (times, resident memory, the device, a resume) goes into the run record
+`lmfoundry-run.json` beside it (`RUN_RECORD`). The run record is neither listed nor hashed, and
+the verification ignores it: two runs of the same job that compute the same weights differ in it
+and only in it.
+
 An artifact may come from anywhere (a download, a colleague's disk), so everything a manifest
 names is untrusted: paths are kept inside the artifact folder, only regular files are opened (a
 FIFO or `/dev/zero` would block or never end), and every read is bounded.
@@ -24,6 +32,9 @@ from typing import Any
 from lmfoundry.errors import UserError
 
 MANIFEST = "lmfoundry.json"
+RUN_RECORD = "lmfoundry-run.json"  # the run's measurements, top level only, outside the hashes
+# A run record is a few numbers per layer; anything much larger is not one of ours.
+MAX_RUN_RECORD_BYTES = 16 << 20
 LIBRARIES = ("lmfoundry", "torch", "transformers", "compressed-tensors", "safetensors", "triton", "lm-eval")
 # Manifests hold per-layer metrics: a few hundred KiB for the largest models we know. Anything
 # much bigger is not ours and would only cost memory to parse.
@@ -80,12 +91,28 @@ def new_unique_folder(parent: Path, prefix: str) -> Path:
 
 
 def hash_folder(folder: Path) -> dict[str, str]:
-    """sha256 of every file below `folder` (relative POSIX paths), except the manifest."""
+    """sha256 of every file below `folder` (relative POSIX paths), except the manifest and the
+    run record."""
     return {
-        p.relative_to(folder).as_posix(): sha256_file(p)
+        rel: sha256_file(p)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.name != MANIFEST and (rel := p.relative_to(folder).as_posix()) != RUN_RECORD
     }
+
+
+def write_run_record(folder: Path, record: dict[str, Any]) -> None:
+    """Write the run record (`RUN_RECORD`) into a finished artifact folder (before it is moved
+    into place, so it arrives with the artifact)."""
+    (Path(folder) / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_run_record(folder: Path) -> dict[str, Any] | None:
+    """The artifact's run record, None when it has none; UserError when it is not one (it is
+    untrusted like the manifest: kept inside the folder, a regular file, bounded)."""
+    if not os.path.lexists(Path(folder) / RUN_RECORD):
+        return None
+    path = contained_file(Path(folder), RUN_RECORD)
+    return parse_json_object(read_bounded(path, MAX_RUN_RECORD_BYTES, "run record"), path, "run record")
 
 
 def tool_versions() -> dict[str, str]:
@@ -190,8 +217,11 @@ def recorded_files(manifest: dict[str, Any], where: Path | str = MANIFEST) -> di
 
 
 def folder_entries(folder: Path) -> list[tuple[str, bool]]:
-    """(relative POSIX path, is a regular file) of every non-folder entry below `folder`, without
-    following symlinked folders; symlinks count as regular only when they stay inside `folder`."""
+    """(relative POSIX path, is a regular file) of every non-folder entry below `folder` that its
+    manifest accounts for, without following symlinked folders; symlinks count as regular only
+    when they stay inside `folder`. The run record at the top is left out (by design not listed)
+    when it is a regular file inside the folder: one that links out stays, to be refused, since
+    later stages copy every file of an artifact."""
     root = Path(folder)
     out = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -201,9 +231,11 @@ def folder_entries(folder: Path) -> list[tuple[str, bool]]:
             rel = (here / name).relative_to(root).as_posix()
             try:
                 contained_file(root, rel)
-                out.append((rel, True))
+                regular = True
             except UserError:
-                out.append((rel, False))
+                regular = False
+            if not (regular and rel == RUN_RECORD):
+                out.append((rel, regular))
     return sorted(out)
 
 

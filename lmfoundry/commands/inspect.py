@@ -4,6 +4,10 @@ The manifest is untrusted input (an artifact may be downloaded): `read_manifest`
 type-checks it, `verify_files` keeps every path it names inside DIR, and the summary below reads
 each field defensively, so a malformed manifest is one `error:` line or a "?" in the table, never
 a traceback.
+
+What the run measured (time, peak RSS, device) is read from the run record beside the manifest
+(`lmfoundry-run.json`, not hashed; see `lmfoundry.manifest`), or from the manifest of an artifact
+written before the two were split.
 """
 
 from __future__ import annotations
@@ -124,6 +128,31 @@ def _text(value: Any, limit: int = 200) -> str:
     return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
+def _run_record(path: Path, m: dict[str, Any]) -> dict[str, Any]:
+    """The run record's fields, else the manifest's (an artifact from before the run record);
+    an unreadable run record reads as absent ("?" in the table): it is not part of the artifact."""
+    from lmfoundry.manifest import read_run_record
+
+    try:
+        run = read_run_record(path)
+    except UserError:
+        return {}
+    return m if run is None else run
+
+
+def _source_model(src: dict[str, Any]) -> str:
+    """The source model as the manifest names it: a built-in name, a GGUF file, or its weights
+    files (an old manifest's `spec` is shown as it was given)."""
+    if "spec" in src:
+        return _text(src["spec"])
+    if "file" in src:
+        return f"{_text(src['file'])} (sha256 {_text(src.get('file_sha256'))[:16]})"
+    files = _dict(src, "sha256")
+    if not files:
+        return "?"
+    return f"{len(files)} weights file(s), config sha256 {_text(src.get('config_sha256'))[:16]}"
+
+
 def _summary(path: Path, m: dict[str, Any]) -> dict[str, Any]:
     q = _dict(_dict(m, "recipe"), "quantize")
     cal = _dict(m, "calibration")
@@ -131,7 +160,8 @@ def _summary(path: Path, m: dict[str, Any]) -> dict[str, Any]:
     errs = [e for layer in layers.values() for v in layer.values() if isinstance(v, dict)
             if (e := _num(v.get("weight_rel_error"))) is not None]
     out_errs = [e for layer in layers.values() if (e := _num(layer.get("output_rel_error"))) is not None]
-    peak = _num(m.get("peak_rss_bytes"))
+    run = _run_record(path, m)
+    peak, wall = _num(run.get("peak_rss_bytes")), _num(run.get("wall_s"))
     warnings = m.get("warnings")
     tools = _dict(m, "tool_versions")
     summary = {
@@ -141,7 +171,7 @@ def _summary(path: Path, m: dict[str, Any]) -> dict[str, Any]:
         "scheme": f"{_text(q.get('scheme'))} group={_text(q.get('group_size'))} "
                   f"per_channel={_text(q.get('per_channel'))} kv={_text(q.get('kv_cache'))}",
         "format": _text(m.get("quantization_config_format", "?")),
-        "source model": _text(_dict(m, "source_model").get("spec", "?")),
+        "source model": _source_model(_dict(m, "source_model")),
         "calibration": f"{_text(cal.get('num_samples'))}x{_text(cal.get('seq_len'))} tokens of "
                        f"{_text(Path(_text(cal.get('source', '?'))).name)} (token sha256 "
                        f"{_text(cal.get('token_ids_sha256', ''))[:16]}, used={_text(cal.get('used'))})",
@@ -150,6 +180,7 @@ def _summary(path: Path, m: dict[str, Any]) -> dict[str, Any]:
                                 "n/a (not measured: a data-free method, or GPTQ's one-pass calibration)",
         "warnings": len(warnings) if isinstance(warnings, list) else 0,
         "peak RSS": f"{peak / 2**20:.0f} MiB" if peak is not None else "?",
+        "run": f"{wall:.1f} s on {_text(run.get('device'))}" if wall is not None else "?",
         "tools": _text(", ".join(f"{_text(k)} {_text(v)}" for k, v in tools.items() if v != "not installed"), 400),
     }
     if "promotion" in m:

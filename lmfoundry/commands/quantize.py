@@ -113,7 +113,8 @@ def quantize(model: str, output: str, overwrite: bool, skip_doctor: bool, quiet:
              device: str, offload: str, **flags: Any) -> None:
     """Quantize MODEL (a HF folder, a .gguf file, or `smollm2-135m`) into a checkpoint that vLLM,
     SGLang and transformers load (compressed-tensors), plus lmfoundry.json (recipe, versions,
-    hashes, per-layer errors). Prints the peak RSS at the end.
+    hashes, per-layer errors; no local paths) and lmfoundry-run.json (time, memory, device; not
+    hashed). Prints the peak RSS at the end.
 
     Data-parallel calibration: `torchrun --nproc-per-node N --no-python lmfoundry quantize ...`
     shares the calibration samples among N processes (gloo on CPU, NCCL on GPU, one GPU each),

@@ -171,7 +171,7 @@ def _ppl(folder: Path) -> float:
 def test_torchrun_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     """SmolLM2-135M, GPTQ W4A16 g64 on 16 x 128 calibration tokens: rank 0 of `torchrun
     --nproc-per-node 2` writes a checkpoint whose codes equal the single-process run's on >= 99.9 %
-    of weights and whose perplexity is within 0.5 %; the manifest records the world size."""
+    of weights and whose perplexity is within 0.5 %; the run record has the world size."""
     args = ("--quiet", "--device", "cpu", "--method", "gptq", "--scheme", "w4a16", "--group-size", "64",
             "--num-samples", "16", "--seq-len", "128")
     # the reference is a process of its own with one thread like each rank: BLAS blocking (torch's
@@ -186,8 +186,8 @@ def test_torchrun_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     proc = _torchrun(2, "quantize", "smollm2-135m", "-o", str(dp), *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("wrote ") == 1  # one summary: rank 0's
-    manifest = json.loads((dp / "lmfoundry.json").read_text())
-    assert manifest["data_parallel"] == {"world_size": 2, "backend": "gloo"}
+    run = json.loads((dp / "lmfoundry-run.json").read_text())
+    assert run["data_parallel"] == {"world_size": 2, "backend": "gloo"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folders left
 
     a, b = _codes(single), _codes(dp)

@@ -12,7 +12,7 @@ import torch
 from helpers import tiny_model_folder, write_text
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
-from lmfoundry.manifest import read_manifest
+from lmfoundry.manifest import read_run_record
 from lmfoundry.recipe import Recipe
 
 
@@ -58,8 +58,9 @@ def test_offloaded_activations_write_the_same_bytes(tmp_path: Path, monkeypatch,
     run_job(QuantizeJob(str(src), tmp_path / "offloaded", rec, progress=False))
     assert moves["load"] > 0 and moves["store"] > 0
     assert _shards(tmp_path / "offloaded") == _shards(tmp_path / "resident")
-    assert read_manifest(tmp_path / "offloaded")["activations_offloaded"] is True
-    assert read_manifest(tmp_path / "resident")["device"] == "cpu"
+    offloaded, resident = read_run_record(tmp_path / "offloaded"), read_run_record(tmp_path / "resident")
+    assert offloaded is not None and offloaded["activations_offloaded"] is True
+    assert resident is not None and resident["device"] == "cpu"
 
 
 def test_device_flag_errors_and_auto(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -83,9 +84,10 @@ def test_device_flag_errors_and_auto(tmp_path: Path, monkeypatch, capsys) -> Non
     assert not (tmp_path / "a").exists()
     assert "--device 'tpu'" in fails("-o", str(tmp_path / "b"), "--device", "tpu")
     main([*base, "-o", str(tmp_path / "c")])  # --device auto: the CPU here
-    manifest = read_manifest(tmp_path / "c")
-    assert manifest["device"] == "cpu" and manifest["data_parallel"] == {"world_size": 1, "backend": None}
-    assert len(manifest["layer_seconds"]) == 2
+    run = read_run_record(tmp_path / "c")
+    assert run is not None
+    assert run["device"] == "cpu" and run["data_parallel"] == {"world_size": 1, "backend": None}
+    assert len(run["layer_seconds"]) == 2
 
 
 @pytest.mark.gpu

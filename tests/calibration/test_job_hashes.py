@@ -3,9 +3,13 @@ dataclasses and the run moved from `lmfoundry/commands/quantize.py` into `calibr
 
 The hashes below were recorded from the code *before* that refactor, by running these same
 command lines; the test guards that the checkpoint bytes (every *.safetensors file and
-config.json) stay identical. lmfoundry.json is not hashed: it records times and RSS. The tiny
-model and the calibration text are seeded, so the bytes are stable run to run. A deliberate
-change of the output format updates the table (and says so in the commit).
+config.json) stay identical. Of lmfoundry.json the recipe, recipe file and calibration records
+are hashed as written: they hold no local path (issue #57), so neither the temporary folders nor
+LMFOUNDRY_CACHE (where the built-in calibration text lies) enter them. The rest of it holds tool
+versions and per-layer errors, which follow the installation and the CPU. The tiny model and the
+calibration text are seeded, so the bytes are stable run to run. A deliberate change of the output
+format updates the table (and says so in the commit): issue #57 changed the three manifest
+records (names instead of paths).
 
 What depends on the CPU (issue #50). RTN and FP8 of given weights are elementwise arithmetic and
 exact reductions (absmax): the same bytes on every CPU, held byte for byte everywhere (EXPECTED).
@@ -63,7 +67,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "lmfoundry.json:recipe_file":
             "74234e98afe7498fb5daf1f36ac2d78acc339464f950703b8c019892f982b90b",
         "lmfoundry.json:calibration":
-            "914b3a3b5f90c295c7e29fdc3ef372038507b726ef7ddb2ff38548ff212a771f",
+            "39b25f7d4e89c6b509a7cfdb7cd3e8214c9a1d71e74e3dd95638ca71e63d0439",
     },
     "gptq-w4a16-g32": {
         "model-00001-of-00004.safetensors":
@@ -73,11 +77,11 @@ EXPECTED: dict[str, dict[str, str]] = {
         "config.json":
             "b51be5a041ceac8ad421ab1986284ea508e74053b989eae59fa317a6d1ec9fca",
         "lmfoundry.json:recipe":
-            "83245ad3ce957bd451101860116b55db843f48bafd705fc3b18cb34a388f65d0",
+            "148dc97e6e4b3d3a580d72cb00cdae4ac0ad482396e01cd9fff6cec13bf45719",
         "lmfoundry.json:recipe_file":
             "74234e98afe7498fb5daf1f36ac2d78acc339464f950703b8c019892f982b90b",
         "lmfoundry.json:calibration":
-            "17c3d1357e91e26ca529634400adbbdd517c7ccdbc919d626a60ec87daeda966",
+            "882922390bda891ce85f2f67828c4150fe6a2bd5627ad80e4bd780ada8903295",
     },
     "recipe-yaml-gptq": {
         "model-00001-of-00004.safetensors":
@@ -87,11 +91,11 @@ EXPECTED: dict[str, dict[str, str]] = {
         "config.json":
             "dcf0da355bd13c4e7e602168717ce8f51d2ed4bf8a685ce45ad0c273aa65c78e",
         "lmfoundry.json:recipe":
-            "e9b11f20dc5864fd45a4abbed14de727278a70c479fc4bec2a53b847567fbf85",
+            "5b4d2f204c379fc594f9d6b43ff3764153a957cc341cee5fd3c4f5d1e6bcbd70",
         "lmfoundry.json:recipe_file":
-            "9acde0c08ae61df3282fb060c9f8a8c4af4eee7573430882544988909a0e6ec6",
+            "f141a549055826ac36f818c899a60e08a9bf315c12f186865a2aede2729f8726",
         "lmfoundry.json:calibration":
-            "17c3d1357e91e26ca529634400adbbdd517c7ccdbc919d626a60ec87daeda966",
+            "882922390bda891ce85f2f67828c4150fe6a2bd5627ad80e4bd780ada8903295",
     },
     "rtn-w4a16-g32": {
         "model-00001-of-00004.safetensors":
@@ -109,7 +113,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "lmfoundry.json:recipe_file":
             "74234e98afe7498fb5daf1f36ac2d78acc339464f950703b8c019892f982b90b",
         "lmfoundry.json:calibration":
-            "914b3a3b5f90c295c7e29fdc3ef372038507b726ef7ddb2ff38548ff212a771f",
+            "39b25f7d4e89c6b509a7cfdb7cd3e8214c9a1d71e74e3dd95638ca71e63d0439",
     },
     "rtn-w8a16-channel": {
         "model-00001-of-00004.safetensors":
@@ -127,7 +131,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "lmfoundry.json:recipe_file":
             "74234e98afe7498fb5daf1f36ac2d78acc339464f950703b8c019892f982b90b",
         "lmfoundry.json:calibration":
-            "914b3a3b5f90c295c7e29fdc3ef372038507b726ef7ddb2ff38548ff212a771f",
+            "39b25f7d4e89c6b509a7cfdb7cd3e8214c9a1d71e74e3dd95638ca71e63d0439",
     },
     "rtn-w8a16-kv-int8": {
         "model-00001-of-00004.safetensors":
@@ -137,11 +141,11 @@ EXPECTED: dict[str, dict[str, str]] = {
         "config.json":
             "e45c428c6fd98fefd9341be271f493d92ac34a659414324f4516c4a972927050",
         "lmfoundry.json:recipe":
-            "45e6e92ddf6e832410a2ef3553473d5539318d2a8b8c177fcf2b8dd029b26ecb",
+            "0f8317fa1ab61e45e61e19e63c4c24651c102b021de007ef94abc22a65712bb7",
         "lmfoundry.json:recipe_file":
             "74234e98afe7498fb5daf1f36ac2d78acc339464f950703b8c019892f982b90b",
         "lmfoundry.json:calibration":
-            "17c3d1357e91e26ca529634400adbbdd517c7ccdbc919d626a60ec87daeda966",
+            "882922390bda891ce85f2f67828c4150fe6a2bd5627ad80e4bd780ada8903295",
     },
 }
 
@@ -253,23 +257,20 @@ def quantized(inputs, tmp_path_factory) -> Callable[[str], Path]:
     return get
 
 
-def checkpoint_hashes(folder: Path, calib: Path) -> dict[str, str]:
+def checkpoint_hashes(folder: Path) -> dict[str, str]:
     """sha256 of the tensor files and config.json, and of the manifest's recipe and calibration
-    records (key order included; the calibration file's temporary path and the recipe file's folder
-    left out)."""
+    records as written (key order included)."""
     files = sorted(folder.glob("*.safetensors")) + [folder / "config.json"]
     hashes = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     manifest = json.loads((folder / "lmfoundry.json").read_text())
-    manifest["recipe_file"] = manifest["recipe_file"] and Path(manifest["recipe_file"]).name
     for key in ("recipe", "recipe_file", "calibration"):
-        text = json.dumps(manifest[key]).replace(json.dumps(str(calib))[1:-1], "{calib}")
-        hashes[f"lmfoundry.json:{key}"] = hashlib.sha256(text.encode()).hexdigest()
+        hashes[f"lmfoundry.json:{key}"] = hashlib.sha256(json.dumps(manifest[key]).encode()).hexdigest()
     return hashes
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_checkpoint_bytes_are_unchanged(inputs, quantized, case) -> None:
-    got = checkpoint_hashes(quantized(case), inputs[1])
+def test_checkpoint_bytes_are_unchanged(quantized, case) -> None:
+    got = checkpoint_hashes(quantized(case))
     calibrated = {f: got.pop(f) for f in LAYER_SHARDS} if case in ISA_DEPENDENT else {}
     assert got == EXPECTED[case]
     if calibrated:
@@ -298,14 +299,16 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def calibration_windows(folder: Path) -> torch.Tensor:
-    """The token windows the job calibrated on, rebuilt from its manifest (and checked by hash)."""
+def calibration_windows(folder: Path, calib: Path) -> torch.Tensor:
+    """The token windows the job calibrated on, rebuilt from its manifest and the calibration
+    file it names (and checked by hash)."""
     from lmfoundry.calibration.data import load_calibration, token_hash
     from lmfoundry.checkpoint.tokenizer import load_tokenizer
 
     c = json.loads((folder / "lmfoundry.json").read_text())["calibration"]
-    ids = load_calibration(c["source"], load_tokenizer(folder), c["num_samples"], c["seq_len"], c["seed"]).token_ids
-    assert token_hash(ids) == c["token_ids_sha256"]
+    assert c["source"] == calib.name
+    ids = load_calibration(str(calib), load_tokenizer(folder), c["num_samples"], c["seq_len"], c["seed"]).token_ids
+    assert token_hash(ids) == c["token_ids_sha256"] and c["source_sha256"] == hashlib.sha256(calib.read_bytes()).hexdigest()
     return ids
 
 
@@ -344,7 +347,7 @@ def test_calibrated_outputs_within_bounds(inputs, quantized, case) -> None:
         assert ours[name].dtype == rtn[name].dtype and torch.equal(ours[name], rtn[name]), name
     for name in sorted(calibrated & set(rtn)):
         assert (ours[name].dtype, ours[name].shape) == (rtn[name].dtype, rtn[name].shape), name
-    ids = calibration_windows(folder)
+    ids = calibration_windows(folder, inputs[1])
     model = float64_model(folder)
     if case == "rtn-w8a16-kv-int8":
         kv_scales_within_bounds(model, ours, ids)

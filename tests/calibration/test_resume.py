@@ -38,8 +38,9 @@ def _env() -> dict[str, str]:
 
 
 def _artifact_bytes(folder: Path) -> dict[str, bytes]:
-    """Every file of the checkpoint but the manifest (which records times and the resume)."""
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "lmfoundry.json"}
+    """Every file of the checkpoint, the manifest included, but the run record (which records
+    times and the resume)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "lmfoundry-run.json"}
 
 
 @pytest.mark.slow
@@ -69,8 +70,7 @@ def test_sigkill_then_resume_is_byte_identical(inputs, tmp_path: Path) -> None:
 
     res = subprocess.run(_args(model, calib, out, "--resume"), env=_env(), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    manifest = json.loads((out / "lmfoundry.json").read_text())
-    resumed_at = manifest["resumed_from_layer"]
+    resumed_at = json.loads((out / "lmfoundry-run.json").read_text())["resumed_from_layer"]
     assert resumed_at >= 3  # the journal may have advanced between the read and the kill
     assert _artifact_bytes(out) == _artifact_bytes(whole)
     assert not work.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")]
@@ -93,7 +93,7 @@ def test_stale_work_folders_of_dead_processes_are_removed(inputs, tmp_path: Path
     res = subprocess.run(args, env=_env(), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert not stale.exists() and not stale_staging.exists() and foreign.is_dir() and (out / "config.json").is_file()
-    assert json.loads((out / "lmfoundry.json").read_text())["resumed_from_layer"] == 0
+    assert json.loads((out / "lmfoundry-run.json").read_text())["resumed_from_layer"] == 0
 
 
 def test_resume_with_other_settings_starts_over(inputs, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ runs `lmfoundry quantize --recipe smollm2-w4a16-rtn` from a folder outside the r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -142,7 +143,10 @@ def test_wheel_quantizes_with_a_builtin_recipe_from_a_clean_venv(tmp_path):
             "--num-samples", "4", "--seq-len", "64", "--quiet"]
     _run([venv / "bin" / "lmfoundry", *args, "-o", "out-wheel"], timeout=300, cwd=work, env=env)
     manifest = json.loads((work / "out-wheel" / "lmfoundry.json").read_text())
-    assert in_venv(manifest["recipe_file"]) and manifest["recipe_file"].endswith("smollm2-w4a16-rtn.yaml")
+    # the shipped recipe, named by package and file (no path); the wheel's copy is the checkout's
+    shipped_recipe = shipped("lmfoundry.recipes", "smollm2-w4a16-rtn.yaml").read_bytes()
+    assert manifest["recipe_file"] == {"package": "lmfoundry.recipes", "file": "smollm2-w4a16-rtn.yaml",
+                                       "sha256": hashlib.sha256(shipped_recipe).hexdigest()}
     assert manifest["recipe"]["name"] == "smollm2-w4a16-rtn"
     assert manifest["recipe"]["quantize"]["group_size"] == 64
     groups = json.loads((work / "out-wheel" / "config.json").read_text())["quantization_config"]["config_groups"]
