@@ -38,6 +38,7 @@ import logging
 import os
 import tempfile
 import time
+import unittest.mock
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +143,14 @@ def run_lm_eval(lm: Any, tasks: list[TaskSpec], gate: GateSpec, include_paths: l
     names = [t.name for t in tasks]
     tm = task_manager(names, include_paths)
     samples = {t.name: list(range(t.limit)) for t in tasks if t.limit is not None}
-    with contextlib.nullcontext() if progress else _silenced():
+    # lm-eval records its own git commit by running `git describe` in the working directory: outside
+    # a checkout git prints `fatal: not a git repository` on our stderr (fd 2, past `_silenced`), and
+    # inside one it records the user's repository, not lm-eval's. The installed version is in the
+    # report already (tool versions), so the lookup is skipped.
+    import lm_eval.evaluator
+
+    with contextlib.nullcontext() if progress else _silenced(), \
+            unittest.mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
         res = simple_evaluate(model=lm, tasks=names, num_fewshot=gate.num_fewshot, samples=samples or None,
                               log_samples=True, bootstrap_iters=0, apply_chat_template=gate.chat_template,
                               random_seed=gate.seed, numpy_random_seed=gate.seed, torch_random_seed=gate.seed,
@@ -174,7 +182,7 @@ def run_lm_eval(lm: Any, tasks: list[TaskSpec], gate: GateSpec, include_paths: l
 
 # ---- models ---------------------------------------------------------------------------------
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "chat_template.jinja")
+                     "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 # Encoded by both tokenizers of a gate: equal vocabularies can still split text differently
 # (merges, normalizer, pre-tokenizer), and then no paired per-document comparison is meaningful.
 TOKENIZER_PROBE = ("The quick brown fox jumps over the lazy dog. 1234567890, naïve café — ¿qué? 日本語\n"
@@ -263,14 +271,20 @@ def _fingerprint_of(files: dict[str, str]) -> dict[str, Any]:
 
 
 def bundle_fingerprint(engine: Path) -> dict[str, Any]:
-    """`fingerprint` of an engine bundle's weights: every rank's of a tensor-parallel bundle."""
-    from lmfoundry.runtime.bundle_manifest import bundle_degree
+    """`fingerprint` of an engine bundle's weights (every rank's of a tensor-parallel bundle) and
+    of each engine.json, which holds the sha256 of every kernel and compiled step the bundle
+    runs: two bundles of the same weights with other kernels compute other numbers."""
+    from lmfoundry.manifest import sha256_file
+    from lmfoundry.runtime.bundle_manifest import MANIFEST_NAME, bundle_degree, rank_bundle
 
     degree = bundle_degree(engine)
-    if degree == 1:
-        return fingerprint(engine / "weights")
-    files = {f"rank{r}/{name}": sha for r in range(degree)
-             for name, sha in fingerprint(engine / f"rank{r}" / "weights")["files"].items()}
+    files = {MANIFEST_NAME: sha256_file(engine / MANIFEST_NAME)}
+    for r in range(degree):
+        rank = rank_bundle(engine, r) if degree > 1 else engine
+        prefix = f"rank{r}/" if degree > 1 else ""
+        files.update({f"{prefix}{name}": sha for name, sha in fingerprint(rank / "weights")["files"].items()})
+        if degree > 1:
+            files[f"{prefix}{MANIFEST_NAME}"] = sha256_file(rank / MANIFEST_NAME)
     return _fingerprint_of(files)
 
 
@@ -288,11 +302,36 @@ def _versions() -> dict[str, str]:
     return tool_versions()
 
 
+def _key_digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
 def _cache_path(key: dict[str, Any]) -> Path:
     from lmfoundry.resources import cache_dir
 
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return cache_dir() / "eval-gate" / f"{digest}.json"
+    return cache_dir() / "eval-gate" / f"{_key_digest(key)}.json"
+
+
+def _read_cached(cache: Path, key: dict[str, Any], ref_file: Path | None) -> dict[str, Any] | None:
+    """The cached results for `key`, or None (a miss; a damaged or foreign entry is removed). The
+    file's name is the key's digest, but a name proves nothing: a file copied or swapped under it
+    (another model's results, a restored CI cache) would be served as this model's. So each entry
+    records its key digest and its reference's sha256, and both are compared before use."""
+    from lmfoundry.manifest import sha256_file
+
+    try:
+        cached = json.loads(cache.read_text())
+        if not isinstance(cached, dict) or cached.pop("cache_key", None) != _key_digest(key):
+            raise ValueError("written for another key")
+        ref_sha = cached.pop("reference_sha256", None)
+        if ref_file is not None:
+            if ref_sha != sha256_file(ref_file):
+                raise ValueError("reference does not match")
+            cached["reference"] = Reference.load(ref_file)
+        return cached
+    except (json.JSONDecodeError, OSError, ValueError, KeyError, UnicodeDecodeError):
+        cache.unlink(missing_ok=True)
+        return None
 
 
 def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Path], task_hashes: dict[str, str],
@@ -313,6 +352,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     import torch
 
     from lmfoundry.checkpoint.sources import resolve_model
+    from lmfoundry.manifest import sha256_file
     from lmfoundry.runtime.bundle_manifest import is_engine_bundle
     from lmfoundry.runtime.loader import resolve_dtype
 
@@ -338,15 +378,11 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     keeps_reference = ppl is not None and reference is None
     ref_file = cache.with_name(cache.stem + ".reference.npz")
     if use_cache and cache.exists() and (ref_file.exists() or not keeps_reference):
-        try:
-            cached: dict[str, Any] = json.loads(cache.read_text())
-            if keeps_reference:
-                cached["reference"] = Reference.load(ref_file)
+        cached = _read_cached(cache, key, ref_file if keeps_reference else None)
+        if cached is not None:
             # the cached numbers belong to these exact files, wherever they were found then
             cached.update(spec=spec, path=str(folder), from_cache=str(cache))
             return cached
-        except (json.JSONDecodeError, OSError, ValueError, KeyError):
-            cache.unlink(missing_ok=True)
 
     from lmfoundry.calibration.data import eval_token_stream, token_hash
     from lmfoundry.evals.lm_adapter import RuntimeLM
@@ -406,10 +442,12 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     kept = None if recorder is None else recorder.reference()
     if use_cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
+        entry = {**data, "cache_key": _key_digest(key)}
         if kept is not None:
             kept.save(ref_file)
+            entry["reference_sha256"] = sha256_file(ref_file)
         tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
+        tmp.write_text(json.dumps(entry))
         tmp.replace(cache)
     if kept is not None:
         data["reference"] = kept
