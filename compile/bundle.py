@@ -34,7 +34,7 @@ from lmfoundry.compile.rank_shares import write_share
 from lmfoundry.compile.source import Checkpoint, load_checkpoint
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_NAME, parse_compile_arch
-from lmfoundry.manifest import sha256_file, verify_artifact
+from lmfoundry.manifest import content_files, sha256_file, verify_artifact
 from lmfoundry.model.tensor_parallel import RankShard
 from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, ENGINE_FORMATS, MANIFEST_NAME, is_rank_folder, rank_folder
 from lmfoundry.staging import sigterm_raises, stage_path, sweep_dead_stages
@@ -153,7 +153,7 @@ def _keep_log(log_path: Path) -> Path:
 def _place_weights(ck: Checkpoint, build: KernelBuild, out: Path, mode: str) -> dict[str, Any]:
     dst = out / "weights"
     dst.mkdir()
-    files = sorted(p for p in ck.path.iterdir() if p.is_file())
+    files = content_files(ck.path)
     record: dict[str, Any] = {"mode": mode, "files": {}}
     if mode == "repack" and ck.has_weights():
         from lmfoundry.compile.repack import repack
@@ -247,8 +247,20 @@ def _select(ck: Checkpoint, caps: list[int], block_size: int, tune: bool, log: C
     return build
 
 
+def source_record(src: Path) -> dict[str, Any]:
+    """What a bundle was compiled from, named by content rather than by where it lay: the folder's
+    name and the sha256 of its config and manifest (whose sha256s cover every weight). An absolute
+    path would leak the builder's file system into a shipped bundle and make two builds of the same
+    checkpoint differ."""
+    from lmfoundry.manifest import MANIFEST
+
+    manifest = src / MANIFEST
+    return {"name": src.resolve().name, "config_sha256": sha256_file(src / "config.json"),
+            **({"manifest_sha256": sha256_file(manifest)} if manifest.is_file() else {})}
+
+
 def _source_record(src: Path, ck: Checkpoint) -> dict[str, Any]:
-    return {"path": str(src.resolve()), "config_sha256": ck.config_sha256, "quantization_format": ck.quant_format}
+    return {**source_record(src), "quantization_format": ck.quant_format}
 
 
 def _write_tp_bundle(out: Path, ck: Checkpoint, caps: list[int], src: Path, tp: int, dtype: str | None,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.manifest import sha256_file, verify_artifact
+from lmfoundry.manifest import content_files, sha256_file, verify_artifact
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.runtime.bundle_manifest import CPU_EMBEDDED_FORMAT, MANIFEST_NAME, is_engine_bundle
 from lmfoundry.staging import sigterm_raises
@@ -115,7 +115,15 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
 
     # imported here, not above: compile.bundle imports the GPU kernel selection (Triton), which a
     # serving process that only looks its compiled step up in the cache must not keep resident
-    from lmfoundry.compile.bundle import _check_output, _install, _remove_dirs, _staging, default_output, place_files
+    from lmfoundry.compile.bundle import (
+        _check_output,
+        _install,
+        _remove_dirs,
+        _staging,
+        default_output,
+        place_files,
+        source_record,
+    )
     from lmfoundry.runtime.cpu_isa import cpu_features, isa, native_bf16
     from lmfoundry.runtime.loader import load_causal_lm
 
@@ -146,12 +154,12 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
             compile_step(model, stage / rel, max_tokens, backends)
             compile_seconds = time.perf_counter() - tc
             (stage / "weights").mkdir()
-            files = place_files(sorted(p for p in folder.iterdir() if p.is_file()), stage / "weights", "copy")
+            files = place_files(content_files(folder), stage / "weights", "copy")
             features = cpu_features()
             manifest = {
                 "format": CPU_EMBEDDED_FORMAT,
                 "target": "cpu",
-                "source": {"path": str(folder.resolve()), "config_sha256": sha256_file(folder / "config.json")},
+                "source": source_record(folder),
                 "model": {"model_type": cfg.model_type, "dtype": DTYPE, "hidden_size": cfg.hidden_size,
                           "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
                           "context_limit": cfg.max_position_embeddings},
@@ -185,13 +193,13 @@ def checkpoint_content(folder: Path, verified: bool = False) -> dict[str, str]:
     (`verify_artifact`), so the sha256s recorded there are the files' and are taken instead of
     reading gigabytes of weights a second time; otherwise (`--skip-verify`, or a plain Hugging Face
     folder without a manifest) every file is hashed."""
-    from lmfoundry.manifest import MANIFEST, recorded_files
+    from lmfoundry.manifest import MANIFEST, content_files, recorded_files
     from lmfoundry.manifest import read_manifest as read_artifact_manifest
 
     recorded: dict[str, str] = {}
     if verified and os.path.lexists(folder / MANIFEST):
         recorded = recorded_files(read_artifact_manifest(folder), folder / MANIFEST)
-    return {p.name: recorded.get(p.name) or sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file()}
+    return {p.name: recorded.get(p.name) or sha256_file(p) for p in content_files(folder)}
 
 
 def step_cache_key(folder: Path, *, block_size: int, max_tokens: int, verified: bool = False) -> dict[str, Any]:

@@ -100,6 +100,13 @@ def hash_folder(folder: Path) -> dict[str, str]:
     }
 
 
+def content_files(folder: Path) -> list[Path]:
+    """The regular files at the top of an artifact folder that make up what it computes: all but
+    the run record (a measurement of the run that made them, different on every run). A bundle
+    copies these and keys its cache by them, so re-running the same quantization reuses it."""
+    return [p for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != RUN_RECORD]
+
+
 def write_run_record(folder: Path, record: dict[str, Any]) -> None:
     """Write the run record (`RUN_RECORD`) into a finished artifact folder (before it is moved
     into place, so it arrives with the artifact)."""

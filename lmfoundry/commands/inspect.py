@@ -80,7 +80,7 @@ def _inspect_engine(path: Path, as_json: bool) -> None:
         problems = bundle_problems(path, m)
     model = _dict(m, "model")
     summary: dict[str, Any] = {"engine": str(path), "model": _text(model.get("model_type")),
-                               "dtype": _text(model.get("dtype")), "source": _text(_dict(m, "source").get("path"))}
+                               "dtype": _text(model.get("dtype")), "source": _text(_dict(m, "source").get("name") or _dict(m, "source").get("path"))}
     if degree > 1:
         summary["tensor_parallel"] = f"{degree} ranks (rank0/ .. rank{degree - 1}/)"
     if m.get("target") == "cpu":

@@ -62,3 +62,7 @@ def test_bundle_bytes_are_unchanged(case: str, tmp_path) -> None:
     checkpoint = write_checkpoint(tmp_path / "ck", **CASES[case])
     engine = build_engine(checkpoint, ["hopper", "ampere"], tmp_path / "engine", progress=False).output
     assert _digests(engine) == EXPECTED[case]
+    # engine.json names its source by content, not by where it lay (#57): no path of this machine
+    text = (engine / "engine.json").read_text()
+    assert str(tmp_path) not in text and '"/' not in text
+    assert json.loads(text)["source"]["name"] == "ck"
