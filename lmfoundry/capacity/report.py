@@ -35,6 +35,7 @@ from lmfoundry.capacity.inputs import (
     resolve_model,
     validate,
 )
+from lmfoundry.errors import UserError
 from lmfoundry.gpus import load_gpus, resolve_gpu
 from lmfoundry.model.head_split import valid_tp_sizes
 
@@ -80,6 +81,8 @@ def build_report(inp: CapacityInputs) -> dict[str, Any]:
         }
         for k in KV_DTYPE_BYTES
     }
+    _refuse_absurd(cfg, inp, gpu, gpu_bytes, overhead, act, weights[selected_w]["per_gpu_bytes"]["total"],
+                   kv[selected_kv]["bytes_per_token_per_gpu"] * inp.context, selected_w)
     table = []
     for p in WEIGHT_PRECISIONS:
         for k in KV_DTYPE_BYTES:
@@ -97,7 +100,7 @@ def build_report(inp: CapacityInputs) -> dict[str, Any]:
 
     notes += _notes(cfg, inp, specs, selected_w, gpu, quantize_lm_head, shard, raw)
     if selected["max_sequences"] < 1:
-        notes.append(_fit_hint(cfg, inp, specs[selected_w], quantize_lm_head, gpu_bytes, selected_kv))
+        notes.append(_fit_hint(cfg, inp, specs[selected_w], quantize_lm_head, gpu_bytes, selected_kv, selected))
 
     report: dict[str, Any] = {
         "model": {
@@ -215,8 +218,60 @@ def _notes(cfg, inp, specs, selected_w, gpu, quantize_lm_head, shard, raw) -> li
     return notes
 
 
-def _fit_hint(cfg, inp, spec, quantize_lm_head, gpu_bytes, kv_dtype) -> str:
-    """Which tensor-parallel size would fit one full-context sequence."""
+def _refuse_absurd(cfg, inp, gpu, gpu_bytes, overhead, act, weight_bytes_per_gpu, sequence_bytes, weights) -> None:
+    """Refuse in one line, naming the limit, a size that alone takes more than one GPU has: the
+    overhead, a step's activation workspace (--batch-tokens), the memory --gpu-util leaves, the
+    adapter slots (--max-loras; LoRA runs on one GPU, so no --tp divides them). plan printed such
+    plans with negative GiB and exited 0; a plan that merely does not fit is still reported, with
+    a hint (`_fit_hint`)."""
+    name, total = gpu["name"], gpu_bytes
+    if overhead >= total:
+        raise UserError(f"--overhead-gib {inp.overhead_gib:g} is all of the {name}'s {_gib(total)} or more")
+    room = total - overhead
+    if act > room:
+        most = _largest(lambda t: activation_bytes(cfg, inp.tp, t) <= room, inp.batch_tokens)
+        raise UserError(f"--batch-tokens {inp.batch_tokens:,}: one step's activation workspace takes {_gib(act)} per GPU "
+                        f"at tp {inp.tp}, more than the {name}'s {_gib(total)} less --overhead-gib; at most {most:,} "
+                        "tokens fit")
+    usable = int(total * inp.gpu_util)
+    if usable < overhead + act:
+        least = math.ceil((overhead + act) / total * 1000) / 1000
+        raise UserError(f"--gpu-util {inp.gpu_util:g} leaves {_gib(usable)} of the {name}'s {_gib(total)}, less than "
+                        f"the activation workspace and --overhead-gib alone ({_gib(overhead + act)}); it must be at "
+                        f"least {least:g}")
+    if inp.max_loras:
+        per_slot = lora_bytes(cfg, 1, inp.max_lora_rank)
+        if inp.max_loras * per_slot > usable:
+            spare = usable - overhead - act - weight_bytes_per_gpu - sequence_bytes
+            raise UserError(f"--max-loras {inp.max_loras:,}: {inp.max_loras:,} adapter slots of rank {inp.max_lora_rank} "
+                            f"take {_gib(inp.max_loras * per_slot)}, more than the {_gib(usable)} --gpu-util leaves on "
+                            f"one {name} (LoRA runs on one GPU); at most {max(spare, 0) // per_slot:,} fit beside the "
+                            f"{weights} weights, activations, overhead and one {inp.context:,}-token sequence")
+
+
+def _largest(fits, upper: int) -> int:
+    """The largest n in [0, upper] with fits(n), for a `fits` true at 0 and monotone."""
+    low, high = 0, upper
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _fit_hint(cfg, inp, spec, quantize_lm_head, gpu_bytes, kv_dtype, selected) -> str:
+    """Which tensor-parallel size would fit one full-context sequence; with --max-loras, which
+    number of adapter slots (plan refuses LoRA with --tp, so it never suggests one)."""
+    if inp.max_loras:
+        per_slot = lora_bytes(cfg, 1, inp.max_lora_rank)
+        spare = selected["kv_room_bytes"] + inp.max_loras * per_slot - selected["kv_bytes_per_sequence"]
+        if spare >= per_slot:
+            return (f"does not fit with {inp.max_loras:,} adapter slots: at most {spare // per_slot:,} fit beside one "
+                    f"{inp.context:,}-token sequence (LoRA runs on one GPU: --tp does not divide them)")
+        if spare >= 0:
+            return (f"does not fit with {inp.max_loras:,} adapter slots: not one fits beside one {inp.context:,}-token "
+                    "sequence (LoRA runs on one GPU: --tp does not divide them)")
+        return ("does not fit even without the adapter slots, and LoRA runs on one GPU (no --tp): try smaller "
+                "--weights, --kv or --context, or a larger --gpu")
     for t in valid_tp_sizes(cfg):
         if t <= inp.tp:
             continue
