@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from lmfoundry.errors import UserError
+
+if TYPE_CHECKING:
+    from lmfoundry.model.config import ModelConfig
 
 
 def parse_spec(value: str, flag: str) -> tuple[str, str]:
@@ -85,9 +88,26 @@ def lora_config(model: str, loras: Iterable[tuple[str, str]], enable: bool, max_
     from lmfoundry.checkpoint.lora_adapter import check_adapter
 
     base = whole_model_config(model)
+    if device == "cpu":  # a GPU's free memory is the engine's to read (`lora_adapters.check_slots_fit`)
+        check_lora_memory(base, slots, max_rank)
     for name, path in specs:
         try:
             check_adapter(path, base, max_rank)
         except UserError as exc:
             raise UserError(f"--lora {name}: {exc}") from None
     return slots, specs
+
+
+def check_lora_memory(base: ModelConfig, slots: int, max_rank: int) -> None:
+    """Refuse, before the model loads, adapter slots whose stacked weights alone are more than
+    this machine's available memory (--max-loras 100000000 ended in the allocator's traceback
+    after the load). Counted at 16 bits an element, the least the stack takes
+    (`capacity.arithmetic.lora_bytes`, what `plan --max-loras` counts); the engine checks again
+    with its dtype once the model is in memory."""
+    import psutil
+
+    from lmfoundry.capacity.arithmetic import lora_bytes
+    from lmfoundry.runtime.engine.engine_config import check_lora_slots_fit
+
+    check_lora_slots_fit(slots, max_rank, lora_bytes(base, 1, max_rank), psutil.virtual_memory().available,
+                         "of memory available")

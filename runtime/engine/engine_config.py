@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmfoundry.errors import UserError
+
 # Default step budgets (`serve --max-num-batched-tokens`, and what eval runs the serving engine
 # with). Every running stream waits for the whole step, and on CPU a step's time grows with its
 # rows long after the matrix units are busy, so past that point a larger chunk only lengthens the
@@ -17,6 +19,21 @@ GPU_STEP_TOKENS = 2048
 def default_step_tokens(device: str) -> int:
     """--max-num-batched-tokens when not given: smaller on CPU (see CPU_STEP_TOKENS)."""
     return CPU_STEP_TOKENS if str(device).startswith("cpu") else GPU_STEP_TOKENS
+
+
+def check_lora_slots_fit(max_loras: int, max_rank: int, slot_bytes: int, free: int, where: str) -> None:
+    """Refuse, in one line naming the limit, `max_loras` adapter slots of `slot_bytes` each
+    (stacked, allocated at start) past `free` bytes of memory (`where`: whose). The allocator's
+    own refusal was a traceback (--max-loras 100000000 asked for 2.4 TB), and on a CPU an
+    allocation that only just succeeds is the out-of-memory killer's later. `serve` checks before
+    the model loads, with 16-bit slots against the machine's available memory
+    (`lora_options.check_lora_memory`); the engine again with its dtype and device, before it
+    allocates them (`lora_adapters.LoRAStack`)."""
+    if max_loras * slot_bytes > free:
+        raise UserError(f"--max-loras {max_loras}: {max_loras} adapter slots of rank {max_rank} need "
+                        f"{max_loras * slot_bytes / 2**30:,.1f} GiB ({slot_bytes / 2**20:,.2f} MiB a slot), more than "
+                        f"the {free / 2**30:,.1f} GiB {where}; at most {free // slot_bytes} fit, with nothing left "
+                        "for the model and its KV cache")
 
 
 @dataclass

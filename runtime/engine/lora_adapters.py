@@ -32,6 +32,7 @@ from lmfoundry.checkpoint.lora_adapter import LoRAAdapter, check_adapter, read_a
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.cpu.lora import LoRAKernels, load_lora_kernels
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS, ModelConfig
+from lmfoundry.runtime.engine.engine_config import check_lora_slots_fit
 
 if TYPE_CHECKING:
     from lmfoundry.model.reference import CausalLM
@@ -119,11 +120,14 @@ class LoRAStack:
         self.default_slot: int | None = None
         self.ops = ops
         shapes = config.linear_shapes
+        dims: list[tuple[list[int], int]] = []  # each site's (part outputs, in features)
+        for _key, names in sites:
+            dims.append(([shapes[n.split(".", 3)[3]][0] for n in names], shapes[names[0].split(".", 3)[3]][1]))
+        slot_bytes = max_rank * sum(len(outs) * k + sum(outs) for outs, k in dims) * dtype.itemsize
+        check_slots_fit(max_loras, max_rank, slot_bytes, self.device)
         self.sites: list[LoRASite] = []
         self.where: dict[str, tuple[LoRASite, int]] = {}  # linear -> (site, part)
-        for key, names in sites:
-            outs = [shapes[n.split(".", 3)[3]][0] for n in names]
-            k = shapes[names[0].split(".", 3)[3]][1]
+        for (key, names), (outs, k) in zip(sites, dims, strict=True):
             site = LoRASite(key, names, torch.tensor(outs, dtype=torch.int32).cumsum(0).to(torch.int32).to(device),
                             torch.zeros(max_loras, len(names) * max_rank, k, dtype=dtype, device=device),
                             torch.zeros(max_loras, max_rank, sum(outs), dtype=dtype, device=device))
@@ -257,6 +261,18 @@ class LoadedAdapter:
     key: int  # unique per load: the prefix cache's chain root for its requests
     rank: int
     nbytes: int
+
+
+def check_slots_fit(max_loras: int, max_rank: int, slot_bytes: int, device: torch.device) -> None:
+    """The stack's slots against the memory free on `device` (the host's available memory on a
+    CPU), before they are allocated (`engine_config.check_lora_slots_fit`)."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    check_lora_slots_fit(max_loras, max_rank, slot_bytes, free, f"free on {device.type}")
 
 
 @dataclass

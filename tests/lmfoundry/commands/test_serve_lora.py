@@ -64,6 +64,22 @@ def test_bad_lora_options_are_one_line(base, adapter, capsys) -> None:
     serve_refused(capsys, str(base), "extra", needles=("unexpected extra argument",))
 
 
+def test_slots_past_the_machines_memory_are_one_line_before_the_model_loads(base, adapter, capsys) -> None:
+    """--max-loras 100000000: the slots' bytes, counted from the config before anything loads,
+    are refused naming how many would fit (it was the allocator's traceback after the load)."""
+    import psutil
+
+    from lmfoundry.capacity.arithmetic import lora_bytes
+    from lmfoundry.model.config import ModelConfig
+
+    code, _, err = run_cli(["serve", str(base), "--lora", f"x={adapter}", "--max-loras", "100000000"], capsys)
+    assert_one_error(code, err, "--max-loras 100000000: 100000000 adapter slots of rank 16 need",
+                     "of memory available; at most")
+    most = int(err.split("at most ")[1].split()[0])
+    slot = lora_bytes(ModelConfig.from_file(base), 1, 16)
+    assert 0 < most * slot <= psutil.virtual_memory().total  # the limit named is what the memory holds
+
+
 def test_vllm_lora_modules_forms() -> None:
     assert parse_spec('{"name": "sql", "path": "/a", "base_model_name": "m"}', "--lora-modules") == ("sql", "/a")
     assert parse_spec("sql=/a=b", "--lora") == ("sql", "/a=b")

@@ -196,6 +196,25 @@ def test_closing_a_stack_restores_the_base_forward(adapters) -> None:
         assert torch.equal(model(ids), want)
 
 
+def test_slots_past_the_free_memory_are_refused_before_they_are_allocated(monkeypatch) -> None:
+    """--max-loras 100000000 reached the allocator ("DefaultCPUAllocator: can't allocate memory:
+    you tried to allocate 2457600000000 bytes", a traceback). The stack now counts its bytes first
+    and refuses in one line naming how many slots fit; that many are allocated, one more is not."""
+    import psutil
+
+    from lmfoundry.capacity.arithmetic import lora_bytes
+
+    model = toy_model(seed=1)
+    with pytest.raises(UserError, match=r"^--max-loras 100000000: 100000000 adapter slots of rank 16 need .* GiB"):
+        LoRAStack.on_model(model, model.config, 100_000_000, 16)
+    slot = lora_bytes(model.config, 1, 8, element_bytes=4)  # float32, as the toy model is
+    free = type("Memory", (), {"available": 5 * slot + slot // 2})()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
+    with pytest.raises(UserError, match="GiB free on cpu; at most 5 fit"):
+        LoRAStack.on_model(model, model.config, 6, 8)
+    assert LoRAStack.on_model(model, model.config, 5, 8).nbytes() == 5 * slot
+
+
 QUANTIZED = {
     "w8a8": ["--scheme", "w8a8"],
     "fp8-dynamic": ["--scheme", "fp8-dynamic", "--method", "fp8"],
