@@ -16,8 +16,9 @@ import gc
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
-    """The C library, loaded once (None where it cannot be)."""
+def libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (None where it cannot be): malloc_trim and madvise here, prctl
+    for the engine process's parent-death signal (`runtime/engine/engine_process.py`)."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
@@ -27,7 +28,7 @@ def _libc() -> ctypes.CDLL | None:
 def release_free_heap() -> bool:
     """Return the freed heap's pages to the system; False where the C library has no way to
     (not glibc)."""
-    trim = getattr(_libc(), "malloc_trim", None)
+    trim = getattr(libc(), "malloc_trim", None)
     if trim is None:
         return False
     trim(0)
@@ -58,7 +59,7 @@ def page_out_mapped_files(suffix: str) -> int:
     reclaiming them loses nothing (a later read would fault them in from the file again); writable
     and executable mappings are left alone. Where madvise or MADV_PAGEOUT does not exist (not
     Linux, or a kernel before 5.4) nothing happens."""
-    madvise = getattr(_libc(), "madvise", None)
+    madvise = getattr(libc(), "madvise", None)
     if madvise is None:
         return 0
     try:

@@ -390,7 +390,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     The engine runs in a process of its own (it loads MODEL and steps with --threads); this one
     serves HTTP, tokenizes and detokenizes. If the engine process dies, requests in flight get
     HTTP 503 and serve exits with code 1. SIGINT or SIGTERM stops it with a bounded drain
-    (--shutdown-timeout), then exit code 0."""
+    (--shutdown-timeout), then exit code 0; before it serves (the model loading), at once, with
+    exit code 128 + the signal."""
     _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
                           timeout_keep_alive, shutdown_timeout)
     api_options = _api_options(**http_flags)
@@ -472,13 +473,27 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
 
     engine_spec = EngineSpec(serving_engine, (model, dtype, config),
                              {"device": device, "compile_step": compile_step, "draft_model": draft_model})
-    # While the model loads, SIGTERM leaves like Ctrl-C does: through the client's cleanup, which
-    # stops the engine process (its default action would end this process and orphan it). Signal
-    # handlers belong to the main thread (serve called from another one keeps the process's own).
+    # Until the server runs, SIGINT and SIGTERM stop serve through the engine client's cleanup, which
+    # stops the engine process (SIGTERM's default action would end this process and orphan it), and
+    # say so in one line. SIGINT too: started in the background by a shell, serve inherits it
+    # ignored, and it would be ignored until the model had loaded (uvicorn takes it from then on).
+    # Once the server runs, both are its own (a drain, or the end of one), also while the engine
+    # stops after it. Handlers belong to the main thread (serve called from another one keeps the
+    # process's own).
     in_main = threading.current_thread() is threading.main_thread()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-    if in_main:
-        signal.signal(signal.SIGTERM, _terminate)
+    serving: list[bool] = []
+    stopping: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if serving:
+            server.handle_exit(signum, frame)
+        elif not stopping:  # later ones change nothing: the stop under way is bounded
+            stopping.append(signum)
+            raise _Stopped(signum)
+
+    for sig in handlers:
+        signal.signal(sig, on_signal)
     try:
         engine = EngineCoreClient(engine_spec, on_death=on_engine_death)  # loads the model in the engine process
         try:
@@ -494,11 +509,14 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
             freeze_heap()
             # uvicorn in this thread: the first SIGINT/SIGTERM stops accepting and drains the requests in
             # flight (GracefulServer), a second one fails them at once.
+            serving.append(True)
             server.run()
         finally:
-            for sig in handlers:  # the engine's stop below is bounded; a signal must not cut it short
-                signal.signal(sig, signal.SIG_IGN)
             engine.shutdown(ENGINE_STOP_SECONDS)
+    except _Stopped as stop:
+        click.echo(f"stopped by {signal.Signals(stop.signum).name} before serving: the engine process and its "
+                   "folder are gone", err=True)
+        sys.exit(128 + stop.signum)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -510,8 +528,13 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         raise UserError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM before the server runs. A BaseException, like KeyboardInterrupt: no
+    `except Exception` on the way out of the engine's start may take it for a failure and go on."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _server_class(host: str, api_key: str | None) -> Any:

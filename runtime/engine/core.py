@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
@@ -83,57 +82,18 @@ class EngineCore:
         return out
 
 
-def main(folder: str) -> None:
-    """The engine process of an `EngineCoreClient`, which wrote FOLDER/spec.pickle (its sys.path,
-    its pid, whether it started this process from its main thread, then the EngineSpec) and binds
-    the two sockets there."""
-    import pickle
-
-    with open(f"{folder}/spec.pickle", "rb") as f:
-        sys_path, parent_pid, from_main_thread = pickle.load(f)  # sys.path first: the spec may need it
-        sys.path.extend(p for p in sys_path if p not in sys.path)  # added after ours: never shadows them
-        spec = pickle.load(f)
-    try:
-        signal.signal(signal.SIGTERM, _exit_on_signal)
-        if from_main_thread:
-            exit_with_parent(parent_pid)
-        run_engine_core(spec, f"ipc://{folder}/commands", f"ipc://{folder}/outputs", parent_pid)
-    finally:
-        # Whatever ended the engine, its sockets are closed: the folder goes with it (the API process
-        # removes it too; if that process was killed, nobody else would).
-        import shutil
-
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def exit_with_parent(parent_pid: int) -> None:
-    """Have the kernel send this process SIGTERM when the thread that started it ends (Linux's
-    PR_SET_PDEATHSIG), so that a killed API process takes the engine along even in the middle of
-    a long step; send it now if the parent is already gone. Elsewhere the engine's own checks of
-    its parent (`PARENT_CHECK_MS`) remain."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, parent_pid: int) -> None:
     """The engine process: build the engine, say "ready" (with what the API process needs: the
     engine's info, its tokenizer, its stats) or "failed", then step while there is work and wait
     for commands while there is none. Exits on "shutdown" or when its parent is gone.
 
-    It ignores SIGINT: Ctrl-C reaches the whole process group, and the API process decides when
-    the engine stops (after draining the requests in flight). SIGTERM sent to it directly (a
-    service manager stopping every process of the service at once) ends it at once, but through
-    its cleanup: a tensor-parallel group's workers and shared memory go with it."""
+    Its process's signals are `engine_process.engine_main`'s: SIGINT is ignored (the API process
+    decides when the engine stops, after draining the requests in flight); SIGTERM (the API
+    process stopping it, a service manager stopping every process of the service at once, the
+    parent-death signal) ends it at once, but through its cleanup: a tensor-parallel group's
+    workers and shared memory go with it."""
     import zmq
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_signal)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s engine: %(message)s")
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
@@ -145,12 +105,12 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
             engine = spec.build()
         except SystemExit:
             raise
-        except UserError as exc:
-            outputs.send_pyobj(("failed", str(exc)))
+        except UserError as exc:  # its exit code too: a bundle's failed check is 4 in serve as in every verb
+            outputs.send_pyobj(("failed", str(exc), exc.exit_code))
             return
         except BaseException as exc:  # noqa: BLE001 - a bug: the traceback goes to stderr, one line to the caller
             traceback.print_exc()
-            outputs.send_pyobj(("failed", f"the engine could not start: {type(exc).__name__}: {exc}"))
+            outputs.send_pyobj(("failed", f"the engine could not start: {type(exc).__name__}: {exc}", UserError.exit_code))
             return
         outputs.send_pyobj(("ready", engine.info, engine.tokenizer, engine.stats()))
         freeze_heap()
@@ -174,13 +134,6 @@ def run_engine_core(spec: EngineSpec, commands_addr: str, outputs_addr: str, par
         sys.stderr.flush()
     if lost:
         os._exit(1)  # not sys.exit: the lost group's processes must not be waited for
-
-
-def _exit_on_signal(signum: int, _frame: Any) -> None:
-    """Leave through the cleanup, once: a killed multi-threaded parent can send the parent-death
-    signal again for each of its threads, and a second SystemExit would cut the cleanup short."""
-    signal.signal(signum, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
 
 
 def _serve(core: EngineCore, commands: Any, outputs: Any, parent_pid: int) -> None:

@@ -11,7 +11,12 @@ process.
 If the engine process dies, every request in flight fails with `EngineDead` (HTTP 503), the
 client reports not alive (/health 503) and calls `on_death`, which `serve` uses to stop with a
 non-zero exit code. If the API process dies, the engine process is sent SIGTERM by the kernel
-(started from the main thread: Linux's parent-death signal) or notices within a second, and exits.
+(started from the main thread: Linux's parent-death signal, asked for before the engine imports
+anything heavy, `engine_process`) or notices within a second, and exits.
+
+The private folder is named after the API process (`lmfoundry-engine-<pid>-*`): one whose owner
+is gone and whose sockets no longer answer (an API process and its engine both killed outright)
+is removed by the next client that starts (`sweep_abandoned_folders`).
 
 The engine process leads a process group of its own, which its tensor-parallel ranks join: a
 Ctrl-C or a SIGTERM to `serve`'s group reaches `serve` alone, which decides when the engine stops
@@ -25,14 +30,17 @@ import contextlib
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lmfoundry.child_python import child_env, importable_path
@@ -46,11 +54,14 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 1000  # the receiver thread looks at the engine process at least this often
 TERM_GRACE_SECONDS = 2.0  # after SIGTERM, the engine's group gets this long before SIGKILL
+FAILED_EXIT_SECONDS = 5.0  # an engine that said why it could not start gets this long to exit by itself
+FOLDER_PREFIX = "lmfoundry-engine-"
+LEGACY_FOLDER_AGE_SECONDS = 60.0  # a folder without its owner's pid is swept only once this old
 # `python -c` puts the working directory first on sys.path; started from a checkout's root, its
 # `kernels/` folder would shadow Hugging Face's `kernels` package, which transformers imports.
 ENGINE_MAIN = (
     "import sys; sys.path[:] = [p for p in sys.path if p]; "
-    "from lmfoundry.runtime.engine.core import main; main(sys.argv[1])"
+    "from lmfoundry.runtime.engine.engine_process import engine_main; engine_main(sys.argv[1])"
 )
 
 
@@ -97,22 +108,47 @@ class EngineCoreClient(EngineClient):
 
     def __init__(self, spec: EngineSpec, on_death: Callable[[int | None], None] | None = None,
                  start_timeout: float | None = None) -> None:
+        sweep_abandoned_folders(tempfile.gettempdir())
+        self._on_death = on_death
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self._alive = False
+        self._stats: dict[str, float] = {}
+        self._exited: int | None = None
+        self._said_failed = False
+        try:
+            # from the folder to the process that removes it too: a handler raising in between (inside
+            # Popen, after the child started) would lose one of them
+            with signals_deferred():
+                self._start(spec)
+            self._exited = _exit_fd(self.process.pid)
+            info, tokenizer, stats = self._handshake(start_timeout)
+        except BaseException:
+            if hasattr(self, "process"):
+                # An engine that said why it failed is leaving by itself: a signal now would land in
+                # its cleanup (a finalizer, an exit callback) and print a traceback under the error.
+                self._close(kill=not self._said_failed, timeout=FAILED_EXIT_SECONDS)
+            else:  # nothing was started: what was made for it goes
+                self._release()
+            raise
+        super().__init__(info.capacity)
+        self.info, self.tokenizer, self._stats = info, tokenizer, stats
+        self._alive = True
+        self._receiver = threading.Thread(target=self._receive, name="lmfoundry-engine-outputs", daemon=True)
+        self._receiver.start()
+
+    def _start(self, spec: EngineSpec) -> None:
+        """The private folder, the two sockets bound in it, the spec written there, then the engine
+        process started on it."""
         import zmq
 
-        self._dir = tempfile.mkdtemp(prefix="lmfoundry-engine-")  # mode 0700: this user's sockets only
+        self._dir = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")  # mode 0700: this user's sockets only
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.SNDHWM, 0)  # queue every command: a send fails only with no engine (`_send`)
         self._commands.bind(f"ipc://{self._dir}/commands")
         self._outputs = self._ctx.socket(zmq.PULL)
         self._outputs.bind(f"ipc://{self._dir}/outputs")
-        self._send_lock = threading.Lock()
-        self._on_death = on_death
-        self._closing = False
-        self._alive = False
-        self._stats: dict[str, float] = {}
-        # A fresh interpreter, not a fork (this process holds threads and OpenMP pools) and not
-        # multiprocessing's spawn (which re-runs the caller's main script in the child).
         with open(f"{self._dir}/spec.pickle", "wb") as f:
             # first: the spec may name a module only this path finds (less any checkout root, whose
             # bare lmfoundry/ and kernels/ folders would shadow installed packages there); the
@@ -121,24 +157,10 @@ class EngineCoreClient(EngineClient):
             pickle.dump((importable_path(sys.path), os.getpid(), threading.current_thread() is threading.main_thread()),
                         f)
             pickle.dump(spec, f)
-        self._exited: int | None = None
-        try:
-            with signals_deferred():  # a handler raising inside Popen would lose the child it started
-                self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir], env=child_env(),
-                                                start_new_session=True)
-            self._exited = _exit_fd(self.process.pid)
-            info, tokenizer, stats = self._handshake(start_timeout)
-        except BaseException:
-            if hasattr(self, "process"):
-                self._close(kill=True)
-            else:  # Popen itself failed: nothing was started
-                self._release()
-            raise
-        super().__init__(info.capacity)
-        self.info, self.tokenizer, self._stats = info, tokenizer, stats
-        self._alive = True
-        self._receiver = threading.Thread(target=self._receive, name="lmfoundry-engine-outputs", daemon=True)
-        self._receiver.start()
+        # A fresh interpreter, not a fork (this process holds threads and OpenMP pools) and not
+        # multiprocessing's spawn (which re-runs the caller's main script in the child).
+        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, self._dir], env=child_env(),
+                                        start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -164,7 +186,8 @@ class EngineCoreClient(EngineClient):
             if self._outputs in ready:
                 message = self._outputs.recv_pyobj()
                 if message[0] == "failed":
-                    raise UserError(message[1])
+                    self._said_failed = True
+                    raise UserError(message[1], exit_code=message[2])
                 _, info, tokenizer, stats = message
                 return info, tokenizer, stats
             if self.process.poll() is not None:
@@ -233,7 +256,14 @@ class EngineCoreClient(EngineClient):
         """Stop the engine process: wait `timeout` seconds for it to leave (unless `kill`), then
         SIGTERM its group (the engine and its ranks leave through their cleanup, freeing shared
         memory), SIGKILL after TERM_GRACE_SECONDS, and SIGKILL what is left of the group once it
-        is gone (ranks, multiprocessing's resource tracker): nothing it started outlives it."""
+        is gone (ranks, multiprocessing's resource tracker): nothing it started outlives it.
+
+        SIGINT and SIGTERM are held back until it is done (`signals_deferred`): a handler that
+        raises (serve's, Ctrl-C's) would cut the stop short and leave the engine and its folder."""
+        with signals_deferred():
+            self._stop(kill, timeout)
+
+    def _stop(self, kill: bool, timeout: float) -> None:
         with self._send_lock:
             self._closing = True
         running = self.process.poll() is None  # only a group just stopped is signalled: its id is not reused yet
@@ -259,20 +289,79 @@ class EngineCoreClient(EngineClient):
         self._release()
 
     def _release(self) -> None:
-        """Close the sockets and the exit descriptor and remove the private folder."""
-        self._commands.close(linger=0)
-        self._outputs.close(linger=0)
-        self._ctx.term()
+        """Close the sockets and the exit descriptor and remove the private folder (whichever of
+        them a start cut short had made)."""
+        for sock in (getattr(self, "_commands", None), getattr(self, "_outputs", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.term()
         if self._exited is not None:
             os.close(self._exited)
             self._exited = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if getattr(self, "_dir", None) is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _signal_group(self, signum: int) -> None:
         try:
             os.killpg(self.process.pid, signum)
         except (ProcessLookupError, PermissionError):  # the group is gone already
             pass
+
+
+def sweep_abandoned_folders(parent: str) -> list[Path]:
+    """Remove the engine folders in `parent` left by API processes that were killed with their
+    engine (SIGKILL to both, out of memory): this user's `lmfoundry-engine-<pid>-*` folders whose
+    pid is gone and whose command socket no longer accepts a connection (pid namespaces may share
+    a temporary directory; a live client's socket always answers). Folders of the format before
+    the pid (`lmfoundry-engine-<random>`) are removed on the socket's word alone once older than
+    LEGACY_FOLDER_AGE_SECONDS. Returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(Path(parent).glob(f"{FOLDER_PREFIX}*"))
+    except OSError:
+        return removed
+    for folder in entries:
+        try:
+            info = folder.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        owner = re.fullmatch(rf"{FOLDER_PREFIX}(\d+)-.+", folder.name)
+        if owner is not None:
+            if _pid_exists(int(owner[1])):
+                continue
+        elif time.time() - info.st_mtime < LEGACY_FOLDER_AGE_SECONDS:
+            continue
+        if _accepts(folder / "commands"):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
+
+
+def _accepts(path: Path) -> bool:
+    """Whether a process listens on Unix socket `path` (a bound ZeroMQ ipc endpoint does)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:  # refused (nobody listens), missing, or not a socket
+            return False
+    return True
 
 
 def _exit_fd(pid: int) -> int | None:

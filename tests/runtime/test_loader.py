@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import tiny_model_folder, write_text
 
 from lmfoundry.cli import main
@@ -45,3 +46,25 @@ def test_a_quantized_cpu_engine_imports_no_compressed_tensors_dynamo_or_triton(t
         result = json.loads(run.stdout.strip().splitlines()[-1])
         assert len(result["tokens"]) == 4  # the engine served from the checkpoint it read
         assert result["loaded"] == [], kv_cache_dtype
+
+
+@pytest.mark.slow
+def test_a_tp_bundle_with_its_rank_folders_swapped_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Rank 0 finds rank 1's share under rank0/ (and rank 1 rank 0's): each rank's engine.json is
+    checked against the top-level record. serve says so in one line with the bundle check's exit
+    code (4); the engine's own exit used to print "Exception ignored ... SystemExit: 143" under it."""
+    from lmfoundry.compile.bundle import build_engine
+
+    folder = tiny_model_folder(tmp_path / "llama", "llama", seed=4, hidden_size=128, head_dim=64,
+                               num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+    engine = build_engine(folder, ["ampere"], tmp_path / "engine", weights="copy", tp=2, progress=False).output
+    (engine / "rank0").rename(engine / "swap")
+    (engine / "rank1").rename(engine / "rank0")
+    (engine / "swap").rename(engine / "rank1")
+    run = subprocess.run([sys.executable, "-m", "lmfoundry.cli", "serve", str(engine), "--tp", "2", "--port", "0",
+                          "--kv-cache-gb", "0.01", "--max-model-len", "64"], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 4, run.stderr
+    lines = [line for line in run.stderr.splitlines() if not line.startswith("cpu: ")]
+    assert lines == [f"error: {engine}/rank0/engine.json: missing, or not the one {engine}/engine.json records"], \
+        run.stderr
