@@ -16,7 +16,7 @@ FOLDERS = {"lmfoundry": "lmfoundry", "lmfoundry.quantizers": "quantizers", "lmfo
 LAYERS = [
     (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.output_paths", "lmfoundry.resources",
          "lmfoundry.gpus", "lmfoundry.recipe", "lmfoundry.checkpoint.headers", "lmfoundry.recipes",
-         "lmfoundry.child_python", "lmfoundry.devices", "lmfoundry.heap")),
+         "lmfoundry.child_python", "lmfoundry.devices", "lmfoundry.heap", "lmfoundry.staging")),
     # the quantized-weight format sits below the model, whose linears are built from it
     (2, ("lmfoundry.kernels", "lmfoundry.quantformat")),
     (3, ("lmfoundry.model",)),
