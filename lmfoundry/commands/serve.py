@@ -59,13 +59,16 @@ def _bundle_block_size(path: str) -> int:
     return int(read_manifest(folder)["kv_cache"]["block_size"])
 
 
-def _compiled_step_bundle(model: str, block_size: int) -> str:
+def _compiled_step_bundle(model: str, block_size: int, verified: bool) -> str:
     """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new, by
     a `lmfoundry compile` child that prints its own lines and time; `serve` refused a GPU or a
-    bundle before the engine process started)."""
+    bundle before the engine process started). `verified`: serve has just checked the files
+    against the checkpoint's lmfoundry.json, so the cache key takes the sha256s recorded there
+    instead of reading every weight a second time."""
     from lmfoundry.compile.cpu_step import cached_cpu_engine
 
-    return str(cached_cpu_engine(model, block_size=block_size, log_line=lambda m: click.echo(m, err=True))[0])
+    return str(cached_cpu_engine(model, block_size=block_size, log_line=lambda m: click.echo(m, err=True),
+                                 verified=verified)[0])
 
 
 def _compiled_step_by_default(model: str, device: str, tp: int, deterministic: bool, run_dtype: Any,
@@ -93,7 +96,7 @@ def _compiled_step_by_default(model: str, device: str, tp: int, deterministic: b
     return "this CPU has AMX and the checkpoint's weights are integer weight-only"
 
 
-def _default_compiled_step(model: str, block_size: int, reason: str | None) -> str:
+def _default_compiled_step(model: str, block_size: int, reason: str | None, verified: bool) -> str:
     """MODEL, or its cached compiled-step bundle where `reason` says to build it by default. A
     default is an optimization the user did not ask for: if the build fails (no C++ compiler,
     a step Inductor cannot compile), serve says why in one line and serves the eager model."""
@@ -101,7 +104,7 @@ def _default_compiled_step(model: str, block_size: int, reason: str | None) -> s
         return model
     click.echo(f"serving through the compiled step: {reason} (--no-compile-step serves the eager model)", err=True)
     try:
-        return _compiled_step_bundle(model, block_size)
+        return _compiled_step_bundle(model, block_size, verified)
     except Exception as exc:  # noqa: BLE001 - any failure of the optional build falls back, said in one line
         detail = " ".join(str(exc).split())[:200] or type(exc).__name__
         click.echo(f"warning: the compiled step could not be built ({detail}); serving the eager model", err=True)
@@ -109,7 +112,7 @@ def _default_compiled_step(model: str, block_size: int, reason: str | None) -> s
 
 
 def serving_engine(model: str, dtype: str, config: EngineConfig, *, device: str, compile_step: bool | None,
-                   draft_model: str | None = None) -> LLMEngine:
+                   draft_model: str | None = None, verified: bool = False) -> LLMEngine:
     """The engine `serve` runs, built in the engine process. Everything that reads the CPU or
     needs torch is decided here and not in the API process, which then never imports torch (on
     a CPU machine): the CPU's line, --dtype auto, the compiled step (the default's choice, and
@@ -124,11 +127,11 @@ def serving_engine(model: str, dtype: str, config: EngineConfig, *, device: str,
         click.echo(cpu_isa.describe(dtype), err=True)
     run_dtype = resolve_dtype(dtype, model, device)
     if compile_step:
-        model = _compiled_step_bundle(model, config.block_size)
+        model = _compiled_step_bundle(model, config.block_size, verified)
     elif compile_step is None:
         reason = _compiled_step_by_default(model, device, config.tensor_parallel_size, config.deterministic, run_dtype,
                                            config.max_loras, config.speculative)
-        model = _default_compiled_step(model, config.block_size, reason)
+        model = _default_compiled_step(model, config.block_size, reason, verified)
     engine = LLMEngine.from_pretrained(model, run_dtype, config, device=device, draft_model=draft_model)
     engine.release_eager_weights()  # a compiled step's package holds the weights: not twice
     return engine
@@ -472,7 +475,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
             server.should_exit = True  # in-flight requests have their 503; stop listening
 
     engine_spec = EngineSpec(serving_engine, (model, dtype, config),
-                             {"device": device, "compile_step": compile_step, "draft_model": draft_model})
+                             {"device": device, "compile_step": compile_step, "draft_model": draft_model,
+                              "verified": not skip_verify})
     # Until the server runs, SIGINT and SIGTERM stop serve through the engine client's cleanup, which
     # stops the engine process (SIGTERM's default action would end this process and orphan it), and
     # say so in one line. SIGINT too: started in the background by a shell, serve inherits it

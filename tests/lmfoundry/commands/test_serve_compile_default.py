@@ -65,13 +65,13 @@ def test_a_default_build_that_fails_serves_the_eager_model(folders, monkeypatch,
 
     monkeypatch.setattr(serve_command, "_compiled_step_bundle", broken)
     model = folders["w4a16"]
-    assert serve_command._default_compiled_step(model, 16, "reason") == model
+    assert serve_command._default_compiled_step(model, 16, "reason", True) == model
     err = capsys.readouterr().err
     assert "serving through the compiled step: reason" in err
     assert "could not be built (no C++ compiler found); serving the eager model" in err
-    monkeypatch.setattr(serve_command, "_compiled_step_bundle", lambda m, b: str(Path(m) / "bundle"))
-    assert serve_command._default_compiled_step(model, 16, "reason") == str(Path(model) / "bundle")
-    assert serve_command._default_compiled_step(model, 16, None) == model  # no reason: no build
+    monkeypatch.setattr(serve_command, "_compiled_step_bundle", lambda m, b, v: str(Path(m) / "bundle"))
+    assert serve_command._default_compiled_step(model, 16, "reason", True) == str(Path(model) / "bundle")
+    assert serve_command._default_compiled_step(model, 16, None, True) == model  # no reason: no build
 
 
 class EngineHere:
@@ -114,22 +114,26 @@ def test_serve_takes_the_default_and_no_compile_step_turns_it_off(folders, amx, 
     they named, not the cache folder's digest."""
     model = folders["w4a16"]
     cached = str(Path(model).parent / "cache" / "cpu-steps" / "0123abcd")
-    built: list[tuple[str, int]] = []
+    built: list[tuple[str, int, bool]] = []
 
-    def build(m, block_size):
-        built.append((m, block_size))
+    def build(m, block_size, verified):
+        built.append((m, block_size, verified))
         return cached
 
     monkeypatch.setattr(serve_command, "_compiled_step_bundle", build)
     with pytest.raises(SystemExit):
         main(["serve", model, "--port", "0", "--dtype", "bfloat16"])
     err = capsys.readouterr().err
-    assert built == [(model, 16)] and engine_here == [cached]
+    # serve verified the checkpoint against its manifest: the cache key may take its sha256s
+    assert built == [(model, 16, True)] and engine_here == [cached]
     assert "serving through the compiled step" in err and f"served as {Path(model).name}" in err
     with pytest.raises(SystemExit):
         main(["serve", model, "--port", "0", "--dtype", "bfloat16", "--no-compile-step"])
     err = capsys.readouterr().err
-    assert built == [(model, 16)] and engine_here == [cached, model]
+    assert built == [(model, 16, True)] and engine_here == [cached, model]
+    with pytest.raises(SystemExit):
+        main(["serve", model, "--port", "0", "--dtype", "bfloat16", "--skip-verify"])
+    assert built[-1] == (model, 16, False)  # not verified: the key hashes every file
     assert "compiled step" not in err and f"served as {Path(model).name}" in err
 
 
