@@ -388,10 +388,16 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
     errs = [float(m["weight_rel_error"]) for layer in report.layers.values() for m in layer.values()
             if isinstance(m, dict) and m.get("weight_rel_error") is not None]
     mean_err = sum(errs) / len(errs) if errs else float("nan")
+    out_errs = [float(m["output_rel_error"]) for layer in report.layers.values() for m in layer.values()
+                if isinstance(m, dict) and m.get("output_rel_error") is not None]
+    output_err = (f"mean relative output error {sum(out_errs) / len(out_errs):.4f} over {len(out_errs)} linears "
+                  "on the calibration data (what GPTQ and AWQ minimize)" if out_errs else
+                  f"relative output error not measured ({q.method} ran no calibration data)")
     lines = [
         f"wrote {out} ({plan.format()}, {q.method} {plan.groups[0].scheme.weights.describe()}"
         f"{', kv ' + q.kv_cache if q.kv_cache else ''})",
         f"mean relative weight error {mean_err:.4f} over {len(errs)} linears; {len(report.warnings)} warning(s)",
+        output_err,
         f"time {time.time() - t0:.1f} s; peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB "
         f"(process baseline {baseline_rss / 2**20:.0f} MiB)",
     ]

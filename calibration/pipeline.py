@@ -35,6 +35,7 @@ from lmfoundry.model.reference import embed as embed_rows
 from lmfoundry.quantformat.qmath import all_finite, check_group_size
 from lmfoundry.quantformat.scheme import QuantizationPlan, Scheme
 from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, weight_error
+from lmfoundry.quantizers.output_error import OutputErrorMeter
 
 Propagate = Literal["quantized", "float"]
 
@@ -180,6 +181,7 @@ def _sequential_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer
     `LayerCalibration.run_sequential`); leaves the layer's outputs in `calib.inputs`."""
     hooks = quantizer.calibration_hooks(layer, schemes, idx)
     result = LayerResult({})
+    meter = OutputErrorMeter(layer, list(schemes), len(calib.inputs), calib.num_tokens)
 
     def observe(group: tuple[str, ...], x: torch.Tensor) -> None:
         members = [n for n in group if n in schemes]
@@ -190,10 +192,12 @@ def _sequential_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer
         quantizer.quantize_group(layer, group, schemes, idx, result)
         for name in group:
             if name in result.weights:
+                meter.quantized(name, layer.get_submodule(name).weight.data)
                 layer.get_submodule(name).weight.data = result.weights[name].dequantize(work_dtype)
 
     with torch.no_grad():
         calib.inputs = calib.run_sequential(layer, observe, finish)
+    _record_output_errors(result, meter.finish())
     return result
 
 
@@ -206,19 +210,31 @@ def _two_pass_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: 
     float_out = calib.run(layer, hooks=hooks, keep_outputs=True) if calib is not None else None
     with torch.no_grad():
         result: LayerResult = quantizer.quantize_layer(layer, schemes, calib, idx)
+        meter = (OutputErrorMeter(layer, list(result.weights), len(calib.inputs), calib.num_tokens)
+                 if calib is not None else None)
         for name, qw in result.weights.items():
+            if meter is not None:  # the float weight the method quantized (after any smoothing folded in)
+                meter.quantized(name, layer.get_submodule(name).weight.data)
             layer.get_submodule(name).weight.data = qw.dequantize(work_dtype)
         for fn in extra_layer_passes:  # run on the quantized layer
             fn(layer, calib, idx, result)
     metrics: dict[str, Any] = {}
     if calib is not None:
         q_out = calib.run(layer, keep_outputs=True)
-        assert float_out is not None  # computed above whenever calib is
+        assert float_out is not None and meter is not None  # made above whenever calib is
+        _record_output_errors(result, meter.finish())
         err = [weight_error(f, q) for f, q in zip(float_out, q_out, strict=True)]
         group = ranks()  # the mean over every rank's batches
         metrics["output_rel_error"] = group.sum_number(sum(err)) / group.sum_number(len(err))
         calib.inputs = q_out if propagate == "quantized" else float_out
     return result, metrics
+
+
+def _record_output_errors(result: LayerResult, errors: dict[str, float]) -> None:
+    """Each linear's output error (quantizers/output_error.py) into its metrics, next to
+    its weight error."""
+    for name, err in errors.items():
+        result.weights[name].metrics["output_rel_error"] = err
 
 
 def calibration_batches(calib_ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -275,6 +291,10 @@ def run_pipeline(
     next layer) and a journal that already holds k layers makes the run continue at layer k.
     Under torchrun every rank runs this on its share of the batches (`calibration_batches`) and
     only the writer rank passes a `writer` (the others pass None and write nothing).
+
+    `calib_ids` given to a data-free method (RTN) are run through each layer only to measure each
+    linear's output error (quantizers/output_error.py); the quantize job passes none then, as the
+    forward passes are what such a method is chosen to avoid.
     """
     t0 = time.time()
     config = ModelConfig.from_dict(reader.config)
@@ -286,6 +306,7 @@ def run_pipeline(
     needs_data = quantizer.needs_calibration or bool(extra_layer_passes)
     if needs_data and calib_ids is None:
         raise UserError(f"method {quantizer.name} needs calibration data")
+    needs_data = calib_ids is not None  # a data-free method given data runs it only to measure output errors
     if writer is None and not needs_data:
         return report  # a non-writing rank of a job without calibration data has no share of work
 
