@@ -27,7 +27,8 @@ Llama's q/k rows are reordered from the rotate-half layout to the interleaved pa
 rope expects (per head, rows i and i + D/2 become neighbours); Qwen2/Qwen3 use the rotate-half
 ("NEOX") rope in llama.cpp and keep their order. Tensor names come from the `gguf` package's map,
 the tokenizer from the checkpoint's tokenizer.json (`gguf.vocab.BpeVocab`, merges and special
-tokens via `SpecialVocab`).
+tokens via `SpecialVocab`), with the pre-tokenizer name llama.cpp's converter would give it
+(`gguf_pretokenizer`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from lmfoundry.errors import UserError, disk_full
+from lmfoundry.export import gguf_pretokenizer
 
 ARCHES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
 EMBEDDING_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")  # auto: the checkpoint's stored dtype
@@ -55,6 +57,7 @@ class ExportReport:
     types: dict[str, int] = field(default_factory=dict)
     max_scale_rounding: float = 0.0  # largest |fp16(s) - s| / s over every exported scale
     bytes: int = 0
+    tokenizer_pre: str = ""  # llama.cpp's pre-tokenizer name written (`tokenizer.ggml.pre`)
 
 
 def ggml_type_of(args: Any) -> str:
@@ -158,10 +161,11 @@ def float_tensor(tensor: torch.Tensor, kind: str = "auto") -> tuple[np.ndarray, 
     return tensor.to(torch.float16).numpy(), None, "F16"
 
 
-def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "default",
+def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str | None = None,
                 progress: bool = True, embedding_type: str = "auto") -> ExportReport:
     """Write `checkpoint` (ours, compressed-tensors) as one GGUF file at `output` (written to a
-    hidden file beside it and renamed at the end), the token embedding as `embedding_type`."""
+    hidden file beside it and renamed at the end), the token embedding as `embedding_type`.
+    `tokenizer_pre` is llama.cpp's pre-tokenizer name; None detects it (`gguf_pretokenizer`)."""
     if embedding_type not in EMBEDDING_TYPES:
         raise UserError(f"embedding type {embedding_type!r}: expected one of {', '.join(EMBEDDING_TYPES)}")
     import gguf
@@ -188,6 +192,7 @@ def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "defa
         if g.scheme.input_activations is not None:
             raise UserError(f"{g.scheme.name} quantizes activations; GGUF stores weight-only formats")
         kinds[g.scheme.name] = ggml_type_of(g.scheme.weights)
+    tokenizer_pre = gguf_pretokenizer.tokenizer_pre(Path(reader.folder), tokenizer_pre)
     arch = getattr(gguf.MODEL_ARCH, arch_name)
     names = gguf.get_tensor_name_map(arch, config.num_layers)
     permute_qk = arch_name == "LLAMA"
@@ -199,7 +204,7 @@ def export_gguf(checkpoint: str | Path, output: Path, tokenizer_pre: str = "defa
     if not os.access(output.parent, os.W_OK):
         raise UserError(f"{output.parent}: not a writable folder")
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    report = ExportReport(output)
+    report = ExportReport(output, tokenizer_pre=tokenizer_pre)
     writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
     try:
         _write_metadata(writer, reader, config, plan, kinds, tokenizer_pre)
