@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from lmfoundry.capacity.arithmetic import KV_DTYPE_BYTES, WEIGHT_PRECISIONS, QuantSpec
+from lmfoundry.checkpoint.sources import BUILTIN_MODELS
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Names resolved from the lmfoundry model cache instead of a path.
-EMBEDDED_MODELS = ("smollm2-135m",)
+# the built-in model names every verb takes (`plan` reads their converted config from the cache)
+EMBEDDED_MODELS = tuple(BUILTIN_MODELS)
 
 # Dense decoders outside lmfoundry/model/config.py's list whose parameters follow the Llama layout (q/k/v/o
 # attention, gated MLP); value = their config class's tie_word_embeddings default, used when
