@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,6 +35,23 @@ def _log_rest(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     1 - sum(top-k), which cancels catastrophically when the top-k hold almost everything)."""
     masked = logprobs.scatter(-1, ids, float("-inf"))
     return torch.logsumexp(masked, dim=-1)
+
+
+ROWS_AT_ONCE = 128  # positions whose full-vocabulary temporaries exist at once
+
+
+def _by_rows(fn: Callable[..., tuple[np.ndarray, ...]], logits: torch.Tensor, targets: torch.Tensor,
+             rows: int = ROWS_AT_ONCE) -> tuple[np.ndarray, ...]:
+    """`fn` over `logits` [B, T, V] `rows` positions at a time, its [B, t, ...] results joined
+    along positions. Each call makes a few full-vocabulary float copies (log-softmax, the masked
+    rest, comparisons): over a whole batch of windows of a 128k-152k vocabulary those were GBs,
+    more than the model's own activations; `rows` positions at a time they are a few hundred MB.
+    `fn` gets the positions' logits, targets and slice."""
+    parts = []
+    for lo in range(0, logits.shape[1], rows):
+        at = slice(lo, min(lo + rows, logits.shape[1]))
+        parts.append(fn(logits[:, at], targets[:, at], at))
+    return tuple(np.concatenate(p, axis=1) for p in zip(*parts, strict=True))
 
 
 @dataclass
@@ -77,12 +95,15 @@ class ReferenceRecorder:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """`logits` [B, T, V] predict `targets` [B, T]."""
+        self._parts.append(_by_rows(self._record, logits, targets))
+
+    def _record(self, logits: torch.Tensor, targets: torch.Tensor, _at: slice) -> tuple[np.ndarray, ...]:
         lp = torch.log_softmax(logits.float(), dim=-1)
         k = min(self.top_k, lp.shape[-1])
         top, ids = lp.topk(k, dim=-1)
         rest = _log_rest(lp, ids)
         target = lp.gather(-1, targets.unsqueeze(-1).to(lp.device)).squeeze(-1)
-        self._parts.append(tuple(t.cpu().numpy() for t in (ids.to(torch.int32), top, rest, target)))
+        return tuple(t.cpu().numpy() for t in (ids.to(torch.int32), top, rest, target))
 
     def reference(self) -> Reference:
         ids, lps, rest, target = (np.concatenate(p) for p in zip(*self._parts, strict=True))
@@ -115,6 +136,7 @@ class DivergenceScorer:
     def __init__(self, reference: Reference) -> None:
         self.reference = reference
         self._next = 0
+        self._rows = slice(0, 0)  # the windows of the batch being scored
         self._parts: list[tuple[np.ndarray, ...]] = []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -123,12 +145,17 @@ class DivergenceScorer:
         self._next += logits.shape[0]
         if ref.ids[rows].shape[:2] != tuple(logits.shape[:2]):
             raise ValueError("the candidate's perplexity windows differ from the baseline's reference")
+        self._rows = rows
+        self._parts.append(_by_rows(self._score, logits, targets))
+
+    def _score(self, logits: torch.Tensor, targets: torch.Tensor, at: slice) -> tuple[np.ndarray, ...]:
+        ref, rows = self.reference, self._rows
         lp = torch.log_softmax(logits.float(), dim=-1)  # on the model's device (a GPU for a bundle)
-        ids = torch.from_numpy(ref.ids[rows]).long().to(lp.device)
+        ids = torch.from_numpy(np.ascontiguousarray(ref.ids[rows, at])).long().to(lp.device)
         cand_k = lp.gather(-1, ids).double()
         cand_rest = _log_rest(lp, ids).double()
-        base_k = torch.from_numpy(ref.logprobs[rows]).double().to(lp.device)
-        base_rest = torch.from_numpy(ref.log_rest[rows]).double().to(lp.device)
+        base_k = torch.from_numpy(np.array(ref.logprobs[rows, at])).double().to(lp.device)
+        base_rest = torch.from_numpy(np.array(ref.log_rest[rows, at])).double().to(lp.device)
         kld = (base_k.exp() * (base_k - cand_k)).sum(-1)
         rest = base_rest.exp()
         # the rest bucket's term; zero when the baseline's top-k covered everything
@@ -139,9 +166,9 @@ class DivergenceScorer:
         base_at_cand_top = torch.where(ids == lp.argmax(-1, keepdim=True), base_k, float("-inf")).max(-1).values
         same = (lp.gather(-1, ids[..., :1]).squeeze(-1) == cand_max) | (base_at_cand_top == base_k[..., 0])
         cand_target = lp.gather(-1, targets.unsqueeze(-1).to(lp.device)).squeeze(-1).double()
-        dp = cand_target.exp() - torch.from_numpy(ref.target_logprob[rows]).double().to(lp.device).exp()
+        dp = cand_target.exp() - torch.from_numpy(np.array(ref.target_logprob[rows, at])).double().to(lp.device).exp()
         # rounding can leave a tiny negative KL for identical distributions; KL is >= 0
-        self._parts.append(tuple(t.cpu().numpy() for t in (kld.clamp_min(0), same, dp, rest)))
+        return tuple(t.cpu().numpy() for t in (kld.clamp_min(0), same, dp, rest))
 
     def statistics(self) -> TokenStatistics:
         if self._next != self.reference.ids.shape[0]:

@@ -47,15 +47,18 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from lmfoundry.errors import UserError
+from lmfoundry.heap import release_free_heap
 from lmfoundry.evals import stats
 from lmfoundry.evals.comparison import compare
 from lmfoundry.evals.divergence import DivergenceScorer, Reference, ReferenceRecorder, TokenStatistics, summary
+from lmfoundry.evals.gate_memory import MemoryPlan, Phases, imported_process_bytes, model_memory
 from lmfoundry.evals.gate_spec import GateSpec, TaskSpec, Tier, load_gate
 from lmfoundry.evals.generation import Prompt, common_prefix, generate, tier_prompts, validity
 from lmfoundry.resources import shipped
 
 TASKS_DIR = shipped("lmfoundry.evals", "tasks")
 SCHEMA_VERSION = 2
+PPL_BATCH = 1  # perplexity windows per engine call (part of the cache key: batching changes rounding)
 
 
 # ---- tasks ----------------------------------------------------------------------------------
@@ -366,7 +369,7 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     adapter = None if lora is None else {"name": lora[0], "path": lora[1], "sha256": adapter_fingerprint(lora[1])["sha256"]}
     key = {"schema": SCHEMA_VERSION, "model": fp["sha256"], "versions": _versions(),
            "tasks": [[t.name, t.limit, task_hashes.get(t.name)] for t in tasks],
-           "ppl": None if ppl is None else [ppl.text, ppl.ctx, ppl.windows, ppl.top_k],
+           "ppl": None if ppl is None else [ppl.text, ppl.ctx, ppl.windows, ppl.top_k, PPL_BATCH],
            "reference": None if reference is None else reference.digest(),
            "generation": None if gen is None else [gen.max_tokens, [p.__dict__ for p in prompts or []]],
            "prompt": [gate.add_bos, gate.chat_template, gate.num_fewshot], "seed": gate.seed,
@@ -389,6 +392,8 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
     from lmfoundry.evals.perplexity import perplexity
     from lmfoundry.runtime.loader import load_model
 
+    phases = Phases()
+    phases.mark("start")
     t0, cpu0 = time.time(), time.process_time()
     if tp > 1:
         from lmfoundry.runtime.engine.ranks import ShardSpec, load_sharded
@@ -410,8 +415,10 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
                             "prompt": {**lm.prompt_settings(), "chat_template": gate.chat_template,
                                        "num_fewshot": gate.num_fewshot},
                             "threads": torch.get_num_threads()}
+    phases.mark("loaded")
     t1 = time.time()
     data["tasks"] = run_lm_eval(lm, tasks, gate, include_paths, progress=progress)
+    phases.mark("tasks")
     t2 = time.time()
     recorder: ReferenceRecorder | None = None
     scorer: DivergenceScorer | None = None
@@ -422,16 +429,20 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
             observe = recorder = ReferenceRecorder(ppl.top_k)
         else:
             observe = scorer = DivergenceScorer(reference)
-        res = perplexity(lm, stream, ctx=ppl.ctx, max_windows=ppl.windows, progress=progress, observe=observe)
+        # one window at a time: its float32 logits over a 128k-152k vocabulary are a third of a GB
+        res = perplexity(lm, stream, ctx=ppl.ctx, max_windows=ppl.windows, batch_size=PPL_BATCH, progress=progress,
+                         observe=observe)
         used = stream[: res.windows * ppl.ctx]
         data["perplexity"] = {"source": source, "source_sha256": digest, "token_sha256": token_hash(used),
                               "ctx": ppl.ctx, "windows": res.windows, "ppl": res.ppl,
                               "window_nll": res.window_nll, "window_tokens": [ppl.ctx - 1] * res.windows}
         if scorer is not None:
             data["divergence"] = scorer.statistics().to_lists()
+        phases.mark("perplexity")
     t3 = time.time()
     if gen is not None and prompts is not None:
         data["generation"] = generate(lm, prompts, gen.max_tokens)
+        phases.mark("generation")
     data["seconds"] = {"load": round(t1 - t0, 2), "tasks": round(t2 - t1, 2), "perplexity": round(t3 - t2, 2),
                        "generation": round(time.time() - t3, 2),
                        "cpu": round(time.process_time() - cpu0, 2)}  # this process's CPU seconds, all threads
@@ -439,6 +450,11 @@ def evaluate_model(spec: str, tier: Tier, gate: GateSpec, include_paths: list[Pa
         model.close()  # the worker ranks' CPU time is not in "cpu" above
     del model, lm
     gc.collect()  # the next model (an 8B candidate after its baseline) must find this one's memory free
+    # glibc keeps freed heap pages mapped for reuse; the candidate's weights would then be counted
+    # on top of the baseline's in resident memory even though the baseline is gone
+    release_free_heap()
+    phases.mark("freed")
+    data["memory"] = phases.rows
     kept = None if recorder is None else recorder.reference()
     if use_cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -558,6 +574,24 @@ def run_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: 
     return GateResult(verdict, code, report, json_path, md_path, png_path, promoted)
 
 
+def plan_gate(candidate: str, baseline: str, gate_spec: str | None = None, tier: str = "quick",
+              device: str = "cpu", dtype: str = "auto") -> MemoryPlan:
+    """What `run_gate` will hold in memory at its peak (`gate_memory.py`), from the models'
+    configs and safetensors headers, without loading either: CI sizes its runner from this line
+    before spending an hour on a model that does not fit."""
+    from lmfoundry.runtime.loader import resolve_dtype
+
+    plan = load_gate(gate_spec).tier(tier)
+    parts = []
+    for spec, is_base in ((baseline, True), (candidate, False)):
+        m = check_model(spec, allow_bundle=True)
+        if m.bundle:
+            raise UserError(f"{spec}: --dry-run plans checkpoints run on the CPU engine, not engine bundles")
+        parts.append(model_memory(spec, m.folder, m.config, plan, resolve_dtype(dtype, spec, device), device,
+                                  baseline=is_base))
+    return MemoryPlan(imported_process_bytes(), parts)
+
+
 def _check_adapter(lora: tuple[str, str], models: tuple[CheckedModel, ...], tp: int, device: str) -> None:
     """Refuse, before either model is evaluated, an adapter either base cannot run (one line)."""
     from lmfoundry.checkpoint.lora_adapter import check_adapter
@@ -607,7 +641,7 @@ def _check_output_folder(out: Path, inputs: list[Any]) -> None:
 def _model_summary(ev: dict[str, Any]) -> dict[str, Any]:
     return {"spec": ev["spec"], "path": ev["path"], "sha256": ev["fingerprint"]["sha256"],
             "files": ev["fingerprint"]["files"], "dtype": ev["dtype"], "execution": ev.get("execution"),
-            "prompt": ev["prompt"],
+            "prompt": ev["prompt"], "memory": ev.get("memory"),
             "threads": ev["threads"], "seconds": ev["seconds"], "from_cache": ev.get("from_cache")}
 
 

@@ -430,7 +430,9 @@ class RuntimeLM(TemplateLM):
     def next_token_logits(self, batch: torch.Tensor) -> torch.Tensor:
         """float32 logits [B, T - 1, vocab] of windows [B, T] through the serving engine, row j
         predicting token j + 1 of its window (`perplexity` takes this in place of a forward)."""
-        return torch.stack(self.engine().prompt_logits(batch.tolist()))
+        rows = self.engine().prompt_logits(batch.tolist())
+        # one window (eval-gate's perplexity): a view, not a copy of [T - 1, vocab] float32
+        return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Greedy generation on the serving engine; stops at any `until` string or EOS; the

@@ -47,6 +47,22 @@ def windows_of(stream: torch.Tensor, ctx: int, max_windows: int | None = None) -
     return stream[: n * ctx].view(n, ctx)
 
 
+ROWS_AT_ONCE = 128  # positions whose full-vocabulary temporaries (log-softmax, masks) exist at once
+
+
+def summed_nll(logits: torch.Tensor, targets: torch.Tensor, rows: int = ROWS_AT_ONCE) -> torch.Tensor:
+    """Summed NLL per row of `logits` [B, T, V] predicting `targets` [B, T], `rows` positions at a
+    time: cross_entropy over all of [B, T, V] at once makes a log-softmax copy as large as the
+    logits, which for a 128k-152k vocabulary is a third of a GB per 512-token window."""
+    out = torch.zeros(logits.shape[0], dtype=torch.float64)
+    for lo in range(0, logits.shape[1], rows):
+        part = logits[:, lo : lo + rows]
+        nll = F.cross_entropy(part.reshape(-1, part.shape[-1]), targets[:, lo : lo + rows].reshape(-1).to(part.device),
+                              reduction="none").view(part.shape[0], -1)
+        out += nll.double().sum(1).cpu()
+    return out
+
+
 @torch.no_grad()
 def perplexity(
     model: CausalLM | Callable[[torch.Tensor], torch.Tensor] | Any, stream: torch.Tensor, ctx: int = 512,
@@ -62,10 +78,8 @@ def perplexity(
         logits = scorer(batch) if scorer is not None else model(batch)[:, :-1]
         if observe is not None:
             observe(logits, batch[:, 1:])
-        nll = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1).to(logits.device), reduction="none"
-        ).view(batch.shape[0], -1)
-        sums.extend(nll.double().sum(1).tolist())
+        sums.extend(summed_nll(logits, batch[:, 1:]).tolist())
+        del logits  # before the next batch's logits exist
     tokens = wins.shape[0] * (ctx - 1)
     mean = sum(sums) / tokens
     return PerplexityResult(math.exp(mean), mean, tokens, wins.shape[0], ctx, sums)

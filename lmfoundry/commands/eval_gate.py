@@ -47,10 +47,13 @@ from lmfoundry.runtime.dtypes import DTYPES
               help="Run this PEFT LoRA adapter on both models (as `serve --lora` runs it): gates the adapter on "
                    "the quantized CANDIDATE against the adapter on the float --baseline, the question before "
                    "promoting a QLoRA deployment. Refused in one line if it does not fit either model.")
+@click.option("--dry-run", is_flag=True,
+              help="Print what the run will hold in memory (weights, KV cache, activations, logits, the process) "
+                   "and its predicted peak, from the configs and safetensors headers; evaluate nothing.")
 def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, output: str,
               tasks: tuple[str, ...], include_paths: tuple[str, ...], inconclusive_exit: int | None,
               no_cache: bool, no_promotion: bool, quiet: bool, device: str, dtype: str, tp: int,
-              deterministic: bool, skip_verify: bool, lora: str | None = None) -> None:
+              deterministic: bool, skip_verify: bool, lora: str | None = None, dry_run: bool = False) -> None:
     """Evaluate CANDIDATE and --baseline on the same documents through the serving engine, in the
     dtype and on the execution path `serve` runs them with (recorded in the report): lm-eval tasks (accuracy and flips), perplexity windows with the per-token
     KL divergence, same-top-token rate and Δp against the baseline's next-token distributions
@@ -64,12 +67,18 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     from pathlib import Path
 
     from lmfoundry.devices import check_device
-    from lmfoundry.evals.gate import run_gate
+    from lmfoundry.evals.gate import plan_gate, run_gate
     from lmfoundry.manifest import verify_artifact
     from lmfoundry.runtime.bundle_manifest import is_engine_bundle
     from lmfoundry.runtime.placement import check_tensor_parallel
 
     device = check_device(device)
+    if dry_run:
+        if tp > 1 or lora is not None or device != "cpu":
+            raise UserError("--dry-run plans the CPU engine in one process without --lora; drop --tp / --lora / --device")
+        for line in plan_gate(candidate, baseline, gate_file, tier, device, dtype).lines():
+            click.echo(line)
+        return
     check_tensor_parallel(tp, device, (candidate, baseline))
     if deterministic and (device != "cpu" or tp > 1):
         raise UserError("--deterministic runs the CPU engine in one process; drop --device / --tp")
