@@ -1,8 +1,13 @@
 """User-facing errors.
 
-A `UserError` is a mistake the user can fix (bad path, bad flag, unsupported model). The CLI prints
-its message as one line and exits non-zero, without a traceback; anything else is a bug and keeps
-its traceback.
+`LmfoundryError` is the family the Python API raises (`lmfoundry.LmfoundryError`): a mistake the
+user can fix (bad path, bad option, unsupported model), whose message is one line. The CLI prints
+that line and exits non-zero, without a traceback; the library itself never exits (no
+`SystemExit`), so a notebook or a CI script catches it like any exception. Anything else is a bug
+and keeps its traceback.
+
+`UserError` is the name the stages raise it under; it is a subclass, so every `raise UserError`
+already belongs to the family and `except LmfoundryError` catches them all.
 """
 
 from __future__ import annotations
@@ -10,8 +15,8 @@ from __future__ import annotations
 import errno
 
 
-class UserError(Exception):
-    """An error caused by user input; printed as one line by the CLI (exit code `exit_code`)."""
+class LmfoundryError(Exception):
+    """An error the user can fix, said in one line; the CLI prints it and exits with `exit_code`."""
 
     exit_code = 2
 
@@ -19,6 +24,10 @@ class UserError(Exception):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+
+class UserError(LmfoundryError):
+    """An error caused by user input (a bad path, flag, recipe or model): what the stages raise."""
 
 
 def disk_full(exc: BaseException) -> bool:

@@ -1,12 +1,14 @@
-"""`lmfoundry compile CHECKPOINT --arch hopper [--arch ampere ...] [-o ENGINE]`, or `--arch cpu`."""
+"""`lmfoundry compile CHECKPOINT --arch hopper [--arch ampere ...] [-o ENGINE]`, or `--arch cpu`.
+
+Parses the flags and prints the bundle; the build is `lmfoundry.compile(...)` (lmfoundry/api/build.py),
+so the command and a script compile through one path.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import click
-
-from lmfoundry.errors import UserError
 
 
 @click.command("compile")
@@ -48,40 +50,20 @@ def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, wei
       lmfoundry compile out/ --arch cpu -o engine-cpu/
       lmfoundry compile out/ --arch hopper --tp 2 -o engine-tp2/
     """
-    log = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
-    if any(a.strip().lower() == "cpu" for a in archs):
-        if len(archs) > 1:
-            raise UserError("--arch cpu builds a bundle of its own (a compiled CPU step, no cubins): "
-                            "run it separately from the GPU archs")
-        if tp > 1:
-            raise UserError(f"--arch cpu compiles one process's step; --tp {tp} serves the checkpoint (or a GPU "
-                            "arch's bundle) split over CPU processes without a compiled step")
-        if max_loras is not None:
-            raise UserError("--max-loras builds GPU kernels; an --arch cpu bundle serves adapters without them "
-                            "(`serve ENGINE --lora ...` runs steps with adapter rows on its eager layers)")
-        from lmfoundry.compile.cpu_step import DEFAULT_MAX_TOKENS, build_cpu_engine
+    from lmfoundry.api.build import compile as compile_bundle
 
-        step_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-        out, manifest, seconds = build_cpu_engine(checkpoint, output, block_size=block_size,
-                                                  max_tokens=step_tokens, log_line=log)
-        cpu = manifest["cpu"]
-        click.echo(f"engine: {out}")
+    bundle = compile_bundle(checkpoint, arch=archs, output=output, weights=weights, jobs=workers,
+                            block_size=block_size, dtype=dtype, tune=tune, max_tokens=max_tokens, tp=tp,
+                            max_loras=max_loras, max_lora_rank=max_lora_rank, quiet=quiet)
+    click.echo(f"engine: {bundle.path}" + (f" ({tp} ranks: rank0/ .. rank{tp - 1}/)" if tp > 1 else ""))
+    if bundle.scheme["target"] == "cpu":
+        cpu = bundle.manifest["cpu"]
         click.echo(f"cpu step: {cpu['step']['path']} ({cpu['step']['bytes'] / 2**20:.1f} MiB, {cpu['isa']}, "
-                   f"1..{cpu['max_tokens']} tokens a step), built in {seconds:.1f} s")
+                   f"1..{cpu['max_tokens']} tokens a step), built in {bundle.seconds:.1f} s")
         return
-    if max_tokens is not None:
-        raise UserError("--max-tokens applies to --arch cpu only")
-    from lmfoundry.compile.bundle import build_engine
-
-    result = build_engine(checkpoint, list(archs), output, weights=weights, workers=workers, block_size=block_size,
-                          dtype=None if dtype == "auto" else dtype, tune=tune, progress=not quiet,
-                          log=log, tp=tp, lora=(max_loras, max_lora_rank) if max_loras is not None else None)
-    kernels = result.kernels
-    per_arch = Counter(k["sm"] for k in kernels)
-    fusions = [f["name"] for f in result.fusions if f["applied"]]
-    click.echo(f"engine: {result.output}" + (f" ({tp} ranks: rank0/ .. rank{tp - 1}/)" if tp > 1 else ""))
-    click.echo(f"kernels: {len(kernels)} ({', '.join(f'{sm}: {n}' for sm, n in sorted(per_arch.items()))}), "
-               f"SASS checks passed, built in {result.seconds:.1f} s")
-    click.echo(f"fusions: {', '.join(fusions) or 'none'}")
+    per_arch = Counter(k["sm"] for k in bundle.kernels)
+    click.echo(f"kernels: {len(bundle.kernels)} ({', '.join(f'{sm}: {n}' for sm, n in sorted(per_arch.items()))}), "
+               f"SASS checks passed, built in {bundle.seconds:.1f} s")
+    click.echo(f"fusions: {', '.join(bundle.fusions) or 'none'}")
     if max_loras is not None:
         click.echo(f"lora: kernels for {max_loras} adapter(s) up to rank {max_lora_rank}")

@@ -1,20 +1,21 @@
 """`lmfoundry quantize`: calibrate a model layer by layer and write a compressed-tensors checkpoint.
 
-This module only turns the command line into a `QuantizeJob` (the recipe YAML with the flags
-applied, once); `lmfoundry.calibration.job.run_job` runs it, output-folder checks included. The
-recipe options are shared with `lmfoundry doctor`, so a command line can be checked by replacing
-`quantize` with `doctor`.
+This module only parses the command line: the recipe is built (the YAML with the flags applied,
+once) and the job run by the Python API's `quantize` path (`lmfoundry.api.build`), the same
+code `lmfoundry.quantize(...)` runs, output-folder checks included; the summary is printed here.
+The recipe options are shared with `lmfoundry doctor`, so a command line can be checked by
+replacing `quantize` with `doctor`.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import click
 
-from lmfoundry.calibration.job import OFFLOAD_CHOICES, QuantizeJob, run_job
+from lmfoundry.api.build import build_recipe, run_quantize
+from lmfoundry.calibration.job import OFFLOAD_CHOICES
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.from_recipe import KV_CHOICES
 from lmfoundry.recipe import Recipe
@@ -83,12 +84,11 @@ def recipe_options(f: Any) -> Any:
 
 def recipe_from_cli(recipe: str | None, calib: str | None = None, per_channel: bool | None = None,
                     options: tuple[str, ...] = (), allow_pickle: bool = False, **flags: Any) -> Recipe:
-    """The recipe as applied: the YAML (or the defaults) with every given flag overriding it, checked
-    again after the overrides (a `--option` value or a flag may be what makes it invalid). `--option`
-    adds to the recipe's options rather than replacing them."""
-    rec = Recipe.from_yaml(recipe)
-    merged = {**rec.quantize.options, **parse_options(options)} if options else None
-    return rec.with_overrides(source=calib, per_channel=per_channel or None, options=merged, **flags)
+    """The recipe as applied (`build_recipe`): the YAML (or the defaults) with every given flag
+    overriding it. `--per-channel` can only turn per-channel on (absent, the recipe decides), and
+    `--option` adds to the recipe's options rather than replacing them."""
+    return build_recipe(recipe, calib=calib, per_channel=per_channel or None,
+                        options=parse_options(options) if options else None, **flags)
 
 
 @click.command("quantize")
@@ -119,10 +119,9 @@ def quantize(model: str, output: str, overwrite: bool, skip_doctor: bool, quiet:
     Data-parallel calibration: `torchrun --nproc-per-node N --no-python lmfoundry quantize ...`
     shares the calibration samples among N processes (gloo on CPU, NCCL on GPU, one GPU each),
     sums their statistics before every quantization step, and rank 0 writes the checkpoint."""
-    job = QuantizeJob(model, Path(output), recipe_from_cli(**flags), overwrite=overwrite,
-                      allow_pickle=flags["allow_pickle"], doctor=not skip_doctor, progress=not quiet,
-                      resume=resume, device=device, offload=offload)
-    summary = run_job(job)
+    _, summary = run_quantize(model, output=output, recipe=recipe_from_cli(**flags), allow_pickle=flags["allow_pickle"],
+                              overwrite=overwrite, skip_doctor=skip_doctor, resume=resume, device=device,
+                              offload=offload, quiet=quiet)
     if summary:
         click.echo(summary)
 

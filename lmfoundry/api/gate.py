@@ -1,0 +1,54 @@
+"""`eval_gate`: the eval-gate of `lmfoundry eval-gate` as a call that returns its result.
+
+`run_gate` (lmfoundry/evals/gate.py) does the work and already returns a `GateResult`; this adds
+what the command does before it (the device check, every checkpoint's files verified against
+their sha256) and never exits: the verdict is data, `exit_code` the code the command would
+exit with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lmfoundry.api.artifacts import Bundle, Checkpoint
+
+if TYPE_CHECKING:
+    from lmfoundry.evals.gate import GateResult
+
+
+def eval_gate(candidate: str | Path | Checkpoint | Bundle, *, baseline: str | Path | Checkpoint | Bundle,
+              gate: str | Path | None = None, tier: str = "quick", output: str | Path = "eval-gate",
+              tasks: Sequence[str] = (), include_paths: Sequence[str] = (), use_cache: bool = True,
+              inconclusive_exit: int | None = None, write_promotion: bool = True, device: str = "cpu",
+              dtype: str = "auto", tp: int = 1, deterministic: bool = False, skip_verify: bool = False,
+              quiet: bool = False) -> GateResult:
+    """Gate `candidate` against `baseline` (each a folder, a GGUF file, a built-in name, or what
+    `quantize` / `compile` returned) on the same documents through the serving engine, as
+    `lmfoundry eval-gate` does, and return the `GateResult`:
+
+    - `verdict`: "pass", "fail" or "inconclusive"; `exit_code`: what the command exits with;
+    - `report["metrics"]`: each statistic with its point estimate, interval (`low`, `high`),
+      threshold, verdict and whether it is gated; `report["failing"]`: the failing ones;
+    - `json_path`, `markdown_path`, `plot_path`: the reports written under `output`;
+    - `promotion_written`: whether the verdict went into the candidate's lmfoundry.json.
+
+    `gate` is a gate YAML (a path, a name in recipes/gates/, or a recipe with a `gate` section;
+    None: the default gate). The baseline's results are cached, so gating several candidates
+    evaluates it once. Progress goes to stderr, nothing with `quiet`. A bad input raises
+    `LmfoundryError`; a failing verdict is a result, not an exception."""
+    from lmfoundry.devices import check_device
+    from lmfoundry.evals.gate import run_gate
+    from lmfoundry.manifest import verify_artifact
+    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+
+    cand, base = (str(m.path if isinstance(m, (Checkpoint, Bundle)) else m) for m in (candidate, baseline))
+    device = check_device(device)
+    if not skip_verify:  # before either model is evaluated (a bundle is checked against engine.json at load)
+        for spec in (cand, base):
+            if Path(spec).is_dir() and not is_engine_bundle(spec):
+                verify_artifact(Path(spec), "evaluate")
+    return run_gate(cand, base, None if gate is None else str(gate), tier, output, tuple(tasks), tuple(include_paths),
+                    use_cache=use_cache, inconclusive_exit=inconclusive_exit, write_promotion=write_promotion,
+                    progress=not quiet, device=device, dtype=dtype, tp=tp, deterministic=deterministic)

@@ -1,0 +1,182 @@
+"""The Python API (lmfoundry/api/, re-exported by `lmfoundry`): the same artifacts and verdicts as
+the CLI, the engine's tokens, typed one-line errors, and an `import lmfoundry` that costs nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import lmfoundry
+from lmfoundry.cli import main
+from lmfoundry.errors import LmfoundryError, UserError
+
+RUN_RECORD = "lmfoundry-run.json"  # how a run went (time, memory): differs between runs by design
+QUANT = {"method": "rtn", "scheme": "w4a16", "group_size": 32, "num_samples": 2, "seq_len": 16}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model, calib, tmp_path_factory) -> lmfoundry.Checkpoint:
+    """`model` and `calib` (tests/lmfoundry/conftest.py): a tiny random Llama and calibration text."""
+    return lmfoundry.quantize(model, output=tmp_path_factory.mktemp("q") / "api", calib=str(calib), quiet=True,
+                              **QUANT)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != RUN_RECORD}
+
+
+def _python(code: str) -> str:
+    """Run `code` in a fresh interpreter (what a module import costs, in which order, is only
+    visible in a process that has imported nothing yet); its stdout."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={"PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_import_lmfoundry_imports_no_torch_and_no_stage():
+    out = _python("import sys, lmfoundry; lmfoundry.SamplingParams; lmfoundry.Checkpoint; "
+                  "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('lmfoundry.calibration')))")
+    assert out.strip() == "[]"
+
+
+def test_every_exported_name_resolves():
+    for name in lmfoundry.__all__:
+        assert getattr(lmfoundry, name) is not None, name
+    assert lmfoundry.LmfoundryError is LmfoundryError and issubclass(UserError, LmfoundryError)
+    with pytest.raises(AttributeError):
+        lmfoundry.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("first", ["import lmfoundry.compile.bundle; import lmfoundry",
+                                   "import lmfoundry; before = lmfoundry.compile; import lmfoundry.compile.source; "
+                                   "assert lmfoundry.compile is before"])
+def test_compile_is_callable_whichever_import_comes_first(first):
+    # an empty arch list is refused by the API's compile itself: the call reached it
+    out = _python(f"{first}\nfrom lmfoundry.errors import LmfoundryError\n"
+                  "try:\n    lmfoundry.compile('x', arch=[])\nexcept LmfoundryError as e:\n    print('refused:', e)")
+    assert out.startswith("refused: name at least one --arch")
+
+
+def test_api_and_cli_write_byte_identical_checkpoints(model, calib, checkpoint, tmp_path):
+    cli = tmp_path / "cli"
+    main(["quantize", str(model), "-o", str(cli), "--quiet", "--method", "rtn", "--scheme", "w4a16",
+          "--group-size", "32", "--num-samples", "2", "--seq-len", "16", "--calib", str(calib)])
+    rec = lmfoundry.Recipe().with_overrides(source=str(calib), **QUANT)
+    from_recipe = lmfoundry.quantize(model, recipe=rec, output=tmp_path / "recipe", quiet=True)
+    assert (checkpoint.path / RUN_RECORD).is_file()
+    api_files = _files(checkpoint.path)
+    assert "model.safetensors.index.json" in api_files and "lmfoundry.json" in api_files
+    assert api_files == _files(cli) == _files(from_recipe.path)
+    assert checkpoint.scheme["scheme"] == "w4a16" and checkpoint.scheme["group_size"] == 32
+    assert checkpoint.problems is None and checkpoint.verify() == ()
+
+
+def test_quantize_is_quiet_on_stdout_and_says_its_summary_on_stderr(model, calib, tmp_path, capfd):
+    lmfoundry.quantize(model, output=tmp_path / "loud", calib=str(calib), **QUANT)
+    out, err = capfd.readouterr()
+    assert out == "" and "wrote" in err
+    lmfoundry.quantize(model, output=tmp_path / "quiet", calib=str(calib), quiet=True, **QUANT)
+    assert capfd.readouterr() == ("", "")
+
+
+def test_inspect_verifies_and_reports_a_tampered_file(checkpoint, tmp_path, capsys):
+    good = lmfoundry.inspect(checkpoint.path)
+    assert isinstance(good, lmfoundry.Checkpoint) and good.verified and good.problems == ()
+    assert good.manifest == json.loads((checkpoint.path / "lmfoundry.json").read_text())
+    assert good.summary["method"] == "rtn"
+    bad_dir = tmp_path / "tampered"
+    shutil.copytree(checkpoint.path, bad_dir)
+    shard = sorted(bad_dir.glob("model-*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    bad = lmfoundry.inspect(bad_dir)
+    assert bad.verified is False and any(shard.name in p for p in bad.problems)
+    assert bad.verify() == bad.problems
+    with pytest.raises(SystemExit) as exit_info:  # the command exits 1 on the same finding
+        main(["inspect", str(bad_dir), "--json"])
+    assert exit_info.value.code == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["problems"] == list(bad.problems) and not printed["verified"]
+
+
+def test_api_errors_are_lmfoundry_errors_not_system_exit(model, tmp_path):
+    with pytest.raises(LmfoundryError, match="no such folder"):
+        lmfoundry.inspect(tmp_path / "missing")
+    with pytest.raises(LmfoundryError, match="method"):
+        lmfoundry.quantize(model, method="nope", output=tmp_path / "out", quiet=True)
+    with pytest.raises(LmfoundryError, match="--max-tokens"):
+        lmfoundry.compile(model, arch="hopper", max_tokens=8, output=tmp_path / "engine")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "engine").exists()
+
+
+def test_llm_greedy_tokens_equal_the_engines(checkpoint):
+    import torch
+
+    from lmfoundry.runtime.engine.engine_config import EngineConfig
+    from lmfoundry.runtime.engine.llm_engine import LLMEngine
+
+    prompts = ["the model", "a cache of blocks and", [5, 6, 7, 8, 9, 10]]
+    greedy = lmfoundry.SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    engine = LLMEngine.from_pretrained(str(checkpoint.path), torch.float32, EngineConfig(max_num_batched_tokens=64))
+    expected = [(o.outputs[0].token_ids, o.outputs[0].text) for o in engine.generate(prompts, greedy)]
+    with lmfoundry.LLM(checkpoint, dtype="float32", max_num_batched_tokens=64) as llm:
+        outs = llm.generate(prompts, greedy)
+        assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs] == expected
+        first = outs[0].outputs[0]
+        assert first.finish_reason == "length" and len(first.logprobs) == 8 and len(first.logprobs[0].top) == 2
+        messages = [{"role": "user", "content": "the model"}]
+        templated = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        chat = llm.chat(messages, greedy)
+        assert chat[0].prompt_token_ids == llm.tokenizer(templated, add_special_tokens=False).input_ids
+        assert chat[0].outputs[0].token_ids == llm.generate(templated, greedy)[0].outputs[0].token_ids
+        with pytest.raises(LmfoundryError, match="prompt 1: max_tokens"):
+            llm.generate(["ok", "too long"], [greedy, lmfoundry.SamplingParams(max_tokens=0)])
+    with pytest.raises(LmfoundryError, match="closed"):
+        llm.generate("the model", greedy)
+    with pytest.raises(LmfoundryError, match="unknown engine option"):
+        lmfoundry.LLM(checkpoint, max_num_seq=4)
+
+
+def _gate(tmp: Path) -> Path:
+    """A gate of perplexity windows and greedy answers only: seconds on the tiny model."""
+    text = tmp / "ppl.txt"
+    text.write_text(("Perplexity is the exponential of the mean negative log-likelihood per token. " * 40 + "\n") * 4)
+    prompts = tmp / "prompts.yaml"
+    prompts.write_text('chat:\n  - {id: fox, prompt: "The quick brown fox"}\n')
+    gate = {"name": "tiny", "seed": 0, "confidence": 0.95, "resamples": 200,
+            "prompt": {"add_bos": "tokenizer", "chat_template": False, "num_fewshot": 0},
+            "defaults": {"max_ppl_ratio": 1.05, "max_mean_kld": 0.05, "min_same_top": 0.9},
+            "tiers": {"quick": {"perplexity": {"text": str(text), "ctx": 32, "windows": 6, "top_k": 16},
+                                "generation": {"prompts": str(prompts), "max_tokens": 4}}}}
+    path = tmp / "gate.yaml"
+    path.write_text(yaml.safe_dump(gate))
+    return path
+
+
+def test_eval_gate_gives_the_commands_verdict(model, checkpoint, tmp_path):
+    gate = _gate(tmp_path)
+    api = lmfoundry.eval_gate(checkpoint, baseline=model, gate=gate, output=tmp_path / "api", write_promotion=False,
+                              use_cache=False, quiet=True)
+    assert api.verdict in ("pass", "fail", "inconclusive") and api.json_path.is_file()
+    gated = [m for m in api.report["metrics"] if m["gated"]]
+    assert gated and all({"low", "high", "point", "threshold", "verdict"} <= set(m) for m in gated)
+    try:
+        main(["eval-gate", str(checkpoint.path), "--baseline", str(model), "--gate", str(gate), "-o",
+              str(tmp_path / "cli"), "--no-promotion", "--no-cache", "--quiet"])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    cli = json.loads((tmp_path / "cli" / "eval-gate.json").read_text())
+    assert code == api.exit_code and cli["verdict"] == api.verdict
+    assert [m["point"] for m in cli["metrics"]] == [m["point"] for m in api.report["metrics"]]
