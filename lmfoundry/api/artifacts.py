@@ -90,14 +90,19 @@ class Bundle:
         return open_bundle(self.path, verify=True).problems or ()
 
 
-def inspect(path: str | Path) -> Checkpoint | Bundle:
-    """Open the artifact at `path`, a quantized checkpoint or an engine bundle, and verify every
-    file's sha256 against its manifest. A file that does not match is reported in `problems`
+def artifact_path(artifact: str | Path | Checkpoint | Bundle) -> str:
+    """What a model argument names on disk: a path or name as given, or an API record's folder."""
+    return str(artifact.path if isinstance(artifact, (Checkpoint, Bundle)) else artifact)
+
+
+def inspect(path: str | Path | Checkpoint | Bundle) -> Checkpoint | Bundle:
+    """Open the artifact at `path`, a quantized checkpoint or an engine bundle (or the folder of
+    one the API returned), and verify every file's sha256 against its manifest. A file that does not match is reported in `problems`
     (not raised: inspecting a damaged artifact is how one finds what is damaged); a folder that
     is neither, or whose manifest is malformed, raises `LmfoundryError`."""
     from lmfoundry.runtime.bundle_manifest import is_engine_bundle
 
-    folder = Path(path)
+    folder = Path(artifact_path(path))
     if not folder.is_dir():
         raise UserError(f"{path}: no such folder")
     if is_engine_bundle(folder) and not (folder / "lmfoundry.json").exists():

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from lmfoundry.api.artifacts import Bundle, Checkpoint, open_bundle, open_checkpoint
+from lmfoundry.api.artifacts import Bundle, Checkpoint, artifact_path, open_bundle, open_checkpoint
 from lmfoundry.errors import UserError
 from lmfoundry.recipe import Recipe
 
@@ -110,7 +110,7 @@ def compile(checkpoint: str | Path | Checkpoint, *, arch: str | Sequence[str], o
     this handler is set only on the main thread and only when the caller has none of its own,
     and the default is put back when the build returns."""
     archs = [arch] if isinstance(arch, str) else list(arch)
-    src = str(checkpoint.path if isinstance(checkpoint, Checkpoint) else checkpoint)
+    src = artifact_path(checkpoint)
     log = stderr_log(quiet)
     if not archs:
         raise UserError("name at least one --arch (ampere, ada, hopper, or cpu)")

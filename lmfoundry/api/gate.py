@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmfoundry.api.artifacts import Bundle, Checkpoint
+from lmfoundry.api.artifacts import Bundle, Checkpoint, artifact_path
 
 if TYPE_CHECKING:
     from lmfoundry.evals.gate import GateResult
@@ -43,7 +43,7 @@ def eval_gate(candidate: str | Path | Checkpoint | Bundle, *, baseline: str | Pa
     from lmfoundry.manifest import verify_artifact
     from lmfoundry.runtime.bundle_manifest import is_engine_bundle
 
-    cand, base = (str(m.path if isinstance(m, (Checkpoint, Bundle)) else m) for m in (candidate, baseline))
+    cand, base = artifact_path(candidate), artifact_path(baseline)
     device = check_device(device)
     if not skip_verify:  # before either model is evaluated (a bundle is checked against engine.json at load)
         for spec in (cand, base):

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmfoundry.api.artifacts import Bundle, Checkpoint
+from lmfoundry.api.artifacts import Bundle, Checkpoint, artifact_path
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.outputs import RequestOutput
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
@@ -59,7 +59,7 @@ class LLM:
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise UserError(f"LLM: unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        path = str(model.path if isinstance(model, (Checkpoint, Bundle)) else model)
+        path = artifact_path(model)
         device = check_device(device)
         engine_options.setdefault("max_num_batched_tokens", default_step_tokens(device))  # as serve's default
         self._threads = torch.get_num_threads() if engine_options.get("num_threads") is not None else None

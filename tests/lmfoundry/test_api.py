@@ -4,6 +4,7 @@ the CLI, the engine's tokens, typed one-line errors, and an `import lmfoundry` t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import tiny_model_folder
 
 import lmfoundry
 from lmfoundry.cli import main
 from lmfoundry.errors import LmfoundryError, UserError
 
+ROOT = Path(__file__).resolve().parents[2]
 RUN_RECORD = "lmfoundry-run.json"  # how a run went (time, memory): differs between runs by design
 QUANT = {"method": "rtn", "scheme": "w4a16", "group_size": 32, "num_samples": 2, "seq_len": 16}
 
@@ -32,11 +35,14 @@ def _files(folder: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != RUN_RECORD}
 
 
+_ENV = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}  # no checkout folder shadows the package
+
+
 def _python(code: str) -> str:
     """Run `code` in a fresh interpreter (what a module import costs, in which order, is only
     visible in a process that has imported nothing yet); its stdout."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={"PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          env=_ENV)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -180,3 +186,20 @@ def test_eval_gate_gives_the_commands_verdict(model, checkpoint, tmp_path):
     cli = json.loads((tmp_path / "cli" / "eval-gate.json").read_text())
     assert code == api.exit_code and cli["verdict"] == api.verdict
     assert [m["point"] for m in cli["metrics"]] == [m["point"] for m in api.report["metrics"]]
+
+
+@pytest.mark.slow
+def test_the_ci_example_ships_the_recipe_that_passes(calib, tmp_path):
+    """docs/examples/ci_gate.py end to end on a tiny model whose heads the GPU kernels take: W4A16
+    fails the gate's same-top-token rate, W8A16 passes, is compiled for ampere and generates."""
+    baseline = tiny_model_folder(tmp_path / "tiny", num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "examples" / "ci_gate.py"), "--model", str(baseline), "--work",
+         str(tmp_path / "ci"), "--gate", str(_gate(tmp_path)), "--calib", str(calib), "--num-samples", "2",
+         "--seq-len", "16", "--arch", "ampere"],
+        capture_output=True, text=True, timeout=900, env=_ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "smollm2-w4a16-rtn: fail" in "\n".join(lines) and any(line.startswith("shipping smollm2-w8a16-rtn") for line in lines)
+    assert sum(line.startswith("length: ") for line in lines) == 2
+    assert lmfoundry.inspect(tmp_path / "ci" / "smollm2-w8a16-rtn-engine").verified
