@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from lmfoundry.errors import UserError, disk_full
+from lmfoundry.errors import LmfoundryError, disk_full
 from lmfoundry.kernels.cpu.isa import apply as apply_cpu_isa
 
 # name -> "module:attribute". Keep in the order shown by --help.
@@ -73,12 +73,12 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI, turning `UserError` into one line on stderr and a non-zero exit."""
+    """Entry point: run the CLI, turning an `LmfoundryError` into one line on stderr and a non-zero exit."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         apply_cpu_isa()  # LMFOUNDRY_CPU_ISA, before torch picks its kernels (a no-op when unset)
         cli.main(args=argv, standalone_mode=False)
-    except UserError as exc:
+    except LmfoundryError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
