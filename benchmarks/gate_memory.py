@@ -199,14 +199,23 @@ def main() -> None:
     lines += ["", "Dry-run plans:", ""]
     for r in rows:
         lines += [f"- {r['model']} (units {r['units']:g}):", *[f"  - `{p}`" for p in r["plan"]]]
-    table = "\n".join(lines).replace(str(work) + "/", "")  # no local paths in results
+    from lmfoundry.resources import cache_dir
+
+    local = (str(work) + "/", str(cache_dir() / "models") + "/")
+
+    def scrub(text: str) -> str:  # no local paths in results: models by name
+        for prefix in local:
+            text = text.replace(prefix, "")
+        return text
+
+    table = scrub("\n".join(lines))
     print(table)
     if a.out:
         out = Path(a.out)
         out.write_text(f"# eval-gate memory (benchmarks/gate_memory.py)\n\nMachine: {os.cpu_count()} cores.\n\n{table}\n")
         for r in rows:
-            r["plan"] = [p.replace(str(work) + "/", "") for p in r["plan"]]
-            r["model"] = r["model"].replace(str(work) + "/", "")
+            r["plan"] = [scrub(p) for p in r["plan"]]
+            r["model"] = scrub(r["model"])
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
 
 
