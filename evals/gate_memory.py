@@ -118,8 +118,8 @@ def weight_bytes(folder: Path, config: Any, element_bytes: int, packed: bool) ->
     """Bytes of a checkpoint's weights as the runtime holds them: floating tensors at
     `element_bytes`, quantized codes as stored when they stay `packed`; otherwise every parameter
     dense at `element_bytes` (quantized linears are dequantized at load)."""
-    from lmfoundry.capacity.arithmetic import param_counts
     from lmfoundry.checkpoint.sources import safetensors_files
+    from lmfoundry.model.params import param_counts
 
     total, quantized = 0, False
     for file in safetensors_files(folder):

@@ -137,38 +137,6 @@ def linear_in_features(cfg: ModelConfig, tp: int) -> list[tuple[str, int]]:
     ]
 
 
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by part; tied embeddings are counted once (lm_head = 0). An MoE layer's "mlp"
-    holds every expert and the router; "active" is what one token runs through (its top-k experts),
-    the number that sets decode's weight traffic per token."""
-    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
-    embeddings = cfg.vocab_size * h
-    lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    attn = sum(o * i for name, (o, i) in cfg.linear_shapes.items() if name.startswith("self_attn"))
-    if cfg.qkv_bias:
-        attn += (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    if cfg.o_bias:
-        attn += h
-    if cfg.qk_norm:
-        attn += 2 * d
-    mlp = sum(o * i for name, (o, i) in cfg.linear_shapes.items() if name.startswith("mlp"))
-    if cfg.mlp_bias:
-        mlp += 2 * cfg.intermediate_size + h
-    router = cfg.num_experts * h
-    idle_experts = (mlp // cfg.num_experts) * (cfg.num_experts - cfg.num_experts_per_tok) if cfg.is_moe else 0
-    norms = 2 * h * L + h
-    counts = {
-        "embeddings": embeddings,
-        "attention": attn * L,
-        "mlp": (mlp + router) * L,
-        "norms": norms,
-        "lm_head": lm_head,
-    }
-    counts["total"] = sum(counts.values())
-    counts["active"] = counts["total"] - idle_experts * L
-    return counts
-
-
 def _shard_shapes(cfg: ModelConfig, shard: HeadSplit) -> dict[str, tuple[int, int]]:
     """(out, in) of each linear on one GPU."""
     tp, d, h, i = shard.tp, cfg.head_dim, cfg.hidden_size, cfg.mlp_width

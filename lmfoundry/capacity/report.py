@@ -22,7 +22,6 @@ from lmfoundry.capacity.arithmetic import (
     linear_in_features,
     lora_bytes,
     memory_fit,
-    param_counts,
     sharding,
     weight_bytes,
 )
@@ -38,6 +37,7 @@ from lmfoundry.capacity.inputs import (
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import load_gpus, resolve_gpu
 from lmfoundry.model.head_split import valid_tp_sizes
+from lmfoundry.model.params import param_counts
 
 
 def build_report(inp: CapacityInputs) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from lmfoundry.capacity.arithmetic import (
     QuantSpec,
     default_quant_specs,
     kv_bytes_per_token,
-    param_counts,
     sharding,
     weight_bytes,
 )
@@ -29,6 +28,7 @@ from lmfoundry.cli import main
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import load_gpus
 from lmfoundry.model.config import ModelConfig
+from lmfoundry.model.params import param_counts
 
 LLAMA3_8B = {
     "model_type": "llama",
