@@ -47,13 +47,13 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from lmfoundry.errors import UserError
-from lmfoundry.heap import release_free_heap
 from lmfoundry.evals import stats
 from lmfoundry.evals.comparison import compare
 from lmfoundry.evals.divergence import DivergenceScorer, Reference, ReferenceRecorder, TokenStatistics, summary
 from lmfoundry.evals.gate_memory import MemoryPlan, Phases, imported_process_bytes, model_memory
 from lmfoundry.evals.gate_spec import GateSpec, TaskSpec, Tier, load_gate
 from lmfoundry.evals.generation import Prompt, common_prefix, generate, tier_prompts, validity
+from lmfoundry.heap import release_free_heap
 from lmfoundry.resources import shipped
 
 TASKS_DIR = shipped("lmfoundry.evals", "tasks")
