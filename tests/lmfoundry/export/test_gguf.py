@@ -107,7 +107,9 @@ def test_transformers_reads_the_gguf_like_our_runtime(tmp_path: Path, arch: str)
 
     src = _bpe_model(tmp_path / "src", arch)
     ckpt = _quantize(src, tmp_path / "q", scheme="w4a16", group_size=32, symmetric=(arch != "qwen2"))
-    export_gguf(ckpt, tmp_path / "g" / "m.gguf", progress=False)
+    # SmolLM2's tokenizer files under a qwen2 config.json: transformers loads them as a Qwen2
+    # tokenizer, whose ids on llama.cpp's check text no known model gives, so the name is said
+    export_gguf(ckpt, tmp_path / "g" / "m.gguf", tokenizer_pre="smollm", progress=False)
     ours, _ = load_model(str(ckpt))
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "g"), gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
