@@ -5,7 +5,7 @@ checkpoint (schemes, shapes) -> kernel selection (specializations, fusions, per-
 the CUDA driver, Triton JIT on a mismatch, PyTorch reference on CPU).
 
 This package is also the API call `lmfoundry.compile(checkpoint, arch=..., output=...)`
-(`lmfoundry.api.build.compile`). Python binds a subpackage as an attribute of its parent when it
+(`lmfoundry.api.artifact_builds.compile`). Python binds a subpackage as an attribute of its parent when it
 is imported, so after any `import lmfoundry.compile.bundle` the name `lmfoundry.compile` is this
 module, whatever `lmfoundry` defined under that name before; a function there would silently
 become a module that cannot be called. Making the module itself callable (its class swapped for
@@ -22,8 +22,8 @@ from typing import Any
 
 class _CallablePackage(types.ModuleType):
     def __call__(self, checkpoint: Any, **options: Any) -> Any:
-        """`lmfoundry.api.build.compile`: compile `checkpoint` into an engine bundle."""
-        from lmfoundry.api.build import compile as compile_bundle
+        """`lmfoundry.api.artifact_builds.compile`: compile `checkpoint` into an engine bundle."""
+        from lmfoundry.api.artifact_builds import compile as compile_bundle
 
         return compile_bundle(checkpoint, **options)
 

@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it; `compile` is the (callable) subpackage itself
 _EXPORTS = {
     "LLM": "lmfoundry.api.llm", "Bundle": "lmfoundry.api.artifacts", "Checkpoint": "lmfoundry.api.artifacts",
-    "inspect": "lmfoundry.api.artifacts", "quantize": "lmfoundry.api.build", "eval_gate": "lmfoundry.api.gate",
+    "inspect": "lmfoundry.api.artifacts", "quantize": "lmfoundry.api.artifact_builds", "eval_gate": "lmfoundry.api.gating",
     "SamplingParams": "lmfoundry.runtime.engine.sampling_params",
     "RequestOutput": "lmfoundry.runtime.engine.outputs", "CompletionOutput": "lmfoundry.runtime.engine.outputs",
     "TokenLogprob": "lmfoundry.runtime.engine.outputs",

@@ -5,9 +5,9 @@ so on): the commands only parse flags and print. Importing this package imports 
 call imports the stages it drives when it runs.
 """
 
+from lmfoundry.api.artifact_builds import build_recipe, compile, quantize
 from lmfoundry.api.artifacts import Bundle, Checkpoint, inspect
-from lmfoundry.api.build import build_recipe, compile, quantize
-from lmfoundry.api.gate import eval_gate
+from lmfoundry.api.gating import eval_gate
 from lmfoundry.api.llm import LLM
 from lmfoundry.errors import LmfoundryError
 from lmfoundry.recipe import Recipe

@@ -1,6 +1,6 @@
 """`lmfoundry compile CHECKPOINT --arch hopper [--arch ampere ...] [-o ENGINE]`, or `--arch cpu`.
 
-Parses the flags and prints the bundle; the build is `lmfoundry.compile(...)` (lmfoundry/api/build.py),
+Parses the flags and prints the bundle; the build is `lmfoundry.compile(...)` (lmfoundry/api/artifact_builds.py),
 so the command and a script compile through one path.
 """
 
@@ -50,7 +50,7 @@ def compile_cmd(checkpoint: str, archs: tuple[str, ...], output: str | None, wei
       lmfoundry compile out/ --arch cpu -o engine-cpu/
       lmfoundry compile out/ --arch hopper --tp 2 -o engine-tp2/
     """
-    from lmfoundry.api.build import compile as compile_bundle
+    from lmfoundry.api.artifact_builds import compile as compile_bundle
 
     bundle = compile_bundle(checkpoint, arch=archs, output=output, weights=weights, jobs=workers,
                             block_size=block_size, dtype=dtype, tune=tune, max_tokens=max_tokens, tp=tp,

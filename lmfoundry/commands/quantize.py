@@ -1,7 +1,7 @@
 """`lmfoundry quantize`: calibrate a model layer by layer and write a compressed-tensors checkpoint.
 
 This module only parses the command line: the recipe is built (the YAML with the flags applied,
-once) and the job run by the Python API's `quantize` path (`lmfoundry.api.build`), the same
+once) and the job run by the Python API's `quantize` path (`lmfoundry.api.artifact_builds`), the same
 code `lmfoundry.quantize(...)` runs, output-folder checks included; the summary is printed here.
 The recipe options are shared with `lmfoundry doctor`, so a command line can be checked by
 replacing `quantize` with `doctor`.
@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from lmfoundry.api.build import build_recipe, run_quantize
+from lmfoundry.api.artifact_builds import build_recipe, run_quantize
 from lmfoundry.calibration.job import OFFLOAD_CHOICES
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.from_recipe import KV_CHOICES
