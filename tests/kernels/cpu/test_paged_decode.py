@@ -139,7 +139,12 @@ def test_batch_invariant_plan_gives_a_query_the_same_output_in_any_batch(gen, dt
             assert torch.equal(alone[r], whole[r]), (i, threads)
     default = poisoned(tuple(q.shape), dtype)  # the default plan splits a lone query to feed the threads
     kernel(q, cache.key_cache, cache.value_cache, tables[:1], lens[:1], rows[:1], default, 700, threads=3)
-    assert not torch.equal(default[int(rows[0])], whole[int(rows[0])])
+    from lmfoundry.kernels.cpu.isa import isa
+
+    # the control: the split plan sums in another order. The AVX2 path accumulates bf16 in float32
+    # and rounds the output to bf16, where those last bits can vanish; float32 checks it everywhere.
+    if dtype == torch.float32 or isa() != "avx2":
+        assert not torch.equal(default[int(rows[0])], whole[int(rows[0])])
 
 
 def test_batch_invariant_plan_bounds_its_partial_results(gen, monkeypatch) -> None:

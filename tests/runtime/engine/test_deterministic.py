@@ -64,6 +64,11 @@ def test_a_request_is_bit_identical_alone_in_batches_and_from_the_cache(dtype) -
 def test_without_the_mode_batches_change_the_logprobs(dtype) -> None:
     """What the mode fixes: the default engine's logprobs for the same request move with the
     batch (BLAS sums by the row count, prompt chunks run another attention than decodes)."""
+    from lmfoundry.kernels.cpu.isa import isa
+
+    if dtype == torch.bfloat16 and isa() == "avx2":
+        pytest.skip("the AVX2 path computes bf16 in float32 and rounds to bf16, where this request's "
+                    "batch-dependent last bits vanish; the float32 case keeps the control on every path")
     prompt = prompts(1, seed=3, lo=45, hi=46)[0]
     config = EngineConfig(num_kv_blocks=256, block_size=8, max_num_batched_tokens=24)
     got = answers(LLMEngine(model(dtype), byte_tokenizer(), config), prompt)
@@ -93,7 +98,14 @@ def test_what_has_no_batch_invariant_form_is_refused_in_one_line() -> None:
     with pytest.raises(UserError, match="KV cache stored"):
         LLMEngine(toy_model(dtype=torch.float32), None,
                   EngineConfig(num_kv_blocks=16, kv_cache_dtype="bfloat16", deterministic=True))
+    from lmfoundry.runtime.cpu_linears import PrepackedLinear
+
     model = toy_model(dtype=torch.bfloat16)
     LLMEngine(model, None, EngineConfig(num_kv_blocks=16))  # prepared for the default mode ...
-    with pytest.raises(UserError, match="load the model again"):  # ... so its linears are not the invariant ones
+    prepacked = [m for m in model.modules() if isinstance(m, PrepackedLinear)]
+    assert prepacked
+    if not all(m.batch_invariant for m in prepacked):  # oneDNN's bf16 GEMM (AVX512-BF16, AMX) picks its kernel by rows
+        with pytest.raises(UserError, match="load the model again"):  # ... so its linears are not the invariant ones
+            LLMEngine(model, None, EngineConfig(num_kv_blocks=16, deterministic=True))
+    else:  # AVX2: the FMA panels serve every row count in one order, so the same model serves the mode
         LLMEngine(model, None, EngineConfig(num_kv_blocks=16, deterministic=True))
