@@ -22,8 +22,6 @@ without chunking, a 152k vocabulary made GBs of them, more than a 1.5B model's w
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,24 +106,17 @@ class MemoryPlan:
                 "models": [{**m.__dict__, "total": m.total} for m in self.models]}
 
 
-def _safetensors_header(path: Path) -> dict[str, Any]:
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
-
-
 def weight_bytes(folder: Path, config: Any, element_bytes: int, packed: bool) -> int:
     """Bytes of a checkpoint's weights as the runtime holds them: floating tensors at
     `element_bytes`, quantized codes as stored when they stay `packed`; otherwise every parameter
     dense at `element_bytes` (quantized linears are dequantized at load)."""
+    from lmfoundry.checkpoint.headers import read_safetensors_header
     from lmfoundry.checkpoint.sources import safetensors_files
     from lmfoundry.model.params import param_counts
 
     total, quantized = 0, False
     for file in safetensors_files(folder):
-        for name, info in _safetensors_header(file).items():
-            if name == "__metadata__":
-                continue
+        for info in read_safetensors_header(file).values():  # __metadata__ left out
             numel = 1
             for d in info["shape"]:
                 numel *= d
