@@ -141,3 +141,39 @@ def test_a_signal_during_a_finalizer_still_ends_the_process_without_a_traceback(
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+NOTICE_WHILE_THE_PARENT_LOOKS_ALIVE = """
+import os, subprocess, sys, time
+from lmfoundry.runtime.engine import engine_process
+engine_process.take_signals()
+engine_process._api_pid.append(os.getppid())  # the parent is alive: getppid() says nothing yet
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(helper.pid, flush=True)
+try:
+    os.kill(os.getpid(), engine_process.PARENT_DEATH_SIGNAL)
+    time.sleep(60)
+finally:
+    print("cleaned up", flush=True)
+"""
+
+
+def test_the_parent_death_notice_takes_the_group_even_while_the_parent_looks_alive():
+    """A killed multi-threaded API process hands its children to one of its threads still exiting,
+    so `getppid()` can name it when the parent-death signal lands (CI saw the group outlive the
+    engine that way). The notice is its own signal: it takes the group whatever getppid() says."""
+    proc = subprocess.Popen([sys.executable, "-c", NOTICE_WHILE_THE_PARENT_LOOKS_ALIVE], env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    helper = 0
+    try:
+        out, err = proc.communicate(timeout=60)
+        helper = int(out.split()[0])
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert out == f"{helper}\ncleaned up\n" and err == ""
+        assert wait_until(lambda: gone(helper), 30), "the engine's child outlived the notice"
+    finally:
+        for pid in filter(None, (proc.pid, helper)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
