@@ -16,7 +16,8 @@ from typing import AsyncIterator, Callable
 
 from lmfoundry.runtime.engine.client import EngineClient, EngineDead, EngineRequest
 from lmfoundry.runtime.engine.core import EngineCore
-from lmfoundry.runtime.engine.llm_engine import LLMEngine, Prompt
+from lmfoundry.runtime.engine.llm_engine import LLMEngine
+from lmfoundry.runtime.engine.offline import Prompt
 from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 

@@ -1,6 +1,6 @@
 """The engine: requests in, tokens out, one scheduled forward pass per `step()`.
 
-Offline use (batch generation, scoring):
+Offline use (batch generation, scoring; the calls of offline.py, looping over `step()`):
 
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=16))
     outs = engine.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32, temperature=0))
@@ -14,14 +14,14 @@ turns their tokens into text and watches for stop strings (output_processor.py).
 Speculative decoding (`EngineConfig.speculative`, see speculative.py) proposes draft tokens for
 the running decodes before each step; the step scores them and keeps those the target's own
 sampling agrees with, so outputs are unchanged and a step can yield several tokens per sequence.
+LoRA adapters are loaded, unloaded and looked up by the commands of lora_commands.py.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Protocol, cast
-from typing import Sequence as Seq
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -33,16 +33,11 @@ from lmfoundry.runtime.engine.detokenizer import Detokenizer
 from lmfoundry.runtime.engine.embedding import EmbeddingJob
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.grammar import GrammarCompiler
-from lmfoundry.runtime.engine.lora_adapters import AdapterInUse, LoRAManager
+from lmfoundry.runtime.engine.lora_adapters import LoRAManager
+from lmfoundry.runtime.engine.lora_commands import LoRACommands
 from lmfoundry.runtime.engine.model_runner import ModelRunner
-from lmfoundry.runtime.engine.outputs import (
-    CompletionOutput,
-    EmbeddingResult,
-    LoRAResult,
-    RequestOutput,
-    StepEvent,
-    TokenLogprob,
-)
+from lmfoundry.runtime.engine.offline import OfflineAPI, Prompt
+from lmfoundry.runtime.engine.outputs import EmbeddingResult, StepEvent, TokenLogprob
 from lmfoundry.runtime.engine.sampler import Sampler
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.scheduler import Scheduler
@@ -50,8 +45,6 @@ from lmfoundry.runtime.engine.sequence import Sequence
 from lmfoundry.runtime.engine.speculative import DraftModelProposer, NgramProposer, Speculator, verify
 from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.engine.weight_format import runtime_form
-
-Prompt = str | list[int]
 
 
 class EngineModel(Protocol):
@@ -69,7 +62,7 @@ def _as_set(value: Any) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-class LLMEngine:
+class LLMEngine(OfflineAPI, LoRACommands):
     def __init__(self, model: EngineModel, tokenizer: Any = None, config: EngineConfig | None = None,
                  draft_model: EngineModel | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -119,7 +112,7 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self._embeddings: dict[str, EmbeddingJob] = {}  # embedding requests, in arrival order
         self._pooled: list[EmbeddingResult] = []  # finished embedding requests, until taken
-        self._ids = itertools.count()
+        self._ids: Iterator[int] = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_requests_total = 0
@@ -234,51 +227,6 @@ class LLMEngine:
             if job.finished:
                 del self._embeddings[seq.request_id]
                 self._pooled.append(job.result())
-    def _lora_of(self, params: SamplingParams) -> tuple[int, int]:
-        """(slot, key) of the request's adapter; (-1, 0) for the base. ValueError for an adapter
-        that is not loaded (the caller's check raced an unload, or LoRA is off)."""
-        if params.lora is None:
-            return -1, 0
-        if self.loras is None:
-            raise ValueError(f"no LoRA adapter named {params.lora!r}: this engine serves none (LoRA is off)")
-        adapter = self.loras.resolve(params.lora)
-        return adapter.slot, adapter.key
-
-    # ---- LoRA adapters ----------------------------------------------------------------------
-    def load_lora(self, name: str, path: str) -> None:
-        """Load a PEFT LoRA folder as adapter `name` (UserError, and nothing loaded, when it does
-        not fit the base or no slot is free)."""
-        if self.loras is None:
-            raise UserError("LoRA is off in this engine: start it with max_loras (serve --max-loras or --lora)")
-        self.loras.load(name, path)
-
-    def unload_lora(self, name: str) -> None:
-        """Unload adapter `name`; refused (UserError) while a request uses it."""
-        if self.loras is None or name not in self.loras.adapters:
-            raise KeyError(name)
-        key = self.loras.adapters[name].key
-        users = sum(1 for seqs in self._requests.values() if any(s.lora_key == key for s in seqs))
-        if users:
-            raise AdapterInUse(f"the LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
-        self.loras.unload(name)
-
-    def lora_command(self, request_id: str, op: str, name: str, path: str | None) -> LoRAResult:
-        """A run-time load or unload (`EngineClient.lora`), answered with the HTTP status to give."""
-        try:
-            if op == "load":
-                self.load_lora(name, str(path))
-                message = f"Success: LoRA adapter '{name}' added successfully."
-            elif op == "unload":
-                self.unload_lora(name)
-                message = f"Success: LoRA adapter '{name}' removed successfully."
-            else:
-                raise ValueError(f"unknown LoRA operation {op!r}")
-            status = 200
-        except KeyError:
-            status, message = 404, f"the LoRA adapter {name!r} is not loaded"
-        except UserError as exc:
-            status, message = 409 if isinstance(exc, AdapterInUse) else 400, str(exc)
-        return LoRAResult(request_id, status, message, tuple(self.loras.adapters) if self.loras else ())
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it was not running."""
@@ -442,107 +390,6 @@ class LLMEngine:
                 ev.request_finished = True
                 del self._requests[ev.request_id]
 
-    # ---- offline API ------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """Generate for a batch of prompts (strings or token-id lists); one output per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [cast(Prompt, prompts)]  # one prompt: a string or a list of token ids
-        prompts = cast("Seq[Prompt]", prompts)
-        params = params or SamplingParams()
-        plist: list[SamplingParams] = (list(params) if isinstance(params, (list, tuple))
-                                       else [cast(SamplingParams, params)] * len(prompts))
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        encoded = [self.encode(p) for p in prompts]
-        for ids, p in zip(encoded, plist, strict=True):
-            self.check_request(ids, p)
-        results: dict[str, RequestOutput] = {}
-        for ids, p in zip(encoded, plist, strict=True):
-            rid = f"req-{next(self._ids)}"
-            self.add(EngineRequest(rid, ids, p, time.monotonic()))
-            results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(p.n)])
-        pending = set(results)
-        while pending:
-            events = self.step()
-            if not events and not self.scheduler.has_work():
-                raise RuntimeError("engine stopped with unfinished requests")  # a bug, not a user error
-            for ev in events:
-                if ev.error is not None:
-                    for rid in pending:
-                        self.abort(rid)  # leave the engine clean for the caller's next call
-                    raise RuntimeError(f"request {ev.request_id} failed: {ev.error}") from ev.error
-                if ev.request_id in results:
-                    results[ev.request_id].add(ev)
-                    if ev.request_finished:
-                        pending.discard(ev.request_id)
-        return list(results.values())
-
-    def loglikelihood(self, requests: Seq[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """Sum of log P(continuation | context) and whether greedy decoding would produce the
-        continuation, per (context_ids, continuation_ids) pair (lm-eval's loglikelihood)."""
-        prompts, params = [], []
-        for ctx, cont in requests:
-            if not ctx or not cont:
-                raise ValueError("loglikelihood needs a non-empty context and continuation")
-            prompts.append(list(ctx) + list(cont))
-            params.append(SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1,
-                                         prompt_logprobs_start=len(ctx)))
-        # Requests sharing a context (multiple choice) run after the first of them has put the
-        # context's blocks in the prefix cache; run together, each would recompute it.
-        first: dict[tuple[int, ...], int] = {}
-        for i, (ctx, _) in enumerate(requests):
-            first.setdefault(tuple(ctx), i)
-        leaders = set(first.values())
-        waves = [sorted(leaders), [i for i in range(len(requests)) if i not in leaders]]
-        outs: list[RequestOutput | None] = [None] * len(requests)
-        for wave in waves:
-            if wave:
-                done = self.generate([prompts[i] for i in wave], [params[i] for i in wave])
-                for i, out in zip(wave, done, strict=True):
-                    outs[i] = out
-        scores: list[tuple[float, bool]] = []
-        for (ctx, _cont), scored in zip(requests, outs, strict=True):
-            assert scored is not None and scored.prompt_logprobs is not None  # every request ran and asked
-            # the positions from len(ctx) >= 1 on are all scored: only position 0 is None
-            lps = cast("list[TokenLogprob]", scored.prompt_logprobs[len(ctx) :])
-            scores.append((sum(lp.logprob for lp in lps), all(lp.top[0][0] == lp.token_id for lp in lps)))
-        return scores
-
-    def prompt_logits(self, prompts: Seq[list[int]]) -> list[torch.Tensor]:
-        """Raw float32 logits [len(p) - 1, vocab] of every prompt position, row j predicting token
-        j + 1: the next-token distributions the engine serves (the prompt logprobs of an echo
-        request come from these rows), for evaluations that need all of them (perplexity and
-        divergence statistics against a baseline). A row computed twice (a preempted sequence's
-        recompute) is written twice, with the same values."""
-        rows: dict[str, torch.Tensor] = {}
-
-        def keep(seq: Sequence, position: int, logits: torch.Tensor) -> None:
-            if seq.request_id not in rows:
-                rows[seq.request_id] = torch.full((seq.num_prompt_tokens - 1, logits.shape[-1]), float("nan"))
-            rows[seq.request_id][position - 1 : position - 1 + logits.shape[0]] = logits
-
-        self.runner.logits_hook = keep
-        try:
-            outs = self.generate(list(prompts), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-        finally:
-            self.runner.logits_hook = None
-        return [rows.pop(out.request_id, torch.empty(0, self.model.config.vocab_size)) for out in outs]
-
-    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
-        """Each prompt's embedding (offline): the final-norm hidden state of its last token,
-        L2-normalized (vLLM's default pooling for decoder models), computed by the scheduled path
-        the server's /v1/embeddings takes (`add_embedding`)."""
-        request_id = f"embed-{next(self._ids)}"
-        self.add_embedding(request_id, prompts)
-        results: dict[str, EmbeddingResult] = {}
-        while request_id not in results:
-            for ev in self.step():
-                if ev.request_id == request_id and ev.error is not None:
-                    raise RuntimeError(f"request {request_id} failed: {ev.error}") from ev.error
-            results.update((r.request_id, r) for r in self.take_embeddings())
-        return results[request_id].embeddings
-
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
         return {
@@ -561,20 +408,3 @@ class LLMEngine:
             "spec_acceptance_rate": self.speculator.acceptance_rate if self.speculator else 0.0,
             **self._lora_stats(),
         }
-
-    def _lora_stats(self) -> dict[str, float]:
-        """Per adapter: "lora_running:NAME" / "lora_waiting:NAME" sequences and "lora_requests:NAME"
-        requests added so far; "lora_max" slots (nothing when LoRA is off)."""
-        if self.loras is None:
-            return {}
-        out: dict[str, float] = {"lora_max": float(self.loras.max_loras)}
-        slots = {a.slot: name for name, a in self.loras.adapters.items()}
-        for name, count in self.loras.requests.items():
-            out[f"lora_requests:{name}"] = float(count)
-        for name in self.loras.adapters:
-            out[f"lora_running:{name}"] = out[f"lora_waiting:{name}"] = 0.0
-        for state, seqs in (("running", self.scheduler.running), ("waiting", self.scheduler.waiting)):
-            for seq in seqs:
-                if seq.lora_slot in slots:
-                    out[f"lora_{state}:{slots[seq.lora_slot]}"] += 1
-        return out
