@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from gpu_timing import BF, graph_ms
 
-from lmfoundry.kernels import harness
+from lmfoundry.kernels import harness, harness_attention, harness_example
 from lmfoundry.kernels.dispatch import JitLauncher
 
 # ---- paged decode: FlashDecoding vs the unsplit kernel vs torch SDPA -----------------------------
@@ -55,7 +55,7 @@ def decode_inputs(case: dict, seed: int = 0):
     b, n, hq, hkv, d, page = (case[k] for k in ("B", "ctx", "Hq", "Hkv", "D", "PAGE"))
     pages = -(-n // page)
     blocks = b * pages
-    kv_dt = harness.TORCH_DTYPE[case["kv"]]
+    kv_dt = harness_example.TORCH_DTYPE[case["kv"]]
     shape = (blocks, page, hkv, d)
 
     def codes() -> torch.Tensor:
@@ -155,7 +155,7 @@ def prefill_cases(cap: int) -> list[dict]:
 
 def prefill_section(args, cap: int, ceil: dict) -> list[dict]:
     """Causal prefill TFLOP/s with FLOPs counted over the (query, key) pairs the mask keeps
-    (`harness.causal_attention_flops`), ours reading the paged cache against torch SDPA (its flash
+    (`harness_attention.causal_attention_flops`), ours reading the paged cache against torch SDPA (its flash
     backend on H100/H200) on dense bf16 [B, H, n, D] of the same lengths; % of the dense bf16 peak
     measured in this run. Correctness of the kernel at these heads is the per-kernel table's check."""
     from lmfoundry.kernels import tiles
@@ -174,7 +174,7 @@ def prefill_section(args, cap: int, ceil: dict) -> list[dict]:
         kd, vd = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         sdpa = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True,
                                                                                  enable_gqa=True))
-        flops = harness.causal_attention_flops([n] * b, [n] * b, hq, d)
+        flops = harness_attention.causal_attention_flops([n] * b, [n] * b, hq, d)
         assert flops == ex.flops  # the example counts the same causal pairs
         row = {"section": "prefill", "shape": {"B": b, "n": n, **PREFILL_HEADS}, "kv": case["kv"], "ms": ours,
                "TFLOPs": flops / ours / 1e9, "sdpa_ms": sdpa, "sdpa_TFLOPs": flops / sdpa / 1e9,

@@ -26,7 +26,7 @@ row-wise for FP8, `torch._int_mm` for INT8), both checked against the reference 
 
 Causal prefill has its own section (`prefill_section`; `--only prefill`): B x n-token prompts,
 Llama-3-8B heads, bf16/int8/fp8 KV, against torch SDPA (flash) on dense bf16 of the same lengths,
-TFLOP/s over the (query, key) pairs the causal mask keeps (`harness.causal_attention_flops`).
+TFLOP/s over the (query, key) pairs the causal mask keeps (`harness_attention.causal_attention_flops`).
 
 `--engine` is the cross-version test of the cubin path: a bundle built on a CPU machine with
 Triton 3.7.1 is loaded here (whatever torch/Triton this machine has), must select its cubins for

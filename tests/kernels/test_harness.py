@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.kernels import harness, registry
+from lmfoundry.kernels import harness, harness_attention, registry
 from lmfoundry.kernels.dispatch import JitLauncher
 
 BF, F16 = "bf16", "fp16"
@@ -73,9 +73,9 @@ def test_causal_flops_count_the_pairs_the_mask_keeps():
     for ql, n in zip(q_lens, ctx_lens, strict=True):
         pos = torch.arange(n - ql, n)[:, None]
         pairs += int((torch.arange(n)[None, :] <= pos).sum())
-    assert harness.causal_attention_flops(q_lens, ctx_lens, heads, d) == 4 * d * heads * pairs
+    assert harness_attention.causal_attention_flops(q_lens, ctx_lens, heads, d) == 4 * d * heads * pairs
     # a full prefill does about half the rectangle's work, not all of it
-    assert harness.causal_attention_flops([2048], [2048], 1, 1) == 4 * 2048 * 2049 // 2
+    assert harness_attention.causal_attention_flops([2048], [2048], 1, 1) == 4 * 2048 * 2049 // 2
 
 
 def test_prefill_example_uniform_lengths_match_a_dense_batch():
