@@ -72,7 +72,7 @@ def ppl_cmd(models: tuple[str, ...], text: str | None, ctx: int, max_windows: in
     baseline of the printed ratios."""
     from lmfoundry.calibration.data import eval_token_stream
     from lmfoundry.devices import check_device
-    from lmfoundry.evals.gate import check_context, check_model
+    from lmfoundry.evals.checked_model import check_context, check_model
     from lmfoundry.evals.perplexity import perplexity
     from lmfoundry.runtime.loader import load_model, resolve_dtype
     from lmfoundry.runtime.placement import check_tensor_parallel

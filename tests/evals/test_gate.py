@@ -12,7 +12,9 @@ import yaml
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
-from lmfoundry.evals.gate import load_gate, materialize_tasks, run_gate
+from lmfoundry.evals.gate import run_gate
+from lmfoundry.evals.gate_spec import load_gate
+from lmfoundry.evals.lm_eval_runner import materialize_tasks
 from lmfoundry.manifest import read_manifest
 from lmfoundry.recipe import Recipe
 
@@ -264,8 +266,8 @@ def test_adapter_matches_lm_eval_hf_backend_on_the_quick_tier(tmp_path):
     from lm_eval.models.huggingface import HFLM
 
     from lmfoundry.checkpoint.sources import resolve_model
-    from lmfoundry.evals.gate import run_lm_eval
     from lmfoundry.evals.lm_adapter import RuntimeLM
+    from lmfoundry.evals.lm_eval_runner import run_lm_eval
     from lmfoundry.runtime.loader import load_model
 
     gate = load_gate(None)
@@ -315,7 +317,7 @@ def test_kld_threshold_fails_a_perturbed_candidate_and_the_baseline_reference_is
     candidate against the same baseline reuses the baseline's cached reference (not recomputed)."""
     from safetensors.torch import load_file, save_file
 
-    import lmfoundry.runtime.loader as loader
+    import lmfoundry.evals.cached_evaluation as evaluation  # where evaluate_model finds load_model
 
     monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path / "cache"))
     cand = tmp_path / "perturbed"
@@ -329,9 +331,9 @@ def test_kld_threshold_fails_a_perturbed_candidate_and_the_baseline_reference_is
     assert kld["verdict"] == "fail" and kld["low"] > 1e-4 and "divergence/mean_kld" in res.report["failing"]
     assert res.exit_code == 1
     assert len(list((tmp_path / "cache" / "eval-gate").glob("*.reference.npz"))) == 1
-    evaluated: list[str] = []  # models the gate loaded (evaluate_model imports the loader's function per call)
-    original = loader.load_model
-    monkeypatch.setattr(loader, "load_model", lambda folder, **kw: evaluated.append(str(folder)) or original(folder, **kw))
+    evaluated: list[str] = []  # models the gate loaded
+    original = evaluation.load_model
+    monkeypatch.setattr(evaluation, "load_model", lambda folder, **kw: evaluated.append(str(folder)) or original(folder, **kw))
     again = run_gate(str(cand), str(tiny_model_dir), str(gate), "quick", tmp_path / "b", use_cache=False)
     assert len(evaluated) == 2  # without the cache both are evaluated again ...
     evaluated.clear()
@@ -383,7 +385,7 @@ def test_a_swapped_cache_entry_is_evaluated_again_not_served(tiny_model_dir, tmp
     """The cached results are named by their key's digest, but a name proves nothing: two entries
     swapped under each other's names (a restored CI cache, a copy) are re-evaluated, and a
     reference whose bytes changed is not read back (issue #57)."""
-    import lmfoundry.runtime.loader as loader
+    import lmfoundry.evals.cached_evaluation as evaluation  # where evaluate_model finds load_model
 
     monkeypatch.setenv("LMFOUNDRY_CACHE", str(tmp_path / "cache"))
     cand = _artifact(tiny_model_dir, tmp_path)
@@ -395,8 +397,8 @@ def test_a_swapped_cache_entry_is_evaluated_again_not_served(tiny_model_dir, tmp
     entries[0].write_bytes(b)
     entries[1].write_bytes(a)
     evaluated: list[str] = []
-    original = loader.load_model
-    monkeypatch.setattr(loader, "load_model", lambda folder, **kw: evaluated.append(str(folder)) or original(folder, **kw))
+    original = evaluation.load_model
+    monkeypatch.setattr(evaluation, "load_model", lambda folder, **kw: evaluated.append(str(folder)) or original(folder, **kw))
     second = run_gate(str(cand), str(tiny_model_dir), str(gate), "quick", tmp_path / "b", write_promotion=False)
     assert len(evaluated) == 2 and second.report["metrics"] == first.report["metrics"]
     evaluated.clear()

@@ -14,7 +14,10 @@ from safetensors.torch import save_file
 
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.errors import UserError
-from lmfoundry.evals.gate import evaluate_model, load_gate, materialize_tasks, run_gate
+from lmfoundry.evals.cached_evaluation import evaluate_model
+from lmfoundry.evals.gate import run_gate
+from lmfoundry.evals.gate_spec import load_gate
+from lmfoundry.evals.lm_eval_runner import materialize_tasks
 from lmfoundry.manifest import read_manifest
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.recipe import Recipe

@@ -17,9 +17,9 @@ from tests.evals.test_gate import _artifact, _tiny_gate
 
 
 def test_candidate_loads_only_after_the_baseline_model_is_released(tiny_model_dir, tmp_path, monkeypatch):
-    import lmfoundry.runtime.loader as loader
+    import lmfoundry.evals.cached_evaluation as evaluation  # where evaluate_model finds load_model
 
-    real, loaded, alive_at_load = loader.load_model, [], []
+    real, loaded, alive_at_load = evaluation.load_model, [], []
 
     def load_model(*args, **kwargs):
         gc.collect()
@@ -28,7 +28,7 @@ def test_candidate_loads_only_after_the_baseline_model_is_released(tiny_model_di
         loaded.append(weakref.ref(model))
         return model, tok
 
-    monkeypatch.setattr(loader, "load_model", load_model)
+    monkeypatch.setattr(evaluation, "load_model", load_model)
     cand = _artifact(tiny_model_dir, tmp_path)
     res = run_gate(str(cand), str(tiny_model_dir), str(_tiny_gate(tmp_path)), "quick", tmp_path / "out",
                    use_cache=False, write_promotion=False)

@@ -30,7 +30,8 @@ import yaml
 
 from lmfoundry.errors import UserError
 from lmfoundry.evals import gate as gate_mod
-from lmfoundry.evals.gate import load_gate
+from lmfoundry.evals.checked_model import check_model, tokenizer_difference
+from lmfoundry.evals.gate_spec import load_gate
 
 TEXT = ("Perplexity is the exponential of the mean negative log-likelihood per token. " * 40 + "\n") * 4
 
@@ -295,7 +296,7 @@ def test_eval_gate_output_that_is_a_file(tiny_model_dir, tmp_path, capsys, no_lo
 
 
 def test_identical_tokenizers_have_no_difference(tiny_model_dir, tmp_path):
-    a = gate_mod.check_model(str(tiny_model_dir))
-    b = gate_mod.check_model(str(shutil.copytree(tiny_model_dir, tmp_path / "copy")))
-    assert gate_mod.tokenizer_difference(a.tokenizer, b.tokenizer) is None
+    a = check_model(str(tiny_model_dir))
+    b = check_model(str(shutil.copytree(tiny_model_dir, tmp_path / "copy")))
+    assert tokenizer_difference(a.tokenizer, b.tokenizer) is None
     assert a.config.max_position_embeddings == 512

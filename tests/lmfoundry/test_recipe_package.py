@@ -82,11 +82,11 @@ def test_sections_no_stage_reads_are_refused(section, tmp_path):
 
 
 def test_gates_and_tasks_are_package_data():
-    from lmfoundry.evals import gate, gate_spec, generation
+    from lmfoundry.evals import gate_spec, generation, lm_eval_runner
 
     assert gate_spec.GATES_DIR == shipped("lmfoundry.recipes", "gates")
     assert gate_spec.resolve_gate_path(None) == gate_spec.GATES_DIR / "default.yaml"
-    assert sorted(p.parent.name for p in gate.TASKS_DIR.glob("*/*.yaml")) == \
+    assert sorted(p.parent.name for p in lm_eval_runner.TASKS_DIR.glob("*/*.yaml")) == \
         ["arc_challenge", "arc_easy", "hellaswag", "piqa"]
     assert generation.PROMPTS == shipped("lmfoundry.evals", "data", "generation.yaml") and generation.PROMPTS.is_file()
 

@@ -300,7 +300,7 @@ def test_sliding_window_bundle_serves_up_to_its_window(bundles: Bundles) -> None
     a longer one by name, and within it agrees with the reference executor (which honours the
     window at any length); eval's up-front check uses the same limit."""
     from lmfoundry.errors import UserError
-    from lmfoundry.evals.gate import check_model
+    from lmfoundry.evals.checked_model import check_model
 
     model = tiny_model_folder(bundles.root / "mistral-sw", "mistral", torch_dtype="bfloat16", head_dim=64,
                                sliding_window=16)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import start_serve, stop_serve, wait_for_url
 
-from lmfoundry.evals.gate import materialize_tasks
 from lmfoundry.evals.lm_adapter import RuntimeLM
+from lmfoundry.evals.lm_eval_runner import materialize_tasks
 from lmfoundry.runtime.loader import load_model
 
 from .test_echo_logprobs import run_task  # noqa: TID252

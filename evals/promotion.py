@@ -1,0 +1,44 @@
+"""Promotion: a gate's verdict written into the candidate it judged, so that whoever deploys the
+candidate later reads whether it passed, against which baseline and gate, and the report's hash,
+from the candidate's own manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lmfoundry.manifest import MANIFEST, sha256_file, update_manifest
+from lmfoundry.runtime.bundle_manifest import MANIFEST_NAME
+
+
+def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md_path: Path) -> bool:
+    """Write the verdict into the candidate's lmfoundry.json (`promotion`), if it has one."""
+    folder = Path(report["candidate"]["path"])
+    engine = folder / MANIFEST_NAME
+    if not (folder / MANIFEST).exists() and not engine.is_file():
+        return False
+    record = {
+        "verdict": report["verdict"],
+        "exit_code": report["exit_code"],
+        "gate": report["gate"]["name"], "gate_sha256": report["gate"]["sha256"], "tier": report["gate"]["tier"],
+        "baseline": report["baseline"]["spec"], "baseline_sha256": report["baseline"]["sha256"],
+        "candidate_sha256": report["candidate"]["sha256"],
+        "failing": report["failing"],
+        **({"lora": report["lora"]} if report.get("lora") else {}),
+        # the report by name and hash: its folder is local (the manifest holds no local path)
+        "report": json_path.name, "report_sha256": sha256_file(json_path),
+        "markdown_sha256": sha256_file(md_path),
+        "created_unix": int(time.time()),
+    }
+    if engine.is_file():  # an engine bundle: the verdict goes into engine.json (weights stay as hashed)
+        data = json.loads(engine.read_text())
+        data["promotion"] = record
+        tmp = engine.with_name(f".engine.json.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, engine)
+        return True
+    update_manifest(folder, "promotion", record)
+    return True
