@@ -58,6 +58,10 @@ from lmfoundry.runtime.loader import resolve_dtype
 
 @dataclass
 class GateResult:
+    """One gate's outcome: the verdict and the exit code `eval-gate` exits with, the report as
+    written to `json_path` (beside its markdown and plot), and whether the verdict went into the
+    candidate's manifest."""
+
     verdict: str
     exit_code: int
     report: dict[str, Any]

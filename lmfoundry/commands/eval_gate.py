@@ -1,4 +1,7 @@
-"""`lmfoundry eval-gate`: block or allow promotion of a candidate checkpoint, with an exit code CI can use."""
+"""`lmfoundry eval-gate`: block or allow promotion of a candidate checkpoint, with an exit code CI can use.
+
+The command parses its flags, calls `lmfoundry.api.gating` (the Python API's `eval_gate` and its
+dry-run plan) and prints the verdict: the API and the command run one code path."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import sys
 
 import click
 
-from lmfoundry.errors import UserError
+from lmfoundry.commands.lora_options import parse_spec
 from lmfoundry.runtime.dtypes import DTYPES
 
 
@@ -64,36 +67,20 @@ def eval_gate(candidate: str, baseline: str, gate_file: str | None, tier: str, o
     reference are cached: gating N candidates evaluates it once.
 
     Exit codes: 0 pass, 1 fail, 2 inconclusive (configurable) or error."""
-    from pathlib import Path
-
-    from lmfoundry.devices import check_device
-    from lmfoundry.evals.gate import plan_gate, run_gate
-    from lmfoundry.manifest import verify_artifact
-    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
-    from lmfoundry.runtime.placement import check_tensor_parallel
-
-    device = check_device(device)
-    if dry_run:
-        if tp > 1 or lora is not None or device != "cpu":
-            raise UserError("--dry-run plans the CPU engine in one process without --lora; drop --tp / --lora / --device")
-        for line in plan_gate(candidate, baseline, gate_file, tier, device, dtype).lines():
-            click.echo(line)
-        return
-    check_tensor_parallel(tp, device, (candidate, baseline))
-    if deterministic and (device != "cpu" or tp > 1):
-        raise UserError("--deterministic runs the CPU engine in one process; drop --device / --tp")
-    from lmfoundry.commands.lora_options import parse_spec
+    # lmfoundry.api.gating imports the engine and torch: `lmfoundry --help` imports this module
+    from lmfoundry.api.gating import eval_gate as gate_candidate
+    from lmfoundry.api.gating import plan_eval_gate
 
     adapter = parse_spec(lora, "--lora") if lora is not None else None
-    if not skip_verify:  # before either model is evaluated (a bundle is checked against engine.json at load)
-        for spec in (candidate, baseline):
-            if Path(spec).is_dir() and not is_engine_bundle(spec):
-                verify_artifact(Path(spec), "evaluate")
-
-    res = run_gate(candidate, baseline, gate_file, tier, output, tasks, include_paths,
-                   use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
-                   write_promotion=not no_promotion, progress=not quiet, device=device,
-                   dtype=dtype, tp=tp, deterministic=deterministic, lora=adapter)
+    if dry_run:
+        for line in plan_eval_gate(candidate, baseline=baseline, gate=gate_file, tier=tier, device=device,
+                                   dtype=dtype, tp=tp, lora=adapter).lines():
+            click.echo(line)
+        return
+    res = gate_candidate(candidate, baseline=baseline, gate=gate_file, tier=tier, output=output, tasks=tasks,
+                         include_paths=include_paths, use_cache=not no_cache, inconclusive_exit=inconclusive_exit,
+                         write_promotion=not no_promotion, device=device, dtype=dtype, tp=tp,
+                         deterministic=deterministic, skip_verify=skip_verify, quiet=quiet, lora=adapter)
     for m in res.report["metrics"]:
         if m["gated"]:
             click.echo(f"{m['verdict']:>12}  {m['name']}: {m['statistic']} {m['point']:.4f} "
