@@ -1,10 +1,10 @@
 """bf16 products of a decode step on CPU, per row count: the C product this CPU builds against
 the paths it replaces.
 
-- AVX512-BF16 / AMX CPUs: the few-row product (`kernels/cpu/bf16_gemv.c`) against oneDNN's
+- AVX512-BF16 / AMX CPUs: the few-row product (`runtime/cpu/native/bf16_gemv.c`) against oneDNN's
   prepacked GEMM, the two paths `PrepackedLinear` chooses between; the evidence for
   `bf16_gemv.MAX_ROWS`, the most rows that go through the C product.
-- AVX2 CPUs (no bf16 arithmetic): the FMA product (`kernels/cpu/bf16_fma_gemm.c`, every row count)
+- AVX2 CPUs (no bf16 arithmetic): the FMA product (`runtime/cpu/native/bf16_fma_gemm.c`, every row count)
   against `F.linear` in bf16 (oneDNN emulating bf16: what a bf16 model ran before) and float32
   `F.linear` on a float32 copy of the weights (the float32 model's product, twice the bytes).
 
@@ -74,17 +74,17 @@ def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: in
     import torch
     import torch.nn.functional as F
 
-    from lmfoundry.kernels.cpu.bf16_fma_gemm import load_bf16_fma_gemm
-    from lmfoundry.kernels.cpu.bf16_gemv import load_bf16_gemv
     from lmfoundry.kernels.error_bounds import assert_within, dot_bound
-    from lmfoundry.runtime.cpu_linears import _onednn_bf16
+    from lmfoundry.runtime.cpu.native.bf16_fma_gemm import load_bf16_fma_gemm
+    from lmfoundry.runtime.cpu.native.bf16_gemv import load_bf16_gemv
+    from lmfoundry.runtime.cpu.weight_only_linears import _onednn_bf16
 
     torch.set_num_threads(threads)
     onednn_bf16 = _onednn_bf16()
     gemv = load_bf16_gemv() if onednn_bf16 else load_bf16_fma_gemm()
     if gemv is None:
         raise SystemExit("no C product is built here (no compiler, or neither AVX-512 BF16 nor AVX2 + FMA: "
-                         "lmfoundry.kernels.cpu.build.unavailable_reason('bf16_gemv' / 'bf16_fma_gemm'))")
+                         "lmfoundry.runtime.cpu.native.build.unavailable_reason('bf16_gemv' / 'bf16_fma_gemm'))")
     gen = torch.Generator().manual_seed(0)
     shapes = [(n, k) for _, n, k in layer] * layers + [head]
     weights = [(torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16) for n, k in shapes]
@@ -124,9 +124,9 @@ def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: in
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, shapes: Any, load: tuple[Any, Any]) -> str:
-    from lmfoundry.kernels.cpu.bf16_gemv import MAX_ROWS
-    from lmfoundry.runtime.cpu_isa import describe
-    from lmfoundry.runtime.cpu_linears import _onednn_bf16
+    from lmfoundry.runtime.cpu.features import describe
+    from lmfoundry.runtime.cpu.native.bf16_gemv import MAX_ROWS
+    from lmfoundry.runtime.cpu.weight_only_linears import _onednn_bf16
 
     layer, head, layers = shapes
     names = ", ".join(f"{name} {n}x{k}" for name, n, k in layer)

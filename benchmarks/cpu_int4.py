@@ -1,6 +1,6 @@
-"""4-bit products of a serving step on CPU, per row count: the int4 C product (`kernels/cpu/int4_gemm.c`,
+"""4-bit products of a serving step on CPU, per row count: the int4 C product (`runtime/cpu/native/int4_gemm.c`,
 what `CProductLinear` runs for 4-bit codes) against PyTorch's int4pack kernel (what a W4A16 checkpoint ran before),
-dequantize-then-GEMM (the other side of the crossover, `runtime/cpu_crossover.py`), and the float
+dequantize-then-GEMM (the other side of the crossover, `runtime/cpu/crossover.py`), and the float
 model's own product on the same weights in bf16 (oneDNN prepacked, `PrepackedLinear`: the baseline
 of "a quantized checkpoint is never slower than float").
 
@@ -35,14 +35,14 @@ def measure(layer: list[tuple[str, int, int]], layers: int, rows: list[int], gro
             threads: int) -> list[dict[str, Any]]:
     import torch
 
-    from lmfoundry.kernels.cpu.int4_gemm import dequantize, load_int4_gemm, pack
     from lmfoundry.kernels.error_bounds import assert_within, dot_bound
+    from lmfoundry.runtime.cpu.native.int4_gemm import dequantize, load_int4_gemm, pack
 
     torch.set_num_threads(threads)
     gemm = load_int4_gemm()
     if gemm is None:
         raise SystemExit("the int4 C product is not built here (no compiler or no AVX-512 BF16: "
-                         "lmfoundry.kernels.cpu.build.unavailable_reason('int4_gemm'))")
+                         "lmfoundry.runtime.cpu.native.build.unavailable_reason('int4_gemm'))")
     gen = torch.Generator().manual_seed(0)
     shapes = [(n, k) for _, n, k in layer] * layers
     codes = [torch.randint(0, 16, (n, k), generator=gen) for n, k in shapes]
@@ -90,7 +90,7 @@ def _dequant_gemm(gemm: Any, x: Any, w: Any, scratch: Any) -> Any:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, shapes: Any, load: tuple[Any, Any]) -> str:
-    from lmfoundry.runtime.cpu_isa import describe
+    from lmfoundry.runtime.cpu.features import describe
 
     layer, _, layers = shapes
     names = ", ".join(f"{name} {n}x{k}" for name, n, k in layer)

@@ -63,7 +63,7 @@ def main() -> None:
 
     import torch
 
-    from lmfoundry.runtime.cpu_isa import isa
+    from lmfoundry.runtime.cpu.features import isa
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine
     from lmfoundry.runtime.loader import load_model
 

@@ -14,7 +14,7 @@ q/k/v and gate/up one product each); `--baseline` also runs each target with pla
 interleaved, for the ratios in the same run. `--context N` gives every sequence an N-token prompt
 (default: a short sentence), so decode attention reads a serving-sized context; `--attention both`
 runs each case with the CPU runtime's C kernels ("native": decode and prefill attention read in
-place, the KV write, few-row GEMVs, one-pass RMSNorm, SiLU-mul and rotary; `kernels/cpu/`) and without them
+place, the KV write, few-row GEMVs, one-pass RMSNorm, SiLU-mul and rotary; `runtime/cpu/native/`) and without them
 ("gathered": `LMFOUNDRY_NATIVE_KERNELS=0`, decodes gathered for SDPA, every linear on oneDNN, the
 elementwise ops in PyTorch), interleaved. The profiler adds a
 few microseconds per op, so the step wall time comes from the unprofiled pass and only the op
@@ -69,7 +69,7 @@ def profile_target(target: str, dtype: str, batch: int, steps: int, linears: str
         executor_module.can_prepack, executor_module.prepack_dense_linears = can_prepack, prepack
     if attention == "native" and engine.runner.executor.decode_kernel is None:
         raise SystemExit("--attention native: the C decode kernel is not built here "
-                         "(lmfoundry.kernels.cpu.build.unavailable_reason('paged_decode'))")
+                         "(lmfoundry.runtime.cpu.native.build.unavailable_reason('paged_decode'))")
     params = SamplingParams(max_tokens=4 * steps + 64, temperature=0, ignore_eos=True)
     for i in range(batch):
         if context:  # distinct ids per sequence: no prefix-cache sharing
@@ -162,7 +162,7 @@ def main() -> None:
                         "shows each one's median round")
     p.add_argument("--context", type=int, default=0, help="prompt tokens per sequence (default: a short sentence)")
     p.add_argument("--attention", choices=("native", "gathered", "both"), default="native",
-                   help="native: the C kernels of kernels/cpu (attention in place, KV write, few-row GEMVs); "
+                   help="native: the C kernels of runtime/cpu/native (attention in place, KV write, few-row GEMVs); "
                         "gathered: without them (PyTorch paths); both: interleaved")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile"))
     args = p.parse_args()

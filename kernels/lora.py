@@ -17,7 +17,7 @@ expand: y[t, n] <- y[t, n] + sum_r s[t, p(n) R + r] bt[rows[t], r, n]  (accumula
 
 Both accumulate in float32 in any order, so a kernel and its reference differ within the
 γ_K / γ_R bounds of `error_bounds.dot_bound`. The CPU serving path runs the C kernels of
-`kernels/cpu/lora.c` (same definitions); the references here are one pass per adapter.
+`runtime/cpu/native/lora.c` (same definitions); the references here are one pass per adapter.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import sys
 import click
 
 from lmfoundry.errors import LmfoundryError, disk_full
-from lmfoundry.kernels.cpu.isa import apply as apply_cpu_isa
+from lmfoundry.runtime.cpu.isa import apply as apply_cpu_isa
 
 # name -> "module:attribute". Keep in the order shown by --help.
 COMMANDS: dict[str, str] = {

@@ -6,7 +6,7 @@ their stored format (`build_linear`). A checkpoint that declares a KV-cache sche
 scales.
 
 Weight-only integer schemes (W4A16, W8A16) stay packed when the model runs in bfloat16: their codes
-go to the CPU runtime's packed linears (`lmfoundry.runtime.cpu_linears`), so the artifact is as
+go to the CPU runtime's packed linears (`lmfoundry.runtime.cpu.weight_only_linears`), so the artifact is as
 small in memory as on disk. In float32 (or float16) they are dequantized once at load: that dense
 weight is bit-identical to what transformers decompresses, which is what parity tests and
 `--dtype float32` runs want, and those kernels have no fast float32 path. Schemes with quantized
@@ -106,7 +106,7 @@ def resolve_dtype(name: str, path_or_name: str | Path, device: str = "cpu") -> t
         return getattr(torch, name)
     if torch.device(device).type != "cpu":
         return None
-    from lmfoundry.runtime.cpu_isa import default_dtype
+    from lmfoundry.runtime.cpu.features import default_dtype
 
     return default_dtype()
 
@@ -156,7 +156,7 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
         if device.type != "cpu":
             raise UserError(f"{engine}: an --arch cpu bundle runs on --device cpu (compile the checkpoint for a "
                             "GPU arch to serve it on cuda)")
-        from lmfoundry.runtime.cpu_bundle import load_cpu_bundle
+        from lmfoundry.runtime.cpu.bundle_loading import load_cpu_bundle
 
         return load_cpu_bundle(engine, manifest, dtype), load_tokenizer(engine / "weights")
     if device.type == "cuda" and device.index is None:
@@ -263,7 +263,7 @@ def build_linear(qw: QuantizedWeight, bias: torch.Tensor | None, scheme: Scheme,
                             f"(known: {', '.join(KIND)})")
         return build_activation_linear(qw, bias, scheme, dtype)
     if packs_weights(dtype) and qw.q.device.type == "cpu":
-        from lmfoundry.runtime.cpu_linears import packed_linear
+        from lmfoundry.runtime.cpu.weight_only_linears import packed_linear
 
         module = packed_linear(qw, bias)
         if not isinstance(module, str):

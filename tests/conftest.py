@@ -5,7 +5,7 @@
 - Triton runs kernels through its interpreter on machines without a GPU; the variable must be set
   before any kernel module is imported.
 - Nothing is downloaded from a model hub.
-- The CPU path: `LMFOUNDRY_CPU_ISA` (see `lmfoundry.kernels.cpu.isa`) is applied before torch runs
+- The CPU path: `LMFOUNDRY_CPU_ISA` (see `lmfoundry.runtime.cpu.isa`) is applied before torch runs
   anything, and the run's first line says which path it took (`cpu: amx|avx512|avx2`), so that a
   red run on another CPU reads as one.
 - Quantized CPU linears run one product at every row count (no timed crossover).
@@ -27,7 +27,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # quantized linears: the C product at every row count, not a crossover timed on whatever the test
-# machine is doing (tests/runtime/test_cpu_crossover.py covers the measured one)
+# machine is doing (tests/runtime/cpu/test_crossover.py covers the measured one)
 os.environ.setdefault("LMFOUNDRY_CPU_DENSE_ROWS", "never")
 # and the one-pass SiLU(gate) * up from the fixed default size, for the same reason
 os.environ.setdefault("LMFOUNDRY_CPU_SILU_FROM", "8192")
@@ -37,7 +37,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lmfoundry.errors import UserError  # noqa: E402
-from lmfoundry.kernels.cpu.isa import apply as apply_cpu_isa  # noqa: E402
+from lmfoundry.runtime.cpu.isa import apply as apply_cpu_isa  # noqa: E402
 
 try:
     apply_cpu_isa()
@@ -92,7 +92,7 @@ def pytest_configure(config) -> None:
 
 
 def cpu_line() -> str:
-    from lmfoundry.runtime.cpu_isa import describe, machine
+    from lmfoundry.runtime.cpu.features import describe, machine
 
     return f"{describe()}; {machine()}"
 

@@ -1,6 +1,6 @@
 """Each module's file name says what it is without its folder: two modules of the package never
 share a name, so a traceback, a grep or an import line names one file. The one exception is a
-kernel's CPU backend: `kernels/cpu/<name>.py` implements the kernel `kernels/<name>.py` defines
+kernel's CPU backend: `runtime/cpu/native/<name>.py` implements the kernel `kernels/<name>.py` defines
 (GPTQModel's one-file-per-backend registry), and the shared name is the point."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from test_import_layers import modules
 def _backend_mirror(paths: list[Path]) -> bool:
     """Whether the files are one kernel's definition and its CPU backend."""
     folders = sorted(p.parent.relative_to(Path(__file__).resolve().parents[1]).as_posix() for p in paths)
-    return folders == ["kernels", "kernels/cpu"]
+    return folders == ["kernels", "runtime/cpu/native"]
 
 
 def test_no_two_modules_share_a_file_name() -> None:

@@ -65,7 +65,7 @@ def _compiled_step_bundle(model: str, block_size: int, verified: bool) -> str:
     bundle before the engine process started). `verified`: serve has just checked the files
     against the checkpoint's lmfoundry.json, so the cache key takes the sha256s recorded there
     instead of reading every weight a second time."""
-    from lmfoundry.compile.cpu_step import cached_cpu_engine
+    from lmfoundry.runtime.cpu.step_cache import cached_cpu_engine
 
     return str(cached_cpu_engine(model, block_size=block_size, log_line=lambda m: click.echo(m, err=True),
                                  verified=verified)[0])
@@ -84,8 +84,8 @@ def _compiled_step_by_default(model: str, device: str, tp: int, deterministic: b
     --deterministic, and a checkpoint (not a bundle) whose weights are integer weight-only."""
     import torch
 
-    from lmfoundry.runtime import cpu_isa
     from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+    from lmfoundry.runtime.cpu import features as cpu_isa
 
     if device != "cpu" or tp > 1 or deterministic or lora_slots or speculative is not None:
         return None
@@ -119,7 +119,7 @@ def serving_engine(model: str, dtype: str, config: EngineConfig, *, device: str,
     the build in a child process), then the model, less the eager weights a compiled step makes
     unused. Its lines go to the terminal the engine process shares with serve, its UserErrors to
     serve through the engine's start-up (`core_client`)."""
-    from lmfoundry.runtime import cpu_isa
+    from lmfoundry.runtime.cpu import features as cpu_isa
     from lmfoundry.runtime.engine.llm_engine import LLMEngine
     from lmfoundry.runtime.loader import resolve_dtype
 

@@ -11,11 +11,11 @@ into one [T, heads, head_dim] batch. We write the new K/V into their slots, then
   tokens (prefix-cache hits or previous chunks) read back from the cache.
 The gather indices and masks are built once per step and shared by every layer.
 
-Where the CPU's C kernel is built (`lmfoundry.kernels.cpu.paged_decode`), the step's decodes come
+Where the CPU's C kernel is built (`lmfoundry.runtime.cpu.native.paged_decode`), the step's decodes come
 as one `DecodeBatch` instead of groups: the kernel reads each sequence's blocks where they lie, so
 nothing is gathered and a shared prefix needs no cascade split (its blocks stay in the CPU's cache
 while the sequences that share them read them). Likewise, with a bf16 cache on a CPU with AVX-512
-BF16, the step's chunks come as one `PrefillBatch` (`lmfoundry.kernels.cpu.paged_prefill`): one
+BF16, the step's chunks come as one `PrefillBatch` (`lmfoundry.runtime.cpu.native.paged_prefill`): one
 call per layer attends every chunk causally over its blocks, a prefix-cache hit included, without
 the gather, the mask or the scores above the diagonal that SDPA would need.
 
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lmfoundry.kernels.cpu.paged_decode import PagedDecode
-from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill
 from lmfoundry.model.kv_quant import KVRoundTrip
 from lmfoundry.model.reference import AttentionSpec, spec_attention
+from lmfoundry.runtime.cpu.native.paged_decode import PagedDecode
+from lmfoundry.runtime.cpu.native.paged_prefill import PagedPrefill
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers
 
 # SDPA's CPU flash kernel, which also returns each query's log-sum-exp (cascade merging needs it).

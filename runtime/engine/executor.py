@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from lmfoundry.errors import UserError
-from lmfoundry.kernels.cpu.paged_decode import PagedDecode, load_paged_decode
-from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill, load_paged_prefill
-from lmfoundry.runtime.cpu_elementwise import swap_native_elementwise
-from lmfoundry.runtime.cpu_linears import (
+from lmfoundry.runtime.cpu.batch_invariant import DeterminismUnavailable, make_batch_invariant
+from lmfoundry.runtime.cpu.elementwise import swap_native_elementwise
+from lmfoundry.runtime.cpu.native.paged_decode import PagedDecode, load_paged_decode
+from lmfoundry.runtime.cpu.native.paged_prefill import PagedPrefill, load_paged_prefill
+from lmfoundry.runtime.cpu.weight_only_linears import (
     CProductLinear,
     Int4PackLinear,
     Int8PackLinear,
@@ -32,7 +33,6 @@ from lmfoundry.runtime.cpu_linears import (
     prepack_dense_linears,
 )
 from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention, PrefillBatch
-from lmfoundry.runtime.engine.batch_invariant import DeterminismUnavailable, make_batch_invariant
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
 
@@ -101,11 +101,11 @@ class ReferenceModelExecutor:
             packed = (CProductLinear, Int4PackLinear, Int8PackLinear)
             quantized = [m for m in model.modules() if isinstance(m, packed)]
             if quantized:  # from how many rows each runs dequantized, timed on this machine
-                from lmfoundry.runtime.cpu_crossover import set_dense_rows
+                from lmfoundry.runtime.cpu.crossover import set_dense_rows
 
                 set_dense_rows(quantized)
             if swap_native_elementwise(model):  # RMSNorm, SiLU(gate) * up and rotary: one C pass each
-                from lmfoundry.runtime.cpu_crossover import set_silu_mul_from
+                from lmfoundry.runtime.cpu.crossover import set_silu_mul_from
 
                 set_silu_mul_from(model)  # from which size the SiLU pass beats PyTorch's ops, timed here
         self.engine_config = config
@@ -116,7 +116,7 @@ class ReferenceModelExecutor:
         self.kv_heads = cast("DecoderLayer", model.model.layers[0]).self_attn.num_kv_heads
         self.cache: KVCacheLayers | None = None
         self.context_limit = self.config.max_position_embeddings  # sliding windows honoured via AttentionSpec
-        # an `--arch cpu` bundle's AOT-compiled step (runtime.engine.compiled_step), over at most
+        # an `--arch cpu` bundle's AOT-compiled step (runtime.cpu.compiled_step), over at most
         # `compiled_max_tokens` tokens a step; None: the eager reference model
         self.compiled_step = getattr(model, "compiled_step", None)
         self.compiled_max_tokens = int(getattr(model, "compiled_max_tokens", 0))
@@ -148,7 +148,7 @@ class ReferenceModelExecutor:
         if not all(f.lossless for f in self.formats):
             return ("a KV cache stored quantized or in another dtype than the model's has no batch-invariant "
                     "attention kernel; use --kv-cache-dtype auto")
-        from lmfoundry.kernels.cpu.build import unavailable_reason
+        from lmfoundry.runtime.cpu.native.build import unavailable_reason
 
         return f"the C attention kernel is not available ({unavailable_reason('paged_decode') or 'this head size'})"
 
@@ -162,7 +162,7 @@ class ReferenceModelExecutor:
             return None
         kernel = load_paged_decode()
         if kernel is None:
-            from lmfoundry.kernels.cpu.build import unavailable_reason
+            from lmfoundry.runtime.cpu.native.build import unavailable_reason
 
             logging.getLogger("lmfoundry.engine").info("decode attention gathers the KV blocks (no C kernel: %s)",
                                                       unavailable_reason("paged_decode"))
@@ -315,7 +315,7 @@ class ReferenceModelExecutor:
         copy of those weights, so keeping the eager one would hold them twice. Returns how many
         linears were released (0: the eager model may still run, nothing is dropped). Callers
         that also call the model directly (eval's whole-window scoring) must not ask."""
-        from lmfoundry.runtime.engine.compiled_step import release_decoder_linears
+        from lmfoundry.runtime.cpu.compiled_step import release_decoder_linears
 
         if self.compiled_step is None or self.lora is not None or max_step_tokens > self.compiled_max_tokens:
             return 0

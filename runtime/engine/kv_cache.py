@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from lmfoundry.errors import UserError
-from lmfoundry.kernels.cpu.store_kv import load_store_kv
 from lmfoundry.model.kv_quant import FP8_DTYPE as FP8
 from lmfoundry.model.kv_quant import broadcast_scale, dequantize_kv, quantize_kv
+from lmfoundry.runtime.cpu.native.store_kv import load_store_kv
 
 if TYPE_CHECKING:
     from lmfoundry.model.reference import CausalLM, DecoderLayer

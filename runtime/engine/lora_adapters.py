@@ -7,7 +7,7 @@ every adapted product adds each row's own delta on top of whatever the base line
 q/k/v or gate/up product of the CPU serving swap), stacked as `lmfoundry.kernels.lora` describes:
 `a` [max_loras, parts * max_rank, in], `bt` [max_loras, max_rank, out] with each adapter's scale
 folded in, zero padded. A wrapper of the site's module forward adds the step's deltas with one
-gathered shrink and one expand (the C kernels of `kernels/cpu/lora.c` on CPU, the Triton ops on
+gathered shrink and one expand (the C kernels of `runtime/cpu/native/lora.c` on CPU, the Triton ops on
 a GPU, their PyTorch references where neither runs): one pass per step, not one per adapter. A
 step with no adapter row adds nothing (one check per product).
 
@@ -30,8 +30,8 @@ from torch import nn
 
 from lmfoundry.checkpoint.lora_adapter import LoRAAdapter, check_adapter, read_adapter
 from lmfoundry.errors import UserError
-from lmfoundry.kernels.cpu.lora import LoRAKernels, load_lora_kernels
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS, ModelConfig
+from lmfoundry.runtime.cpu.native.lora import LoRAKernels, load_lora_kernels
 from lmfoundry.runtime.engine.engine_config import check_lora_slots_fit
 
 if TYPE_CHECKING:

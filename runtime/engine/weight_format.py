@@ -19,7 +19,7 @@ from torch import nn
 
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear
 from lmfoundry.quantformat.scheme import Scheme
-from lmfoundry.runtime.cpu_linears import (
+from lmfoundry.runtime.cpu.weight_only_linears import (
     CProductLinear,
     FusedPrepackedLinear,
     Int4PackLinear,
@@ -136,7 +136,7 @@ def describe_weights(model: Any) -> str:
 def runtime_form(model: Any, dtype: torch.dtype) -> dict[str, Any]:
     """`EngineInfo`'s description of what runs: execution dtype, device, the CPU kernels' vector
     path (on a CPU) and the weight format."""
-    from lmfoundry.kernels.cpu.isa import isa
+    from lmfoundry.runtime.cpu.isa import isa
 
     local = getattr(model, "local", model)
     device = torch.device(local.device) if hasattr(local, "kernels") else local.device

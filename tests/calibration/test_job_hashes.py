@@ -18,7 +18,7 @@ GPTQ's Hessian and Cholesky factor (MKL), its column updates (OpenBLAS), and whe
 the attention each K/V row receives (oneDNN's AVX512-BF16 or AMX kernels); the KV-cache scales
 (absmax of K and V after MKL's products). A value at a rounding boundary flips, and GPTQ carries a
 flipped code on through its updates. So the layer shards of those cases (ISA_DEPENDENT) are
-recorded per CPU path (`isa()` of `lmfoundry.kernels.cpu.isa`, one thread as `make test` runs),
+recorded per CPU path (`isa()` of `lmfoundry.runtime.cpu.isa`, one thread as `make test` runs),
 each recording with the CPU models (`machine()`) that gave it: two CPUs of one path can still
 round differently (MKL keeps a path of its own on non-Intel CPUs; block sizes follow the caches).
 - A recording that lists this CPU: byte for byte.
@@ -47,7 +47,7 @@ import torch
 from helpers import tiny_model_folder, write_text
 from safetensors.torch import load_file
 
-from lmfoundry.kernels.cpu.isa import ENV, isa, machine, supported
+from lmfoundry.runtime.cpu.isa import ENV, isa, machine, supported
 
 # recorded from the code before the refactor (see the module docstring)
 EXPECTED: dict[str, dict[str, str]] = {

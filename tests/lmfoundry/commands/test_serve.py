@@ -52,7 +52,7 @@ def test_serve_prints_and_exports_what_runs_and_takes_its_http_flags(tmp_path) -
     from click.testing import CliRunner
 
     from lmfoundry.cli import cli
-    from lmfoundry.kernels.cpu.isa import isa
+    from lmfoundry.runtime.cpu.isa import isa
 
     folder = save_toy_checkpoint(tmp_path / "toy", num_key_value_heads=4)
     quantized = tmp_path / "w4a16"

@@ -30,7 +30,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture
 def amx(monkeypatch) -> None:
-    from lmfoundry.runtime import cpu_isa
+    from lmfoundry.runtime.cpu import features as cpu_isa
 
     features = dict(cpu_isa.cpu_features(), amx_bf16=True)
     monkeypatch.setattr(cpu_isa, "cpu_features", lambda: features)
@@ -52,7 +52,7 @@ def test_an_amx_cpu_compiles_a_weight_only_checkpoint(folders, amx) -> None:
 
 
 def test_without_amx_the_eager_model_serves(folders, monkeypatch) -> None:
-    from lmfoundry.runtime import cpu_isa
+    from lmfoundry.runtime.cpu import features as cpu_isa
 
     features = dict(cpu_isa.cpu_features(), amx_bf16=False)
     monkeypatch.setattr(cpu_isa, "cpu_features", lambda: features)

@@ -11,7 +11,7 @@ from checkpoints import write_checkpoint
 from toy import byte_tokenizer, toy_model
 
 from lmfoundry.errors import UserError
-from lmfoundry.kernels.cpu.paged_decode import load_paged_decode
+from lmfoundry.runtime.cpu.native.paged_decode import load_paged_decode
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.skipif(load_paged_decode() is None, reason="no C attention kernel here")
@@ -64,7 +64,7 @@ def test_a_request_is_bit_identical_alone_in_batches_and_from_the_cache(dtype) -
 def test_without_the_mode_batches_change_the_logprobs(dtype) -> None:
     """What the mode fixes: the default engine's logprobs for the same request move with the
     batch (BLAS sums by the row count, prompt chunks run another attention than decodes)."""
-    from lmfoundry.kernels.cpu.isa import isa
+    from lmfoundry.runtime.cpu.isa import isa
 
     if dtype == torch.bfloat16 and isa() == "avx2":
         pytest.skip("the AVX2 path computes bf16 in float32 and rounds to bf16, where this request's "
@@ -78,7 +78,7 @@ def test_without_the_mode_batches_change_the_logprobs(dtype) -> None:
 def test_packed_int4_weights_are_batch_invariant(tmp_path) -> None:
     """A W4A16 checkpoint (packed int4 linears, per-row kernel at every row count)."""
     from lmfoundry.checkpoint.folder import CheckpointReader
-    from lmfoundry.runtime.cpu_linears import Int4PackLinear
+    from lmfoundry.runtime.cpu.weight_only_linears import Int4PackLinear
     from lmfoundry.runtime.loader import load_causal_lm
 
     folder = write_checkpoint(tmp_path / "w4", "w4a16", bits=4, group=32, vocab=320)
@@ -98,7 +98,7 @@ def test_what_has_no_batch_invariant_form_is_refused_in_one_line() -> None:
     with pytest.raises(UserError, match="KV cache stored"):
         LLMEngine(toy_model(dtype=torch.float32), None,
                   EngineConfig(num_kv_blocks=16, kv_cache_dtype="bfloat16", deterministic=True))
-    from lmfoundry.runtime.cpu_linears import PrepackedLinear
+    from lmfoundry.runtime.cpu.weight_only_linears import PrepackedLinear
 
     model = toy_model(dtype=torch.bfloat16)
     LLMEngine(model, None, EngineConfig(num_kv_blocks=16))  # prepared for the default mode ...

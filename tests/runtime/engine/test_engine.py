@@ -7,8 +7,8 @@ import torch
 from helpers import assert_greedy_up_to_bf16_ties, reference_greedy
 from toy import byte_tokenizer, toy_model
 
-from lmfoundry.kernels.cpu.paged_decode import load_paged_decode
-from lmfoundry.kernels.cpu.paged_prefill import load_paged_prefill
+from lmfoundry.runtime.cpu.native.paged_decode import load_paged_decode
+from lmfoundry.runtime.cpu.native.paged_prefill import load_paged_prefill
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 
 EOS = 258
@@ -280,7 +280,7 @@ def test_in_place_decode_kernel_matches_the_gathered_path(model, monkeypatch) ->
     """Decodes through the C kernel (blocks read in place, one call a layer) and through the
     gathered groups give the same tokens and logprobs, with shared prefixes, distinct prompts and
     chunked prefills in the same steps; the kernel is what runs when it is built."""
-    from lmfoundry.kernels.cpu.paged_decode import PagedDecode
+    from lmfoundry.runtime.cpu.native.paged_decode import PagedDecode
 
     shared = prompts(1, seed=14, lo=90, hi=91)[0]
     ps = prompts(4, seed=18, lo=1, hi=12, prefix=shared) + prompts(3, seed=19, lo=20, hi=60)
@@ -300,7 +300,7 @@ def test_native_bf16_step_matches_the_pytorch_path(monkeypatch) -> None:
     place, one-pass RMSNorm, SiLU-mul and rotary) and with none (SDPA, PyTorch ops) gives the same greedy
     tokens up to bf16 ties, with prefix-cache hits and chunked prefills in the same steps; the
     prefill kernel is what runs the chunks when it is built."""
-    from lmfoundry.kernels.cpu.paged_prefill import PagedPrefill
+    from lmfoundry.runtime.cpu.native.paged_prefill import PagedPrefill
 
     def bf16_model():  # fresh each time: an engine swaps the model's modules for its own
         return toy_model(seed=3, dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,

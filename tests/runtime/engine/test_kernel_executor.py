@@ -416,7 +416,7 @@ def test_gpu_bundle_on_cpu_serves_the_packed_reference_model(bundles: Bundles, s
     to the checkpoint's tensors (exact) and runs the packed reference model, not the kernels'
     per-op references: every weight buffer equals the checkpoint's own packed load."""
     from lmfoundry.model.reference import CausalLM
-    from lmfoundry.runtime.cpu_linears import Int4PackLinear
+    from lmfoundry.runtime.cpu.weight_only_linears import Int4PackLinear
 
     model, _ = load_model(bundles.engine(scheme), dtype=torch.bfloat16)
     ref, _ = load_model(bundles.checkpoint(scheme), dtype=torch.bfloat16)

@@ -10,11 +10,11 @@ from click.testing import CliRunner
 from toy import save_toy_checkpoint
 
 from lmfoundry.cli import cli
-from lmfoundry.kernels.cpu.int4_gemm import load_int4_gemm
-from lmfoundry.kernels.cpu.int8_gemm import load_int8_gemm
-from lmfoundry.kernels.cpu.isa import isa
 from lmfoundry.model.linears import dense_linear
 from lmfoundry.quantformat.scheme import make_scheme
+from lmfoundry.runtime.cpu.isa import isa
+from lmfoundry.runtime.cpu.native.int4_gemm import load_int4_gemm
+from lmfoundry.runtime.cpu.native.int8_gemm import load_int8_gemm
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine
 from lmfoundry.runtime.engine.weight_format import describe_weights, scheme_label
 from lmfoundry.runtime.loader import load_model

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmfoundry.kernels.cpu.isa import isa
+from lmfoundry.runtime.cpu.isa import isa
 from lmfoundry.runtime.server.app import ApiOptions
 
 PAGE = "http://localhost:3000"
