@@ -30,7 +30,7 @@ from lmfoundry.runtime.server.protocol import StrictModel
 from lmfoundry.runtime.server.request_body import APIError, engine_dead
 
 if TYPE_CHECKING:
-    from lmfoundry.runtime.server.app import OpenAIServer
+    from lmfoundry.runtime.server.openai_server import OpenAIServer
 
 
 class LoadLoRAAdapterRequest(StrictModel):
