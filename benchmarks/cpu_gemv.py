@@ -75,12 +75,12 @@ def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: in
     import torch.nn.functional as F
 
     from lmfoundry.kernels.error_bounds import assert_within, dot_bound
+    from lmfoundry.runtime.cpu import features
     from lmfoundry.runtime.cpu.native.bf16_fma_gemm import load_bf16_fma_gemm
     from lmfoundry.runtime.cpu.native.bf16_gemv import load_bf16_gemv
-    from lmfoundry.runtime.cpu.weight_only_linears import _onednn_bf16
 
     torch.set_num_threads(threads)
-    onednn_bf16 = _onednn_bf16()
+    onednn_bf16 = features.onednn_bf16()
     gemv = load_bf16_gemv() if onednn_bf16 else load_bf16_fma_gemm()
     if gemv is None:
         raise SystemExit("no C product is built here (no compiler, or neither AVX-512 BF16 nor AVX2 + FMA: "
@@ -124,13 +124,12 @@ def measure(layer: list[tuple[str, int, int]], head: tuple[int, int], layers: in
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, shapes: Any, load: tuple[Any, Any]) -> str:
-    from lmfoundry.runtime.cpu.features import describe
+    from lmfoundry.runtime.cpu.features import describe, onednn_bf16
     from lmfoundry.runtime.cpu.native.bf16_gemv import MAX_ROWS
-    from lmfoundry.runtime.cpu.weight_only_linears import _onednn_bf16
 
     layer, head, layers = shapes
     names = ", ".join(f"{name} {n}x{k}" for name, n, k in layer)
-    product = "few-row bf16_gemv" if _onednn_bf16() else "FMA product bf16_fma_gemm (every row count)"
+    product = "few-row bf16_gemv" if onednn_bf16() else "FMA product bf16_fma_gemm (every row count)"
     base = list(rows[0]["ms"]) if rows else []
     lines = [f"# bf16 products in a decode step: the C product against the paths it replaces ({args.model})", "",
              f"Command: `python benchmarks/cpu_gemv.py {' '.join(args.argv)}`".rstrip(), "",
@@ -140,7 +139,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, shapes: Any, lo
              f"One step: {layers} layers of {names} (each layer its own random weights), then the LM head "
              f"{head[0]}x{head[1]}: every weight streams from memory once per step, as in serving.", "",
              f"CPU: {describe()}. C product here: {product}"
-             + (f"; `MAX_ROWS` in this tree: {MAX_ROWS} (inputs of up to that many rows take it)." if _onednn_bf16()
+             + (f"; `MAX_ROWS` in this tree: {MAX_ROWS} (inputs of up to that many rows take it)." if onednn_bf16()
                 else "."), "",
              "| rows | " + " | ".join(f"{name} ms/step" for name in base) + " | "
              + " | ".join(f"C / {name}" for name in base if name != "C") + " | every round (" + "; ".join(base) + ") |",

@@ -48,8 +48,8 @@ def _instrument(engine: Any) -> None:
     if _wrapped:
         return
     _wrapped.append(True)
+    from lmfoundry.runtime.cpu.dense_linears import PrepackedLinear
     from lmfoundry.runtime.cpu.native import norm_act, paged_decode, paged_prefill, rope, store_kv
-    from lmfoundry.runtime.cpu.weight_only_linears import PrepackedLinear
     from lmfoundry.runtime.engine import llm_engine
 
     for cls, name, part in ((PrepackedLinear, "forward", "dense products"),

@@ -35,18 +35,10 @@ from torch import nn
 
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear
 from lmfoundry.model.reference import MLP, CausalLM
+from lmfoundry.runtime.cpu.dense_linears import PrepackedLinear, PrepackedPart, prepack_dense_linears
 from lmfoundry.runtime.cpu.elementwise import swap_native_elementwise
-from lmfoundry.runtime.cpu.weight_only_linears import (
-    CProductLinear,
-    FloatPanelLinear,
-    Int4PackLinear,
-    Int8PackLinear,
-    PrepackedLinear,
-    PrepackedPart,
-    panel_float_linears,
-    prepack_c_products,
-    prepack_dense_linears,
-)
+from lmfoundry.runtime.cpu.panel_linears import FloatPanelLinear, panel_float_linears
+from lmfoundry.runtime.cpu.weight_only_linears import CProductLinear, Int4PackLinear, Int8PackLinear, prepack_c_products
 
 
 class DeterminismUnavailable(ValueError):

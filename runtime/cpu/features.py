@@ -10,11 +10,14 @@ the default there too wherever they are built; elsewhere float32 is faster.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from lmfoundry.runtime.cpu.isa import ISAS, features, forced, isa, machine
 
-__all__ = ["ISAS", "cpu_features", "default_dtype", "describe", "isa", "machine", "native_bf16", "widened_bf16"]
+__all__ = ["ISAS", "cpu_features", "default_dtype", "describe", "isa", "machine", "native_bf16", "onednn_bf16",
+           "widened_bf16"]
 
 
 def cpu_features() -> dict[str, bool]:
@@ -26,6 +29,12 @@ def cpu_features() -> dict[str, bool]:
 def native_bf16() -> bool:
     f = cpu_features()
     return f.get("avx512_bf16", False) or f.get("amx_bf16", False)
+
+
+@lru_cache(maxsize=1)
+def onednn_bf16() -> bool:
+    """Whether this CPU's oneDNN has bf16 kernels (AVX512-BF16 or AMX; elsewhere it emulates them)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def widened_bf16() -> bool:

@@ -21,17 +21,11 @@ import torch
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.cpu.batch_invariant import DeterminismUnavailable, make_batch_invariant
+from lmfoundry.runtime.cpu.dense_linears import can_prepack, prepack_dense_linears
 from lmfoundry.runtime.cpu.elementwise import swap_native_elementwise
 from lmfoundry.runtime.cpu.native.paged_decode import PagedDecode, load_paged_decode
 from lmfoundry.runtime.cpu.native.paged_prefill import PagedPrefill, load_paged_prefill
-from lmfoundry.runtime.cpu.weight_only_linears import (
-    CProductLinear,
-    Int4PackLinear,
-    Int8PackLinear,
-    can_prepack,
-    prepack_c_products,
-    prepack_dense_linears,
-)
+from lmfoundry.runtime.cpu.weight_only_linears import CProductLinear, Int4PackLinear, Int8PackLinear, prepack_c_products
 from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention, PrefillBatch
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats

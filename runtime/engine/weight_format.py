@@ -19,14 +19,8 @@ from torch import nn
 
 from lmfoundry.model.quantized_linear import ActivationQuantizedLinear
 from lmfoundry.quantformat.scheme import Scheme
-from lmfoundry.runtime.cpu.weight_only_linears import (
-    CProductLinear,
-    FusedPrepackedLinear,
-    Int4PackLinear,
-    Int8PackLinear,
-    PrepackedLinear,
-    PrepackedPart,
-)
+from lmfoundry.runtime.cpu.dense_linears import FusedPrepackedLinear, PrepackedLinear, PrepackedPart
+from lmfoundry.runtime.cpu.weight_only_linears import CProductLinear, Int4PackLinear, Int8PackLinear
 
 SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 KERNEL_MODES = {"cubin": "cubins", "jit": "Triton JIT", "interpret": "Triton interpreter",

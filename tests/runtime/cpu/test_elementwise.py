@@ -9,9 +9,9 @@ import torch
 from toy import toy_model
 
 from lmfoundry.model.reference import MLP, Attention, RMSNorm
+from lmfoundry.runtime.cpu.dense_linears import can_prepack, prepack_dense_linears
 from lmfoundry.runtime.cpu.elementwise import NativeRMSNorm, NativeSiluMul, swap_native_elementwise
 from lmfoundry.runtime.cpu.native.norm_act import load_norm_act
-from lmfoundry.runtime.cpu.weight_only_linears import can_prepack, prepack_dense_linears
 
 pytestmark = pytest.mark.skipif(load_norm_act() is None, reason="no native kernel here")
 

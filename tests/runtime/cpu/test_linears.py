@@ -23,26 +23,27 @@ from lmfoundry.model.reference import MLP, Attention
 from lmfoundry.quantformat import qmath
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import QuantArgs, make_scheme
+from lmfoundry.runtime.cpu.dense_linears import (
+    BlockedEmbedding,
+    FusedPrepackedLinear,
+    PrepackedLinear,
+    PrepackedPart,
+    can_prepack,
+    prepack_dense_linears,
+)
+from lmfoundry.runtime.cpu.features import onednn_bf16
 from lmfoundry.runtime.cpu.native.bf16_fma_gemm import load_f32_fma_gemm
 from lmfoundry.runtime.cpu.native.bf16_gemv import MAX_ROWS, load_bf16_gemv
 from lmfoundry.runtime.cpu.native.int4_gemm import load_int4_gemm
 from lmfoundry.runtime.cpu.native.int8_gemm import load_int8_gemm
+from lmfoundry.runtime.cpu.panel_linears import FloatPanelLinear, panel_float_linears
 from lmfoundry.runtime.cpu.weight_only_linears import (
     DEQUANT_ROWS,
-    BlockedEmbedding,
     CProductLinear,
-    FloatPanelLinear,
-    FusedPrepackedLinear,
     Int4PackLinear,
     Int8PackLinear,
-    PrepackedLinear,
-    PrepackedPart,
-    _onednn_bf16,
-    can_prepack,
     packed_linear,
-    panel_float_linears,
     prepack_c_products,
-    prepack_dense_linears,
 )
 from lmfoundry.runtime.loader import build_linear
 
@@ -189,8 +190,8 @@ def test_act_order_groups_must_be_equal() -> None:
 
 # prepacking needs oneDNN with bf16 kernels or the FMA product (AVX2 CPUs); some tests are about oneDNN's
 needs_prepack = pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="no bf16 prepacking on this CPU")
-needs_bf16_onednn = pytest.mark.skipif(not _onednn_bf16(), reason="oneDNN has no bf16 kernels here")
-needs_fma_panels = pytest.mark.skipif(_onednn_bf16() or not can_prepack(torch.bfloat16),
+needs_bf16_onednn = pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bf16 kernels here")
+needs_fma_panels = pytest.mark.skipif(onednn_bf16() or not can_prepack(torch.bfloat16),
                                       reason="the FMA panels serve CPUs without bf16 oneDNN kernels")
 
 
@@ -285,7 +286,7 @@ def test_prepack_swaps_the_dense_bf16_linears_and_keeps_the_model_output() -> No
         assert prepack_dense_linears(model) == n_linear > 0
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
         got = model(ids)
-        if _onednn_bf16():
+        if onednn_bf16():
             assert torch.equal(got, want)
         else:
             assert float((got.float() - want.float()).abs().max()) <= 4 * U * float(want.float().abs().max())
@@ -444,12 +445,12 @@ def test_few_row_copies_only_where_memory_allows(monkeypatch, caplog) -> None:
     than a quarter of the available memory stays on oneDNN alone, with one log line."""
     import logging
 
-    from lmfoundry.runtime.cpu import weight_only_linears as cpu_linears
+    from lmfoundry.runtime.cpu import dense_linears
 
     fits = fusable_model()
     prepack_dense_linears(fits, fuse=True)
     assert any(m.gemv is not None for m in fits.modules() if isinstance(m, PrepackedLinear))
-    monkeypatch.setattr(cpu_linears, "_available_memory", lambda: 1024)
+    monkeypatch.setattr(dense_linears, "_available_memory", lambda: 1024)
     tight = fusable_model()
     with caplog.at_level(logging.INFO, logger="lmfoundry.runtime"):
         prepack_dense_linears(tight, fuse=True)
@@ -626,12 +627,12 @@ def test_untied_or_unblocked_embeddings_keep_their_table(monkeypatch) -> None:
     prepacked without the few-row copies (they would not fit in memory), keeps nn.Embedding."""
     from toy import toy_model
 
-    import lmfoundry.runtime.cpu.weight_only_linears as cpu_linears
+    from lmfoundry.runtime.cpu import dense_linears
 
     untied = toy_model(seed=5, dtype=torch.bfloat16, vocab_size=320)
     prepack_dense_linears(untied, fuse=True)
     assert type(untied.model.embed_tokens) is torch.nn.Embedding
-    monkeypatch.setattr(cpu_linears, "_few_row_copies", lambda model: False)
+    monkeypatch.setattr(dense_linears, "_few_row_copies", lambda model: False)
     tied = tied_model()
     prepack_dense_linears(tied, fuse=True)
     assert type(tied.model.embed_tokens) is torch.nn.Embedding

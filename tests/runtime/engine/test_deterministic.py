@@ -98,7 +98,7 @@ def test_what_has_no_batch_invariant_form_is_refused_in_one_line() -> None:
     with pytest.raises(UserError, match="KV cache stored"):
         LLMEngine(toy_model(dtype=torch.float32), None,
                   EngineConfig(num_kv_blocks=16, kv_cache_dtype="bfloat16", deterministic=True))
-    from lmfoundry.runtime.cpu.weight_only_linears import PrepackedLinear
+    from lmfoundry.runtime.cpu.dense_linears import PrepackedLinear
 
     model = toy_model(dtype=torch.bfloat16)
     LLMEngine(model, None, EngineConfig(num_kv_blocks=16))  # prepared for the default mode ...
