@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -43,11 +43,6 @@ class LoadLoRAAdapterRequest(StrictModel):
 class UnloadLoRAAdapterRequest(StrictModel):
     lora_name: str
     lora_int_id: int | None = None  # vLLM's; names identify adapters here
-
-
-def model_entries(server: OpenAIServer, base: dict[str, Any]) -> list[dict[str, Any]]:
-    """/v1/models' entries of the adapters, each with `parent` the base (vLLM's shape)."""
-    return [{**base, "id": name, "root": name, "parent": server.model_name} for name in sorted(server.preparer.adapters)]
 
 
 async def _apply(server: OpenAIServer, op: str, name: str, path: str | None) -> LoRAResult:

@@ -38,7 +38,6 @@ from lmfoundry.runtime.engine.outputs import StepEvent
 from lmfoundry.runtime.engine.sampling_params import SamplingParams
 from lmfoundry.runtime.engine.validation import RequestValidator
 from lmfoundry.runtime.server.background import DEFAULT_READ_TIMEOUT
-from lmfoundry.runtime.server.lora_routes import model_entries
 from lmfoundry.runtime.server.metrics import ServerMetrics
 from lmfoundry.runtime.server.prepare import Preparer
 from lmfoundry.runtime.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -256,7 +255,10 @@ class OpenAIServer:
     def models(self) -> dict:
         base = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lmfoundry",
                 "max_model_len": self.max_model_len, "lmfoundry": self.runtime()}
-        return {"object": "list", "data": [base, *model_entries(self, base)]}
+        # each LoRA adapter (lora_routes.py) is a model of its own, with `parent` the base (vLLM's shape)
+        adapters = [{**base, "id": name, "root": name, "parent": self.model_name}
+                    for name in sorted(self.preparer.adapters)]
+        return {"object": "list", "data": [base, *adapters]}
 
     # ---- tokenizer endpoints (vLLM's) -----------------------------------------------------
     def _tokenizer(self) -> Any:
