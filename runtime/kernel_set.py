@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from lmfoundry.errors import UserError
-from lmfoundry.kernels import tiles
+from lmfoundry.kernels import registry, tiles
 from lmfoundry.kernels.dispatch import JitLauncher, Launcher, ReferenceLauncher
 from lmfoundry.kernels.spec import DIVISIBILITY, KernelCall, TileConfig, Variant, compile_grid_rule
 from lmfoundry.runtime.bundle_manifest import read_manifest, verify
@@ -240,43 +240,11 @@ class CountingLauncher:
         self.inner.run(call)
 
 
-def _ops() -> dict[str, Callable[..., Any]]:
-    from lmfoundry.kernels import (
-        activation,
-        fp8_gemm,
-        lora,
-        norm_quant,
-        paged_attention,
-        paged_kv,
-        rotary,
-        w4a16,
-        w4a16_tiled,
-        w8a8,
-    )
-
-    return {
-        "w4a16_linear": w4a16.w4a16_linear,
-        "w4a16_tiled_linear": w4a16_tiled.w4a16_tiled_linear,
-        "w8a8_gemm": w8a8.w8a8_gemm,
-        "w8a8_linear": w8a8.w8a8_linear,
-        "fp8_gemm": fp8_gemm.fp8_gemm,
-        "fp8_linear": fp8_gemm.fp8_linear,
-        "rmsnorm_quant": norm_quant.rmsnorm_quant,
-        "silu_mul": activation.silu_mul,
-        "apply_rotary": rotary.apply_rotary,
-        "store_kv": paged_kv.store_kv,
-        "paged_prefill": paged_attention.paged_prefill,
-        "paged_decode": paged_attention.paged_decode,
-        "lora_shrink": lora.lora_shrink,
-        "lora_expand": lora.lora_expand,
-    }
-
-
 class KernelSet:
     """The kernels of one engine on one device. Ops are the `lmfoundry.kernels` op functions bound
     to this set's launcher: `ks.w4a16_linear(x, w)`, `ks.paged_decode(q, cache, table, lens)`, ..."""
 
-    OPS = tuple(_ops())
+    OPS = tuple(registry.OPS)
 
     def __init__(self, mode: str, launcher: Any, manifest: dict[str, Any], path: Path, reason: str = "") -> None:
         self.mode = mode  # "cubin" | "jit" | "interpret" | "reference"
@@ -295,9 +263,8 @@ class KernelSet:
         return [f for f in self.manifest["fusions"] if f["applied"]]
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        ops = _ops()
-        if name in ops:
-            return functools.partial(ops[name], launcher=self.launcher)
+        if name in registry.OPS:
+            return functools.partial(registry.OPS[name], launcher=self.launcher)
         raise AttributeError(name)
 
     def __dir__(self) -> list[str]:

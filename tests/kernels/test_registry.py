@@ -79,3 +79,11 @@ def test_tile_config_round_trip():
     cfg = TileConfig.make(num_warps=8, num_stages=3, BLOCK_M=128, BLOCK_N=64)
     assert TileConfig.from_dict(cfg.as_dict()) == cfg
     assert cfg["BLOCK_M"] == 128
+
+
+def test_every_family_names_its_ops_once():
+    """The registry is the one list of families: an engine's KernelSet binds `registry.OPS`, so
+    every family offers an op and no two families offer one under the same name."""
+    names = [name for f in registry.FAMILIES.values() for name in f.ops]
+    assert all(f.ops for f in registry.FAMILIES.values())
+    assert len(names) == len(set(names)) == len(registry.OPS)
