@@ -142,7 +142,7 @@ def child_quantize(args: argparse.Namespace) -> None:
     """Inside a child: run one of our rows through the same job as `lmfoundry quantize`."""
     from lmfoundry.calibration.job import QuantizeJob, run_job
     from lmfoundry.errors import UserError
-    from lmfoundry.quantizers.base import get_quantizer
+    from lmfoundry.quantizers.methods import get_quantizer
     from lmfoundry.recipe import Recipe
 
     row = ROWS[args.child_row]

@@ -162,7 +162,7 @@ class LayerCalibration:
 
 
 class Quantizer(ABC):
-    """A quantization algorithm. Subclasses register themselves in `METHODS` by name."""
+    """A quantization algorithm, known by `name` to the methods' table (methods.py)."""
 
     name: str = ""
     needs_calibration: bool = True  # must the pipeline run calibration data through each layer?
@@ -220,28 +220,15 @@ class Quantizer(ABC):
         except for quantization itself."""
 
 
-METHODS: dict[str, str] = {
-    "rtn": "lmfoundry.quantizers.rtn:RTNQuantizer",
-    "gptq": "lmfoundry.quantizers.gptq:GPTQQuantizer",
-    "awq": "lmfoundry.quantizers.awq:AWQQuantizer",
-    "smoothquant": "lmfoundry.quantizers.smoothquant:SmoothQuantQuantizer",
-    "fp8": "lmfoundry.quantizers.fp8:FP8Quantizer",
-}
-
-
-def get_quantizer(method: str, options: dict[str, Any] | None = None) -> Quantizer:
-    import importlib
-
-    target = METHODS.get(method)
-    if target is None:
-        raise UserError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    module_name, cls_name = target.split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+def construct(cls: type[Quantizer], options: dict[str, Any] | None = None) -> Quantizer:
+    """`cls(options)`, where an option of the wrong type is the user's error (its constructor
+    only parses options: float("banana")). The methods' table (methods.py) and a method that
+    builds another (SmoothQuant's GPTQ) construct through here."""
     try:
         return cls(options)
-    except (TypeError, ValueError) as exc:  # a constructor only parses its options: float("banana")
+    except (TypeError, ValueError) as exc:
         shown = ", ".join(f"{k}={v!r}" for k, v in (options or {}).items())
-        raise UserError(f"{method}: an option has a value of the wrong type ({shown}): {exc}") from None
+        raise UserError(f"{cls.name}: an option has a value of the wrong type ({shown}): {exc}") from None
 
 
 def get_linear(layer: nn.Module, name: str) -> nn.Linear:

@@ -44,7 +44,7 @@ def build_plan(q: QuantizeSection) -> QuantizationPlan:
 def build_quantizer(q: QuantizeSection, plan: QuantizationPlan) -> Quantizer:
     """The quantizer of `q.method`, refused (UserError) when it cannot produce a scheme of the
     plan (e.g. smoothquant needs w8a8)."""
-    from lmfoundry.quantizers.base import get_quantizer
+    from lmfoundry.quantizers.methods import get_quantizer
 
     quantizer = get_quantizer(q.method, q.options)
     for g in plan.groups:

@@ -38,7 +38,8 @@ from lmfoundry.model.reference import DecoderLayer, RMSNorm, SparseMoE
 from lmfoundry.quantformat import qmath
 from lmfoundry.quantformat.scheme import QuantArgs, Scheme
 from lmfoundry.quantizers.activations import InputRecorder, input_recorders, static_input_scales
-from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, get_linear, get_quantizer
+from lmfoundry.quantizers.base import LayerCalibration, LayerResult, Quantizer, construct, get_linear
+from lmfoundry.quantizers.gptq import GPTQQuantizer
 from lmfoundry.quantizers.observers import weight_observer
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
 
@@ -165,7 +166,7 @@ class SmoothQuantQuantizer(Quantizer):
         """GPTQ (built lazily, with every option that is not SmoothQuant's), or None for RTN."""
         if self.weight_method == "gptq" and self._weight_quantizer is None:
             rest = {k: v for k, v in self.options.items() if k not in OWN_OPTIONS}
-            self._weight_quantizer = get_quantizer("gptq", rest)
+            self._weight_quantizer = construct(GPTQQuantizer, rest)
         return self._weight_quantizer
 
     def validate(self, scheme: Scheme) -> None:

@@ -79,13 +79,13 @@ def assert_decompresses_like_compressed_tensors(folder, cfg):
 
 def test_propagation_modes_and_layer_errors(tmp_path, monkeypatch):
     """A calibration-driven quantizer runs the activation passes; both propagation modes work."""
-    import lmfoundry.quantizers.base as base
+    import lmfoundry.quantizers.methods as methods
     from lmfoundry.quantizers.rtn import RTNQuantizer
 
     class DataRTN(RTNQuantizer):
         needs_calibration = True
 
-    monkeypatch.setattr(base, "get_quantizer", lambda method, options=None: DataRTN(options))
+    monkeypatch.setattr(methods, "get_quantizer", lambda method, options=None: DataRTN(options))
     src = tiny_model_folder(tmp_path / "src", "llama")
     outs = {}
     for mode in ("quantized", "float"):

@@ -59,3 +59,17 @@ def test_each_group_sees_inputs_of_the_already_changed_groups():
     attn_out = [x + layer.self_attn(layer.input_layernorm(x), calib.cos, calib.sin) for x in inputs]
     for got, h in zip(observed["mlp.down_proj"], attn_out, strict=True):
         torch.testing.assert_close(got, mlp.hidden(ln(h)), rtol=1e-5, atol=1e-5)
+
+
+def test_the_methods_table_names_every_method_and_refuses_bad_input():
+    """methods.py is the one table of methods (base.py names none of them); an unknown name and
+    an option of the wrong type are the user's errors."""
+    from lmfoundry.errors import UserError
+    from lmfoundry.quantizers.methods import METHODS, get_quantizer
+
+    assert list(METHODS) == ["rtn", "gptq", "awq", "smoothquant", "fp8"]
+    assert all(cls.name == name for name, cls in METHODS.items())
+    with pytest.raises(UserError, match="unknown method 'nope'; known: rtn, gptq, awq, smoothquant, fp8"):
+        get_quantizer("nope")
+    with pytest.raises(UserError, match="gptq: an option has a value of the wrong type"):
+        get_quantizer("gptq", {"dampening_frac": "banana"})

@@ -178,7 +178,7 @@ def test_pipeline_feeds_each_layer_what_the_model_computes(gemma: Path, tmp_path
     row of the scaled table), and with float propagation those of layer i are what our reference
     model's first i layers make of them. A missing embedding scale or a wrong layer function
     would still quantize, just worse, so it is checked here directly."""
-    import lmfoundry.quantizers.base as base
+    import lmfoundry.quantizers.methods as methods
     from lmfoundry.model.reference import embed
     from lmfoundry.quantizers.rtn import RTNQuantizer
 
@@ -191,7 +191,7 @@ def test_pipeline_feeds_each_layer_what_the_model_computes(gemma: Path, tmp_path
             seen[layer_idx] = torch.cat([x.clone() for x in calib.inputs])
             return super().quantize_layer(layer, schemes, calib, layer_idx)
 
-    monkeypatch.setattr(base, "get_quantizer", lambda method, options=None: Recording(options))
+    monkeypatch.setattr(methods, "get_quantizer", lambda method, options=None: Recording(options))
     rec = Recipe().with_overrides(method="rtn", scheme="w4a16", group_size=32)
     rec = rec.with_overrides(source="tiny", num_samples=4, seq_len=32)
     rec = rec.with_overrides(propagate="float")
