@@ -25,7 +25,7 @@ BACKENDS = ("CPP,ATEN", "ATEN")
 
 def build(model: str, workdir: Path, backends: str) -> Path:
     from lmfoundry.compile.cpu_step import build_cpu_engine
-    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+    from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
 
     out = workdir / backends.replace(",", "-").lower()
     if not is_engine_bundle(out):

@@ -32,11 +32,17 @@ from lmfoundry.compile.aot import run_jobs
 from lmfoundry.compile.kernel_selection import KernelBuild, select_kernels
 from lmfoundry.compile.rank_shares import write_share
 from lmfoundry.compile.source import Checkpoint, load_checkpoint
+from lmfoundry.engine_bundle.engine_manifest import (
+    ENGINE_FORMAT,
+    ENGINE_FORMATS,
+    MANIFEST_NAME,
+    is_rank_folder,
+    rank_folder,
+)
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_NAME, parse_compile_arch
 from lmfoundry.manifest import content_files, sha256_file, verify_artifact
 from lmfoundry.model.tensor_parallel import RankShard
-from lmfoundry.runtime.bundle_manifest import ENGINE_FORMAT, ENGINE_FORMATS, MANIFEST_NAME, is_rank_folder, rank_folder
 from lmfoundry.staging import sigterm_raises, stage_path, sweep_dead_stages
 
 WEIGHT_MODES = ("link", "copy", "repack")

@@ -29,10 +29,10 @@ from typing import Any, Callable, cast
 import torch
 from torch import nn
 
+from lmfoundry.engine_bundle.engine_manifest import CPU_EMBEDDED_FORMAT, MANIFEST_NAME
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import content_files, sha256_file, verify_artifact
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.runtime.bundle_manifest import CPU_EMBEDDED_FORMAT, MANIFEST_NAME
 from lmfoundry.runtime.cpu.step_cache import DEFAULT_MAX_TOKENS, compiler_version
 from lmfoundry.staging import sigterm_raises
 

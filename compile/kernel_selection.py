@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmfoundry.checkpoint.bundle_layout import ACT_ORDER_FOLD
 from lmfoundry.compile.source import Checkpoint, LinearScheme
+from lmfoundry.engine_bundle.weight_layout import ACT_ORDER_FOLD
 from lmfoundry.errors import UserError
 from lmfoundry.kernels import registry, tiles
 from lmfoundry.kernels.spec import TileConfig, Variant, triton_type

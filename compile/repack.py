@@ -1,5 +1,5 @@
 """Write the checkpoint's tensors in the layout the engine's kernels read (`--weights repack`):
-fused where the kernel selection fused, W4A16 tiled, as `lmfoundry.checkpoint.bundle_layout` defines them
+fused where the kernel selection fused, W4A16 tiled, as `lmfoundry.engine_bundle.weight_layout` defines them
 (the runtime reads the same layout back from there)."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
-from lmfoundry.checkpoint.bundle_layout import (
+from lmfoundry.compile.kernel_selection import KernelBuild
+from lmfoundry.compile.source import Checkpoint
+from lmfoundry.engine_bundle.weight_layout import (
     ACT_ORDER_FOLD,
     TileFormat,
     fuse_members,
     tile_layer,
     tiled_linear_tensors,
 )
-from lmfoundry.compile.kernel_selection import KernelBuild
-from lmfoundry.compile.source import Checkpoint
 from lmfoundry.model.config import FUSED_LINEARS, LAYER_LINEARS
 
 

@@ -21,6 +21,7 @@ import torch
 
 from lmfoundry.calibration.data import eval_token_stream, token_hash
 from lmfoundry.checkpoint.sources import resolve_model
+from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
 from lmfoundry.evals.divergence import DivergenceScorer, Reference, ReferenceRecorder
 from lmfoundry.evals.fingerprints import adapter_fingerprint, bundle_fingerprint, fingerprint
 from lmfoundry.evals.gate_memory import Phases
@@ -32,7 +33,6 @@ from lmfoundry.evals.perplexity import perplexity
 from lmfoundry.heap import release_free_heap
 from lmfoundry.manifest import sha256_file, tool_versions
 from lmfoundry.resources import cache_dir
-from lmfoundry.runtime.bundle_manifest import is_engine_bundle
 from lmfoundry.runtime.engine.lora_adapters import attach_adapter
 from lmfoundry.runtime.engine.ranks import ShardSpec, load_sharded
 from lmfoundry.runtime.loader import load_model, resolve_dtype

@@ -10,9 +10,9 @@ from typing import Any
 
 from lmfoundry.checkpoint.sources import resolve_model
 from lmfoundry.checkpoint.tokenizer import load_tokenizer
+from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle, weights_folder
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.runtime.bundle_manifest import is_engine_bundle, weights_folder
 from lmfoundry.runtime.loader import whole_model_config
 
 # Encoded by both tokenizers of a gate: equal vocabularies can still split text differently

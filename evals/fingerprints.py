@@ -11,8 +11,8 @@ from typing import Any
 
 from lmfoundry.checkpoint.lora_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lmfoundry.checkpoint.sources import safetensors_files
+from lmfoundry.engine_bundle.engine_manifest import MANIFEST_NAME, bundle_degree, rank_bundle
 from lmfoundry.manifest import sha256_file
-from lmfoundry.runtime.bundle_manifest import MANIFEST_NAME, bundle_degree, rank_bundle
 
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")

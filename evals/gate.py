@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lmfoundry.checkpoint.lora_adapter import check_adapter
+from lmfoundry.engine_bundle.engine_manifest import read_manifest
 from lmfoundry.errors import UserError
 from lmfoundry.evals import stats
 from lmfoundry.evals.cached_evaluation import SCHEMA_VERSION, evaluate_model
@@ -52,7 +53,6 @@ from lmfoundry.evals.lm_eval_runner import check_gated_metrics, materialize_task
 from lmfoundry.evals.promotion import record_promotion
 from lmfoundry.manifest import tool_versions
 from lmfoundry.output_paths import refuse_overlap
-from lmfoundry.runtime.bundle_manifest import read_manifest
 from lmfoundry.runtime.loader import resolve_dtype
 
 

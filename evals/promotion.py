@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmfoundry.engine_bundle.engine_manifest import MANIFEST_NAME
 from lmfoundry.manifest import MANIFEST, sha256_file, update_manifest
-from lmfoundry.runtime.bundle_manifest import MANIFEST_NAME
 
 
 def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md_path: Path) -> bool:

@@ -8,7 +8,7 @@ What runs, by device:
   - a GPU that does not match (other arch, older driver): one log line, then Triton JIT with the
     per-arch tile tables (`kernels/tiles.py`);
   - CPU: the PyTorch reference of every kernel (or Triton's interpreter).
-Every kernel file's sha256 is checked against engine.json first (`bundle_manifest.verify`); a
+Every kernel file's sha256 is checked against engine.json first (`engine_manifest.verify`); a
 mismatch refuses the bundle.
 """
 
@@ -24,11 +24,11 @@ from typing import Any, Callable
 
 import torch
 
+from lmfoundry.engine_bundle.engine_manifest import read_manifest, verify
 from lmfoundry.errors import UserError
 from lmfoundry.kernels import registry, tiles
 from lmfoundry.kernels.dispatch import JitLauncher, Launcher, ReferenceLauncher
 from lmfoundry.kernels.spec import DIVISIBILITY, KernelCall, TileConfig, Variant, compile_grid_rule
-from lmfoundry.runtime.bundle_manifest import read_manifest, verify
 
 log = logging.getLogger("lmfoundry.engine")
 

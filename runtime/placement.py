@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from lmfoundry.engine_bundle.engine_manifest import bundle_degree, is_engine_bundle
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.bundle_manifest import bundle_degree, is_engine_bundle
 
 
 def check_tensor_parallel(tp: int, device: str, models: Iterable[str | Path]) -> None:

@@ -20,7 +20,9 @@ LAYERS = [
     # the quantized-weight format sits below the model, whose linears are built from it
     (2, ("lmfoundry.kernels", "lmfoundry.quantformat")),
     (3, ("lmfoundry.model",)),
-    (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.checkpoint")),
+    # the engine-bundle format sits below compile, the runtime and evals, which all read or write it
+    (4, ("lmfoundry.model.linears", "lmfoundry.model.quantized_linear", "lmfoundry.checkpoint",
+         "lmfoundry.engine_bundle")),
     (5, ("lmfoundry.quantizers",)),
     (6, ("lmfoundry.calibration",)),
     (7, ("lmfoundry.runtime",)),

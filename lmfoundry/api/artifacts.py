@@ -100,7 +100,7 @@ def inspect(path: str | Path | Checkpoint | Bundle) -> Checkpoint | Bundle:
     one the API returned), and verify every file's sha256 against its manifest. A file that does not match is reported in `problems`
     (not raised: inspecting a damaged artifact is how one finds what is damaged); a folder that
     is neither, or whose manifest is malformed, raises `LmfoundryError`."""
-    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+    from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
 
     folder = Path(artifact_path(path))
     if not folder.is_dir():
@@ -126,7 +126,7 @@ def open_checkpoint(path: Path, verify: bool) -> Checkpoint:
 def open_bundle(path: Path, verify: bool) -> Bundle:
     """The engine bundle at `path` (every rank's of a tensor-parallel one, each rank's
     engine.json against the top one); its files hashed against engine.json when `verify`."""
-    from lmfoundry.runtime.bundle_manifest import bundle_degree, bundle_problems, rank_bundle, read_manifest
+    from lmfoundry.engine_bundle.engine_manifest import bundle_degree, bundle_problems, rank_bundle, read_manifest
 
     degree = bundle_degree(path)
     problems: list[str] = []

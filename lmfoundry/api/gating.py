@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 from lmfoundry.api.artifacts import Bundle, Checkpoint, artifact_path
 from lmfoundry.devices import check_device
+from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import verify_artifact
-from lmfoundry.runtime.bundle_manifest import is_engine_bundle
 from lmfoundry.runtime.placement import check_tensor_parallel
 
 if TYPE_CHECKING:

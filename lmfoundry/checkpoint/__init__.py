@@ -5,7 +5,7 @@
 - `headers`: safetensors headers and regular-file checks, read before any tensor is mapped
   (untrusted input: below everything else, the manifest uses them too);
 - `folder`: the compressed-tensors checkpoint folder, its reader and its atomic writer, and
-  the stored form of one quantized linear;
-- `bundle_layout`: the weights of an engine bundle, the fused and tiled form compile writes and
-  the runtime reads back (so the two sides share the layout, not each other).
+  the stored form of one quantized linear.
+
+An engine bundle's files (its manifest and weight layout) are `lmfoundry.engine_bundle`'s.
 """

@@ -72,11 +72,11 @@ def lora_config(model: str, loras: Iterable[tuple[str, str]], enable: bool, max_
             raise UserError(f"the LoRA adapter name {name!r} is the served model's name; give the adapter another")
     if tp > 1:
         raise UserError("LoRA adapters with --tp are not implemented (serve the adapters on one process)")
-    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+    from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
     from lmfoundry.runtime.loader import whole_model_config
 
     if device != "cpu" and is_engine_bundle(model):
-        from lmfoundry.runtime.bundle_manifest import read_manifest
+        from lmfoundry.engine_bundle.engine_manifest import read_manifest
 
         record = read_manifest(Path(model)).get("lora")
         if record is None:

@@ -53,7 +53,7 @@ def _print_url(host: str, port: int, api_key: str | None) -> None:
 def _bundle_block_size(path: str) -> int:
     from pathlib import Path
 
-    from lmfoundry.runtime.bundle_manifest import bundle_degree, rank_folder, read_manifest
+    from lmfoundry.engine_bundle.engine_manifest import bundle_degree, rank_folder, read_manifest
 
     folder = Path(path) / rank_folder(0) if bundle_degree(path) > 1 else Path(path)
     return int(read_manifest(folder)["kv_cache"]["block_size"])
@@ -84,7 +84,7 @@ def _compiled_step_by_default(model: str, device: str, tp: int, deterministic: b
     --deterministic, and a checkpoint (not a bundle) whose weights are integer weight-only."""
     import torch
 
-    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
+    from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
     from lmfoundry.runtime.cpu import features as cpu_isa
 
     if device != "cpu" or tp > 1 or deterministic or lora_slots or speculative is not None:
@@ -403,8 +403,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     model, lora_modules = split_positionals(model, extra, lora_modules)
     adapter_specs = [parse_spec(v, "--lora") for v in loras] + [parse_spec(v, "--lora-modules") for v in lora_modules]
     from lmfoundry.devices import check_device
+    from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
     from lmfoundry.heap import freeze_heap
-    from lmfoundry.runtime.bundle_manifest import is_engine_bundle
     from lmfoundry.runtime.engine.core_client import EngineCoreClient, EngineSpec
     from lmfoundry.runtime.engine.engine_config import EngineConfig
     from lmfoundry.runtime.placement import check_tensor_parallel

@@ -26,8 +26,8 @@ log = logging.getLogger("lmfoundry.runtime")
 
 def verify_step(engine: Path, entry: dict[str, Any]) -> Path:
     """The compiled step's file, refused unless inside the bundle and matching its sha256."""
+    from lmfoundry.engine_bundle.engine_manifest import EngineIntegrityError
     from lmfoundry.manifest import contained_file
-    from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 
     try:
         path = contained_file(engine, entry["step"]["path"])
@@ -45,7 +45,7 @@ def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype |
     """The bundle's model on CPU: the compiled step where this CPU and torch match, else (one log
     line) the packed eager model of the same weights."""
     from lmfoundry.checkpoint.folder import CheckpointReader
-    from lmfoundry.runtime.bundle_manifest import verify_weights
+    from lmfoundry.engine_bundle.engine_manifest import verify_weights
     from lmfoundry.runtime.cpu.compiled_step import compiled_step_refusal, load_compiled_step, moe_blocks
     from lmfoundry.runtime.loader import load_causal_lm
 

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
+from lmfoundry.engine_bundle.engine_manifest import CPU_EMBEDDED_FORMAT, is_engine_bundle
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import sha256_file
-from lmfoundry.runtime.bundle_manifest import CPU_EMBEDDED_FORMAT, is_engine_bundle
 
 DEFAULT_MAX_TOKENS = 8192  # the compiled step's largest flat batch (--max-num-batched-tokens above it: eager)
 
@@ -66,7 +66,7 @@ def cache_mismatch(engine: Path, key: dict[str, Any]) -> str | None:
     records the sha256 of every file it copied from its checkpoint (and the loader checks the
     bundle's files against engine.json), so comparing those with the key ties the bundle to this
     checkpoint's content."""
-    from lmfoundry.runtime.bundle_manifest import read_manifest
+    from lmfoundry.engine_bundle.engine_manifest import read_manifest
 
     try:
         manifest = read_manifest(engine)

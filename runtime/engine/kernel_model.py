@@ -360,8 +360,8 @@ def _scheme_gemm(name: str, tensors: dict[str, torch.Tensor], scheme: Any, in_fe
 def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device,
                       progress: Callable[[int], None] | None = None) -> KernelModel:
     """Read the bundle's (verified) weights onto `device` in the layout its kernels were built for."""
-    from lmfoundry.checkpoint.bundle_layout import ACT_ORDER_FOLD, fuse_members, tile_layer
     from lmfoundry.checkpoint.folder import CheckpointReader
+    from lmfoundry.engine_bundle.weight_layout import ACT_ORDER_FOLD, fuse_members, tile_layer
 
     engine = Path(engine_dir)
     manifest = kernels.manifest

@@ -126,8 +126,8 @@ def test_repacked_weights_concatenate_the_fused_members(make_checkpoint, tmp_pat
     members' compressed-tensors tensors, concatenated."""
     from safetensors.torch import load_file
 
-    from lmfoundry.checkpoint.bundle_layout import fuse_members
     from lmfoundry.compile.repack import repack
+    from lmfoundry.engine_bundle.weight_layout import fuse_members
 
     ckpt = make_checkpoint(scheme="w4a16", group=32, symmetric=False)
     ck = load_checkpoint(ckpt)
@@ -153,8 +153,8 @@ def test_act_order_is_folded_into_gate_up(make_checkpoint, tmp_path):
     tiled tensors still unrepack to the checkpoint's exactly, g_idx included."""
     from safetensors.torch import load_file
 
-    from lmfoundry.checkpoint.bundle_layout import ACT_ORDER_FOLD
     from lmfoundry.compile.repack import repack
+    from lmfoundry.engine_bundle.weight_layout import ACT_ORDER_FOLD
 
     ckpt = make_checkpoint(scheme="w4a16", group=32, actorder=True)
     ck = load_checkpoint(ckpt)

@@ -15,10 +15,10 @@ from helpers import assert_greedy_up_to_bf16_ties, assert_one_error, kernel_mode
 
 from lmfoundry.cli import cli
 from lmfoundry.compile.bundle import build_engine
+from lmfoundry.engine_bundle.engine_manifest import EngineIntegrityError
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import ModelConfig
 from lmfoundry.model.tensor_parallel import SHARE_KEY, RankShard, share_of
-from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.loader import load_model
 
@@ -149,7 +149,7 @@ def test_a_rank_bundle_that_is_not_the_recorded_one_is_refused(w4a16_tp2, tmp_pa
     that rank's files; `inspect` checks both levels and names the rank."""
     import shutil
 
-    from lmfoundry.runtime.bundle_manifest import rank_bundle
+    from lmfoundry.engine_bundle.engine_manifest import rank_bundle
 
     copy = tmp_path / "engine"
     shutil.copytree(w4a16_tp2, copy)

@@ -37,8 +37,8 @@ from safetensors.torch import save_file
 from lmfoundry.checkpoint.headers import read_safetensors_header
 from lmfoundry.compile import bundle
 from lmfoundry.compile.source import load_checkpoint
+from lmfoundry.engine_bundle import engine_manifest
 from lmfoundry.errors import UserError
-from lmfoundry.runtime import bundle_manifest
 
 
 def _one_line(exc: pytest.ExceptionInfo) -> str:
@@ -82,8 +82,8 @@ def fake_bundle(root: Path) -> Path:
 
 
 def _load(engine: Path) -> dict:
-    manifest = bundle_manifest.read_manifest(engine)
-    bundle_manifest.verify(engine, manifest)
+    manifest = engine_manifest.read_manifest(engine)
+    engine_manifest.verify(engine, manifest)
     return manifest
 
 
@@ -113,7 +113,7 @@ def test_engine_kernel_path_outside_the_bundle_is_refused(tmp_path, how):
         (engine / rel).unlink()
         os.symlink(secret, engine / rel)
     _set_kernel_file(engine, rel, secret.read_bytes())  # a hash that matches: only the path is wrong
-    with pytest.raises(bundle_manifest.EngineIntegrityError) as exc:
+    with pytest.raises(engine_manifest.EngineIntegrityError) as exc:
         _load(engine)
     assert "outside" in _one_line(exc)
 
@@ -125,7 +125,7 @@ def test_engine_kernel_file_must_be_a_regular_file(tmp_path, kind):
     target = engine / "kernels" / "sm_90a" / "k.cubin"
     target.unlink()
     target.mkdir() if kind == "folder" else os.mkfifo(target)
-    with pytest.raises(bundle_manifest.EngineIntegrityError) as exc:
+    with pytest.raises(engine_manifest.EngineIntegrityError) as exc:
         _load(engine)
     assert "not a regular file" in _one_line(exc)
 

@@ -10,12 +10,12 @@ import shutil
 import pytest
 import torch
 
+from lmfoundry.engine_bundle.engine_manifest import EngineIntegrityError
 from lmfoundry.kernels import activation, registry, tiled_layout, w4a16, w4a16_tiled
 from lmfoundry.kernels.dispatch import is_interpreter
 from lmfoundry.kernels.error_bounds import U32, assert_within, exact_weight_bound, unit_roundoff
 from lmfoundry.kernels.interpreter import patch_interpreter
 from lmfoundry.runtime import cuda_driver, kernel_set
-from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 from lmfoundry.runtime.kernel_set import DeviceInfo, load_engine
 
 # These run the JIT fallback on host tensors standing in for device memory (fake driver).

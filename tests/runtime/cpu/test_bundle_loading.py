@@ -21,8 +21,8 @@ import torch
 from helpers import OwnTokens, assert_greedy_up_to_bf16_ties, tiny_model_folder, write_text
 
 from lmfoundry.cli import main
+from lmfoundry.engine_bundle.engine_manifest import EngineIntegrityError
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 from lmfoundry.runtime.cpu import features as cpu_isa
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.loader import load_model

@@ -19,9 +19,9 @@ import torch
 from helpers import assert_greedy_up_to_bf16_ties, copy_with_one_weight_changed, tiny_model_folder
 
 from lmfoundry.compile.cpu_step import STEP_FILE
+from lmfoundry.engine_bundle.engine_manifest import CPU_EMBEDDED_FORMAT
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import MANIFEST, hash_folder, sha256_file
-from lmfoundry.runtime.bundle_manifest import CPU_EMBEDDED_FORMAT
 from lmfoundry.runtime.cpu import features as cpu_isa
 from lmfoundry.runtime.cpu import step_cache
 

@@ -27,8 +27,8 @@ from helpers import tiny_model_folder, wait_for_url, write_text
 
 from lmfoundry.cli import main
 from lmfoundry.compile.bundle import build_engine
+from lmfoundry.engine_bundle.engine_manifest import EngineIntegrityError
 from lmfoundry.kernels.dispatch import is_interpreter
-from lmfoundry.runtime.bundle_manifest import EngineIntegrityError
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.loader import load_bundle, load_model
 
@@ -223,7 +223,7 @@ def test_act_order_bundle_permutes_k_at_compile_time(bundles: Bundles) -> None:
     """GPTQ act-order (g_idx) is resolved by compile: each GEMM's K is permuted so groups are
     contiguous, and down_proj's permutation lives in the rows of gate/up, so only q/k/v and o_proj
     gather their input at run time."""
-    from lmfoundry.checkpoint.bundle_layout import ACT_ORDER_FOLD
+    from lmfoundry.engine_bundle.weight_layout import ACT_ORDER_FOLD
 
     manifest = json.loads((bundles.engine("w4a16-actorder") / "engine.json").read_text())
     assert any(f["name"] == ACT_ORDER_FOLD and f["applied"] for f in manifest["fusions"])
