@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,51 +28,13 @@ from lmfoundry.runtime.cpu.weight_only_linears import CProductLinear, Int4PackLi
 from lmfoundry.runtime.engine.attention import Chunk, DecodeBatch, DecodeGroup, PagedAttention, PrefillBatch
 from lmfoundry.runtime.engine.engine_config import EngineConfig
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers, resolve_kv_formats
+from lmfoundry.runtime.engine.step_inputs import ModelExecutor, StepInputs, padded_table
 
 if TYPE_CHECKING:
     from lmfoundry.model.reference import CausalLM, DecoderLayer
     from lmfoundry.runtime.engine.lora_adapters import LoRAStack
 
 CASCADE_MIN_TOKENS = 64  # shared-prefix length from which decode attention is split (cascade)
-
-
-@dataclass
-class StepInputs:
-    """One step's tokens, flat: rows [0, num_decode) are single-token decodes, then one chunk per
-    prefilling sequence. `items[j] = (context, n, block_table)`: n new tokens after `context`
-    cached ones; rows of item j are `offsets[j] : offsets[j] + n`."""
-
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    items: list[tuple[int, int, list[int]]]
-    offsets: list[int]
-    num_decode: int
-    block_size: int
-    lora_rows: torch.Tensor | None = None  # int32 [T]: each row's LoRA slot (-1: base); None: all base
-
-    @property
-    def decode_items(self) -> list[tuple[int, int, list[int]]]:
-        return self.items[: self.num_decode]
-
-    @property
-    def prefill_items(self) -> list[tuple[int, int, list[int]]]:
-        return self.items[self.num_decode :]
-
-
-class ModelExecutor(Protocol):
-    config: Any  # ModelConfig
-    dtype: torch.dtype
-    context_limit: int  # the longest sequence this path computes exactly (the engine's max_model_len cap)
-
-    def kv_bytes_per_token(self) -> int: ...
-    def allocate(self, num_blocks: int) -> None: ...
-    def forward(self, step: StepInputs) -> torch.Tensor: ...  # final-norm hidden states, one row per token
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-
-def padded_table(blocks: list[int], width: int) -> list[int]:
-    return list(blocks[:width]) + [0] * (width - min(len(blocks), width))
 
 
 class ReferenceModelExecutor:
@@ -328,16 +289,13 @@ def is_kernel_model(model: Any) -> bool:
     return kernel_model is not None and isinstance(model, kernel_model.KernelModel)
 
 
-def make_executor(model: Any, config: EngineConfig) -> ModelExecutor:
-    """The executor for a loaded model: a `KernelModel` runs its bundle's kernels, a
-    `ShardedModel` its tensor-parallel ranks, anything else (the reference `CausalLM`) the
-    PyTorch reference path."""
+def local_executor(model: Any, config: EngineConfig) -> ModelExecutor:
+    """The executor of a model this process holds whole (or its rank's share of): a `KernelModel`
+    runs its bundle's kernels, anything else (the reference `CausalLM`) the PyTorch reference
+    path. A `ShardedModel` spanning rank processes runs `ranks.TensorParallelExecutor` instead
+    (`model_runner.make_executor`)."""
     if is_kernel_model(model):
         from lmfoundry.runtime.engine.kernel_executor import KernelModelExecutor
 
         return KernelModelExecutor(model, config)
-    from lmfoundry.runtime.engine.ranks import ShardedModel, TensorParallelExecutor
-
-    if isinstance(model, ShardedModel):
-        return TensorParallelExecutor(model, config)
     return ReferenceModelExecutor(model, config)

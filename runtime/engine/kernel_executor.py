@@ -1,7 +1,7 @@
 """The executor of an engine bundle's `KernelModel` (every op a compiled kernel: cubins on a
 matching GPU, Triton JIT / interpreter, or each kernel's reference on CPU) and its decode CUDA
 graphs. Kept apart from `executor.py` so that an engine serving the reference model never imports
-the kernels and Triton behind `kernel_model`; `executor.make_executor` imports it for a KernelModel.
+the kernels and Triton behind `kernel_model`; `executor.local_executor` imports it for a KernelModel.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.spec import DIVISIBILITY
 from lmfoundry.runtime.engine.engine_config import EngineConfig
-from lmfoundry.runtime.engine.executor import StepInputs, padded_table
 from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
+from lmfoundry.runtime.engine.step_inputs import StepInputs, padded_table
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine.lora_adapters import LoRAStack

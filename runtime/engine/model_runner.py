@@ -21,13 +21,24 @@ import torch
 
 from lmfoundry.errors import UserError
 from lmfoundry.runtime.engine.engine_config import EngineConfig
-from lmfoundry.runtime.engine.executor import StepInputs, make_executor
+from lmfoundry.runtime.engine.executor import local_executor
 from lmfoundry.runtime.engine.lora_adapters import step_rows
 from lmfoundry.runtime.engine.outputs import TokenLogprob
 from lmfoundry.runtime.engine.scheduler import ScheduledBatch
 from lmfoundry.runtime.engine.sequence import Sequence
+from lmfoundry.runtime.engine.step_inputs import ModelExecutor, StepInputs
 
 PROMPT_LOGPROB_ROWS = 128  # vocab projections done at once for prompt logprobs (memory bound)
+
+
+def make_executor(model: Any, config: EngineConfig) -> ModelExecutor:
+    """The executor for a loaded model: a `ShardedModel` runs its tensor-parallel ranks, anything
+    else the executor of a model held here (`executor.local_executor`)."""
+    from lmfoundry.runtime.engine.ranks import ShardedModel, TensorParallelExecutor
+
+    if isinstance(model, ShardedModel):
+        return TensorParallelExecutor(model, config)
+    return local_executor(model, config)
 
 
 @dataclass

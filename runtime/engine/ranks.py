@@ -85,13 +85,9 @@ def _load_share(spec: ShardSpec, rank: int, folder: Path, alive: Any) -> tuple[A
 def rank_executor(model: Any, config: Any) -> Any:
     """A rank's executor over its share: the bundle's kernels for a `KernelModel` (without CUDA
     graphs: a captured step would replay without its collectives), else the reference path."""
-    from lmfoundry.runtime.engine.executor import ReferenceModelExecutor, is_kernel_model
+    from lmfoundry.runtime.engine.executor import local_executor
 
-    if is_kernel_model(model):
-        from lmfoundry.runtime.engine.kernel_executor import KernelModelExecutor
-
-        return KernelModelExecutor(model, dataclasses.replace(config, cuda_graphs=False))
-    return ReferenceModelExecutor(model, config)
+    return local_executor(model, dataclasses.replace(config, cuda_graphs=False))
 
 
 def worker_main(spec: ShardSpec, rank: int, folder: str, conn: Any, parent_pid: int) -> None:
