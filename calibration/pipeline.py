@@ -29,8 +29,9 @@ from lmfoundry.checkpoint.folder import CheckpointReader, CheckpointWriter, chec
 from lmfoundry.distributed import ranks
 from lmfoundry.errors import UserError
 from lmfoundry.heap import release_free_heap
+from lmfoundry.model.attention_math import RotaryEmbedding
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.model.reference import DecoderLayer, ExpertCalibration, RotaryEmbedding, SparseMoE
+from lmfoundry.model.reference import DecoderLayer, ExpertCalibration, SparseMoE
 from lmfoundry.model.reference import embed as embed_rows
 from lmfoundry.quantformat.qmath import all_finite, check_group_size
 from lmfoundry.quantformat.scheme import QuantizationPlan, Scheme

@@ -33,7 +33,8 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from lmfoundry.errors import UserError
-from lmfoundry.model.reference import AttentionSpec, CausalLM, DecoderLayer
+from lmfoundry.model.attention_math import AttentionSpec
+from lmfoundry.model.reference import CausalLM, DecoderLayer
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine.kernel_model import KernelModel
@@ -100,7 +101,7 @@ class PrefixCache:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                spec: AttentionSpec | None = None) -> torch.Tensor:
-        from lmfoundry.model.reference import causal_attention, spec_attention
+        from lmfoundry.model.attention_math import causal_attention, spec_attention
 
         round_trip = cast(DecoderLayer, self.model.model.layers[layer_idx]).self_attn.kv_round_trip
         if round_trip is not None:

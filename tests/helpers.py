@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from lmfoundry.model.attention_math import AttentionSpec
 from lmfoundry.model.config import ModelConfig
-from lmfoundry.model.reference import AttentionSpec, CausalLM
+from lmfoundry.model.reference import CausalLM
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -115,8 +116,9 @@ def tiny_decoder_layer(arch: str = "llama", seed: int = 0, tokens: int = 10):
     for `tokens` positions — what a quantizer's hooks see inside the layer-wise pipeline."""
     import torch
 
+    from lmfoundry.model.attention_math import RotaryEmbedding
     from lmfoundry.model.config import ModelConfig
-    from lmfoundry.model.reference import DecoderLayer, RotaryEmbedding
+    from lmfoundry.model.reference import DecoderLayer
 
     torch.manual_seed(seed)
     config = ModelConfig.from_dict(TINY_CONFIGS[arch])
@@ -487,9 +489,9 @@ def kernel_model_rank(engine: str, rank: int, tp: int, folder: str, ids: list[in
     put rank 0's logits of `ids` on `queue`."""
     from pathlib import Path
 
-    from lmfoundry.engine_bundle.engine_manifest import rank_bundle
     from lmfoundry.model.config import ModelConfig
     from lmfoundry.model.tensor_parallel import share_of
+    from lmfoundry.runtime.bundle_manifest import rank_bundle
     from lmfoundry.runtime.engine.collectives import ShmCollectives
     from lmfoundry.runtime.loader import load_bundle
 

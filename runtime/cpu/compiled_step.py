@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lmfoundry.heap import page_out_mapped_files
-from lmfoundry.model.reference import AttentionSpec
+from lmfoundry.model.attention_math import AttentionSpec
 
 _ACTIVE = threading.local()
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from lmfoundry.model.attention_math import AttentionSpec, spec_attention
 from lmfoundry.model.kv_quant import KVRoundTrip
-from lmfoundry.model.reference import AttentionSpec, spec_attention
 from lmfoundry.runtime.cpu.native.paged_decode import PagedDecode
 from lmfoundry.runtime.cpu.native.paged_prefill import PagedPrefill
 from lmfoundry.runtime.engine.kv_cache import KVCacheLayers

@@ -55,8 +55,8 @@ def test_in_place(gen, device):
 
 
 def test_matches_the_model_convention(gen):
-    """Same rotation as lmfoundry.model.reference.apply_rotary (rotate-half with cat(freqs, freqs))."""
-    from lmfoundry.model.reference import apply_rotary as model_rotary
+    """Same rotation as lmfoundry.model.attention_math.apply_rotary (rotate-half with cat(freqs, freqs))."""
+    from lmfoundry.model.attention_math import apply_rotary as model_rotary
 
     t, h, d = 4, 3, 64
     x = torch.randn(t, h, d, generator=gen)

@@ -132,7 +132,7 @@ def test_received_attention_honours_a_gemma_attention_spec(chunk):
     """With a layer's AttentionSpec (Gemma), the weights are the softmax the layer computes: its
     own scale, tanh soft-cap of the scores, and keys within the sliding window only; checked
     against an explicit float64 softmax per head."""
-    from lmfoundry.model.reference import AttentionSpec
+    from lmfoundry.model.attention_math import AttentionSpec
     from lmfoundry.quantizers.hessian import received_attention
 
     layer, cos, sin, config = tiny_decoder_layer()

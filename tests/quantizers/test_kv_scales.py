@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from lmfoundry.calibration.job import QuantizeJob, run_job
 from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.errors import UserError
+from lmfoundry.model.attention_math import causal_attention
 from lmfoundry.model.kv_quant import kv_round_trip_from_checkpoint, kv_scales_from_absmax
-from lmfoundry.model.reference import causal_attention
 from lmfoundry.quantformat.scheme import QuantArgs
 from lmfoundry.quantizers.base import LayerCalibration
 from lmfoundry.quantizers.kv_scales import calibrate_kv_scales

@@ -1,5 +1,5 @@
 """Rotary position embedding of q and k in bfloat16 on CPU, one call for both (`rope.c`); the
-reference is `lmfoundry.model.reference.apply_rotary`, which it reproduces bit for bit."""
+reference is `lmfoundry.model.attention_math.apply_rotary`, which it reproduces bit for bit."""
 
 from __future__ import annotations
 

@@ -345,7 +345,7 @@ def test_legacy_gemma3_config_keys() -> None:
 def test_attention_context_without_gemma_support_is_refused(gemma: Path) -> None:
     """A KV-cache context that only runs plain causal attention (the `attend(layer, q, k, v)`
     protocol) must not serve Gemma: the model refuses it by name instead of attending wrong."""
-    from lmfoundry.model.reference import causal_attention
+    from lmfoundry.model.attention_math import causal_attention
 
     class PlainContext:
         def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

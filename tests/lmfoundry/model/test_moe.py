@@ -191,7 +191,8 @@ def test_sequential_pass_is_the_quantized_layer(moe: Path, mode: str | None) -> 
     """GPTQ's one-pass route through an MoE block (router once, then expert by expert: observe,
     quantize, run) returns exactly what the layer with the quantized weights computes, and each
     expert's groups see the tokens its mode says."""
-    from lmfoundry.model.reference import DecoderLayer, RotaryEmbedding
+    from lmfoundry.model.attention_math import RotaryEmbedding
+    from lmfoundry.model.reference import DecoderLayer
     from lmfoundry.quantizers.base import LayerCalibration
 
     cfg = ModelConfig.from_file(moe)

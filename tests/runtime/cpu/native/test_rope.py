@@ -1,4 +1,4 @@
-"""The one-call rotary of q and k (`runtime/cpu/native/rope.c`) against `reference.apply_rotary`: the same
+"""The one-call rotary of q and k (`runtime/cpu/native/rope.c`) against `attention_math.apply_rotary`: the same
 bits (each product of bf16 values is exact in fp32 and both sides round where the reference's ops
 do), heads read from strided views of a fused q/k/v output, and inputs it declines."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmfoundry.model.reference import apply_rotary
+from lmfoundry.model.attention_math import apply_rotary
 from lmfoundry.runtime.cpu.native.build import unavailable_reason
 from lmfoundry.runtime.cpu.native.rope import load_rope
 
