@@ -27,6 +27,7 @@ from torch import nn
 from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
 from lmfoundry.checkpoint.sources import resolve_model
 from lmfoundry.checkpoint.tokenizer import has_tokenizer, load_tokenizer
+from lmfoundry.engine_bundle.engine_manifest import bundle_degree, is_engine_bundle, rank_bundle, weights_folder
 from lmfoundry.errors import UserError
 from lmfoundry.model.attention_math import RotaryEmbedding
 from lmfoundry.model.config import ModelConfig
@@ -35,7 +36,6 @@ from lmfoundry.model.reference import CausalLM, DecoderLayer
 from lmfoundry.model.tensor_parallel import Collectives, RankShard, shard_modules, share_of
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import Scheme
-from lmfoundry.runtime.bundle_manifest import bundle_degree, is_engine_bundle, rank_bundle, weights_folder
 from lmfoundry.runtime.placement import degree_refusal
 
 log = logging.getLogger("lmfoundry.runtime")
@@ -117,7 +117,7 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
     step; a GPU bundle's verified weights (un-tiled and un-fused again when compile repacked them:
     exact) in the reference model with packed linears, which is what a CPU runs fastest (its
     kernels' PyTorch references are a correctness tool)."""
-    from lmfoundry.runtime.bundle_manifest import read_manifest, verify, verify_weights
+    from lmfoundry.engine_bundle.engine_manifest import read_manifest, verify, verify_weights
 
     engine = Path(path)
     manifest = read_manifest(engine)
@@ -131,8 +131,8 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
     reader = CheckpointReader(weights)
     record = manifest["weights"]
     if record.get("mode") == "repack":
-        from lmfoundry.checkpoint.bundle_layout import unrepack_bundle
         from lmfoundry.checkpoint.folder import InMemoryCheckpoint
+        from lmfoundry.engine_bundle.weight_layout import unrepack_bundle
 
         shapes = ModelConfig.from_dict(reader.config).linear_shapes
         fused = record.get("fused_tensors") or {}
@@ -148,7 +148,7 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
     """(KernelModel, tokenizer) of an engine bundle: kernel files and weights verified against
     engine.json first (a tampered or foreign file refuses the bundle), then the kernels for
     `device` (cubins, JIT, interpreter or references) and the weights in their stored form."""
-    from lmfoundry.runtime.bundle_manifest import read_manifest, verify_weights
+    from lmfoundry.engine_bundle.engine_manifest import read_manifest, verify_weights
 
     device = torch.device(device)
     engine = Path(path)

@@ -489,9 +489,9 @@ def kernel_model_rank(engine: str, rank: int, tp: int, folder: str, ids: list[in
     put rank 0's logits of `ids` on `queue`."""
     from pathlib import Path
 
+    from lmfoundry.engine_bundle.engine_manifest import rank_bundle
     from lmfoundry.model.config import ModelConfig
     from lmfoundry.model.tensor_parallel import share_of
-    from lmfoundry.runtime.bundle_manifest import rank_bundle
     from lmfoundry.runtime.engine.collectives import ShmCollectives
     from lmfoundry.runtime.loader import load_bundle
 
