@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
-# package prefix -> source folder (pyproject's package-dir)
-FOLDERS = {"lmfoundry": "lmfoundry", "lmfoundry.quantizers": "quantizers", "lmfoundry.calibration": "calibration",
-           "lmfoundry.compile": "compile", "lmfoundry.kernels": "kernels", "lmfoundry.runtime": "runtime",
-           "lmfoundry.evals": "evals", "lmfoundry.recipes": "recipes"}
+# package prefix -> source folder: pyproject's package-dir itself, the map setuptools installs by
+FOLDERS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 # (layer, module prefixes), earliest first: the longest matching prefix decides
 LAYERS = [
     (1, ("lmfoundry.errors", "lmfoundry.distributed", "lmfoundry.manifest", "lmfoundry.output_paths", "lmfoundry.resources",
