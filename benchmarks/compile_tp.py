@@ -19,7 +19,9 @@ from pathlib import Path
 
 
 def weight_bytes(bundle: Path) -> int:
-    return sum(p.stat().st_size for p in (bundle / "weights").iterdir() if p.is_file())
+    from lmfoundry.engine_bundle.engine_manifest import own_weights
+
+    return sum(p.stat().st_size for p in own_weights(bundle).iterdir() if p.is_file())
 
 
 def build(checkpoint: str, arch: str, tp: int, out: Path) -> dict:

@@ -42,6 +42,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _servers import LLAMA_CPP_SHIM, free_port, loadavg, stop, tree_cpu_seconds, tree_rss, wait_ready  # noqa: E402
 
+from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle  # noqa: E402
+
 MODEL = "smollm2-135m"
 ARTIFACTS = {  # name -> quantize arguments (RTN: data-free, so every artifact is reproducible)
     "w4a16": ["--method", "rtn", "--scheme", "w4a16", "--group-size", "32", "--dtype", "float16"],
@@ -66,7 +68,7 @@ def prepare(work: Path, threads: int, with_gguf: bool) -> dict[str, str]:
             run([*lmf, "quantize", MODEL, "-o", str(out), "--overwrite", "--quiet", *args], env)
         paths[name] = str(out)
     bundle = work / "w4a16-cpu-engine"
-    if not (bundle / "engine.json").is_file():
+    if not is_engine_bundle(bundle):
         run([*lmf, "compile", str(work / "w4a16"), "--arch", "cpu", "-o", str(bundle), "--max-tokens", "2048"], env)
     paths["bundle"] = str(bundle)
     if with_gguf:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import wait_for_url  # noqa: E402  (the tests' reader of `serve`'s URL line)
 
 from lmfoundry.child_python import python_command  # noqa: E402
+from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle  # noqa: E402
 
 
 def serve_and_bench(bundle: Path, device: str, levels: list[int], out: Path, max_tokens: int = 64,
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder, for a bundle built here")
     ap.add_argument("--out", type=Path, default=Path("bench.json"))
     args = ap.parse_args()
-    if not (args.bundle / "engine.json").is_file():
+    if not is_engine_bundle(args.bundle):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from gpu_serve import build_bundle
 

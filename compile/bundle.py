@@ -18,7 +18,6 @@ stage; the next build of the same output removes it (`lmfoundry.staging`).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -33,11 +32,15 @@ from lmfoundry.compile.kernel_selection import KernelBuild, select_kernels
 from lmfoundry.compile.rank_shares import write_share
 from lmfoundry.compile.source import Checkpoint, load_checkpoint
 from lmfoundry.engine_bundle.engine_manifest import (
+    BUILT_FOLDERS,
     ENGINE_FORMAT,
-    ENGINE_FORMATS,
+    KERNELS_FOLDER,
     MANIFEST_NAME,
+    holds_lmfoundry_bundle,
     is_rank_folder,
+    own_weights,
     rank_folder,
+    write_manifest,
 )
 from lmfoundry.errors import UserError
 from lmfoundry.gpus import ARCH_OF_CAPABILITY, SM_NAME, parse_compile_arch
@@ -74,16 +77,6 @@ class BuildResult:
         return self.ranks[0].manifest["fusions"] if self.ranks else self.manifest["fusions"]
 
 
-def _is_engine_bundle(folder: Path) -> bool:
-    """Whether `folder` holds one of our bundles (an engine.json object of our format): only then
-    may a rebuild replace its kernels/, weights/ and engine.json."""
-    try:
-        manifest = json.loads((folder / MANIFEST_NAME).read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("format") in ENGINE_FORMATS
-
-
 def _check_output(out: Path, checkpoint: Path) -> None:
     """Refuse an -o that cannot receive the engine, before any work (nothing is created here):
     one that is, lies inside, holds or links into the checkpoint, or a folder of other files."""
@@ -93,7 +86,7 @@ def _check_output(out: Path, checkpoint: Path) -> None:
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise UserError(f"{out}: exists and is not a folder")
-        if any(out.iterdir()) and not _is_engine_bundle(out):
+        if any(out.iterdir()) and not holds_lmfoundry_bundle(out):  # only ours may be rebuilt in place
             raise UserError(f"{out}: exists, is not empty and is not an engine bundle; choose another -o")
 
 
@@ -136,7 +129,7 @@ def _install(stage: Path, out: Path) -> None:
         return
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     ranks = {p.name for folder in (out, stage) for p in folder.iterdir() if is_rank_folder(p.name)}
-    for sub in ("kernels", "weights", "cpu", *sorted(ranks)):
+    for sub in (*BUILT_FOLDERS, *sorted(ranks)):
         if (out / sub).is_symlink() or (out / sub).is_file():
             (out / sub).unlink()
         elif (out / sub).exists():
@@ -157,7 +150,7 @@ def _keep_log(log_path: Path) -> Path:
 
 
 def _place_weights(ck: Checkpoint, build: KernelBuild, out: Path, mode: str) -> dict[str, Any]:
-    dst = out / "weights"
+    dst = own_weights(out)
     dst.mkdir()
     files = content_files(ck.path)
     record: dict[str, Any] = {"mode": mode, "files": {}}
@@ -297,7 +290,7 @@ def _write_tp_bundle(out: Path, ck: Checkpoint, caps: list[int], src: Path, tp: 
         "archs": ranks[0].manifest["archs"],
         "build": {"seconds": round(time.perf_counter() - t0, 2), "workers": workers, "tuned": tune},
     }
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_manifest(out, manifest)
     return BuildResult(out, manifest, time.perf_counter() - t0, ranks)
 
 
@@ -307,7 +300,7 @@ def _write_bundle(out: Path, ck: Checkpoint, build: KernelBuild, caps: list[int]
     """Compile the kernels and write the whole bundle into `out` (a fresh staging folder).
     `triton_cache`: a Triton cache folder to reuse (default: a fresh one); `source`: the
     manifest's source record (default: `src`'s)."""
-    jobs = [spec.job(i, str(out / "kernels" / spec.sm)) for i, spec in enumerate(build.specs)]
+    jobs = [spec.job(i, str(out / KERNELS_FOLDER / spec.sm)) for i, spec in enumerate(build.specs)]
     log(f"{len(jobs)} kernel specializations for {', '.join(SM_NAME[c] for c in caps)}")
     if ck.config.kernel_context_limit < ck.config.max_position_embeddings:
         log(f"note: {ck.config.model_type} attends through a sliding window of {ck.config.kernel_context_limit} "
@@ -343,7 +336,7 @@ def _write_bundle(out: Path, ck: Checkpoint, build: KernelBuild, caps: list[int]
 
     kernels = []
     for spec, _job, reply in zip(build.specs, jobs, replies, strict=True):
-        rel = Path("kernels") / spec.sm / spec.key()
+        rel = Path(KERNELS_FOLDER) / spec.sm / spec.key()
         files = {ext: str(rel.with_suffix(f".{ext}")) for ext in ("cubin", "ptx", "json")}
         kernels.append({
             "key": spec.key(),
@@ -389,5 +382,5 @@ def _write_bundle(out: Path, ck: Checkpoint, build: KernelBuild, caps: list[int]
     }
     if build.lora is not None:  # only then: a bundle without adapters stays byte for byte what it was
         manifest["lora"] = build.lora
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_manifest(out, manifest)
     return BuildResult(out, manifest, time.perf_counter() - t0)

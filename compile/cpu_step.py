@@ -19,7 +19,6 @@ it (`runtime.cpu.bundle_loading`) and keeps the bundles `serve` builds in its ca
 
 from __future__ import annotations
 
-import json
 import platform
 import shutil
 import time
@@ -29,7 +28,7 @@ from typing import Any, Callable, cast
 import torch
 from torch import nn
 
-from lmfoundry.engine_bundle.engine_manifest import CPU_EMBEDDED_FORMAT, MANIFEST_NAME
+from lmfoundry.engine_bundle.engine_manifest import CPU_EMBEDDED_FORMAT, CPU_STEP_FOLDER, own_weights, write_manifest
 from lmfoundry.errors import UserError
 from lmfoundry.manifest import content_files, sha256_file, verify_artifact
 from lmfoundry.model.config import ModelConfig
@@ -136,15 +135,15 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
     with sigterm_raises():  # a SIGTERM'd build (serve stopping while it builds) removes its stage below
         stage, created = _staging(final)
         try:
-            rel = Path("cpu") / target / STEP_FILE
+            rel = Path(CPU_STEP_FOLDER) / target / STEP_FILE
             backends = backends or gemm_backends(target)
             log_line(f"exporting the step (1..{max_tokens} tokens) and compiling it with AOTInductor "
                      f"(GEMMs: {backends}, timed on this CPU; minutes)")
             tc = time.perf_counter()
             compile_step(model, stage / rel, max_tokens, backends)
             compile_seconds = time.perf_counter() - tc
-            (stage / "weights").mkdir()
-            files = place_files(content_files(folder), stage / "weights", "copy")
+            own_weights(stage).mkdir()
+            files = place_files(content_files(folder), own_weights(stage), "copy")
             features = cpu_features()
             manifest = {
                 "format": CPU_EMBEDDED_FORMAT,
@@ -165,7 +164,7 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
                 "weights": {"mode": "copy", "files": files},
                 "kernels": [],
             }
-            (stage / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+            write_manifest(stage, manifest)
             _install(stage, final)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 from lmfoundry.checkpoint.lora_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lmfoundry.checkpoint.sources import safetensors_files
-from lmfoundry.engine_bundle.engine_manifest import MANIFEST_NAME, bundle_degree, rank_bundle
+from lmfoundry.engine_bundle.engine_manifest import MANIFEST_NAME, bundle_degree, own_weights, rank_bundle, rank_folder
 from lmfoundry.manifest import sha256_file
 
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -39,8 +39,8 @@ def bundle_fingerprint(engine: Path) -> dict[str, Any]:
     files = {MANIFEST_NAME: sha256_file(engine / MANIFEST_NAME)}
     for r in range(degree):
         rank = rank_bundle(engine, r) if degree > 1 else engine
-        prefix = f"rank{r}/" if degree > 1 else ""
-        files.update({f"{prefix}{name}": sha for name, sha in fingerprint(rank / "weights")["files"].items()})
+        prefix = f"{rank_folder(r)}/" if degree > 1 else ""
+        files.update({f"{prefix}{name}": sha for name, sha in fingerprint(own_weights(rank))["files"].items()})
         if degree > 1:
             files[f"{prefix}{MANIFEST_NAME}"] = sha256_file(rank / MANIFEST_NAME)
     return _fingerprint_of(files)

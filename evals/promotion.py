@@ -4,21 +4,19 @@ from the candidate's own manifest."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from lmfoundry.engine_bundle.engine_manifest import MANIFEST_NAME
+from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle, record_in_manifest
 from lmfoundry.manifest import MANIFEST, sha256_file, update_manifest
 
 
 def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md_path: Path) -> bool:
     """Write the verdict into the candidate's lmfoundry.json (`promotion`), if it has one."""
     folder = Path(report["candidate"]["path"])
-    engine = folder / MANIFEST_NAME
-    if not (folder / MANIFEST).exists() and not engine.is_file():
+    bundle = is_engine_bundle(folder)
+    if not (folder / MANIFEST).exists() and not bundle:
         return False
     record = {
         "verdict": report["verdict"],
@@ -33,12 +31,8 @@ def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md
         "markdown_sha256": sha256_file(md_path),
         "created_unix": int(time.time()),
     }
-    if engine.is_file():  # an engine bundle: the verdict goes into engine.json (weights stay as hashed)
-        data = json.loads(engine.read_text())
-        data["promotion"] = record
-        tmp = engine.with_name(f".engine.json.{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, engine)
+    if bundle:  # the verdict goes into the bundle's manifest (weights stay as hashed)
+        record_in_manifest(folder, "promotion", record)
         return True
     update_manifest(folder, "promotion", record)
     return True

@@ -27,7 +27,13 @@ from torch import nn
 from lmfoundry.checkpoint.folder import CheckpointReader, decode_linear
 from lmfoundry.checkpoint.sources import resolve_model
 from lmfoundry.checkpoint.tokenizer import has_tokenizer, load_tokenizer
-from lmfoundry.engine_bundle.engine_manifest import bundle_degree, is_engine_bundle, rank_bundle, weights_folder
+from lmfoundry.engine_bundle.engine_manifest import (
+    bundle_degree,
+    is_engine_bundle,
+    own_weights,
+    rank_bundle,
+    weights_folder,
+)
 from lmfoundry.errors import UserError
 from lmfoundry.model.attention_math import RotaryEmbedding
 from lmfoundry.model.config import ModelConfig
@@ -87,7 +93,7 @@ def load_rank_bundle(path: str | Path, shard: RankShard, comm: Collectives, dtyp
     CPU the packed reference model, on a GPU its `KernelModel`), then joined to the other ranks,
     without slicing anything again."""
     folder = rank_bundle(path, shard.rank)
-    share = share_of(ModelConfig.from_file(folder / "weights").raw, str(folder / "weights"))
+    share = share_of(ModelConfig.from_file(own_weights(folder)).raw, str(own_weights(folder)))
     if share is None or (share.rank, share.tp) != (shard.rank, shard.tp) or share.config != shard.config:
         raise UserError(f"{folder}: its weights are not rank {shard.rank} of {shard.tp}'s share of this model")
     if torch.device(device).type == "cpu":
@@ -127,7 +133,7 @@ def load_bundle_on_cpu(path: str | Path, dtype: torch.dtype | None = None) -> tu
     # serving its weights would vouch for an artifact that is no longer the one compiled
     verify(engine, manifest)
     verify_weights(engine, manifest)
-    weights = engine / "weights"
+    weights = own_weights(engine)
     reader = CheckpointReader(weights)
     record = manifest["weights"]
     if record.get("mode") == "repack":
@@ -159,11 +165,11 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
                             "GPU arch to serve it on cuda)")
         from lmfoundry.runtime.cpu.bundle_loading import load_cpu_bundle
 
-        return load_cpu_bundle(engine, manifest, dtype), load_tokenizer(engine / "weights")
+        return load_cpu_bundle(engine, manifest, dtype), load_tokenizer(own_weights(engine))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     verify_weights(engine, manifest)
-    refusal = ModelConfig.from_file(engine / "weights").kernel_path_refusal()
+    refusal = ModelConfig.from_file(own_weights(engine)).kernel_path_refusal()
     if refusal is not None:  # before any kernel is loaded (Gemma: see ModelConfig.kernel_path_refusal)
         raise UserError(f"{engine}: {refusal}")
     from lmfoundry.runtime.engine.kernel_model import load_kernel_model  # here: an --arch cpu bundle never
@@ -171,7 +177,7 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", interpret:
 
     kernels = load_engine(engine, device, interpret=interpret)
     model = load_kernel_model(engine, kernels, device)
-    weights = engine / "weights"
+    weights = own_weights(engine)
     return model, load_tokenizer(weights) if has_tokenizer(weights) else None
 
 

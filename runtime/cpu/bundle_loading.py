@@ -45,7 +45,7 @@ def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype |
     """The bundle's model on CPU: the compiled step where this CPU and torch match, else (one log
     line) the packed eager model of the same weights."""
     from lmfoundry.checkpoint.folder import CheckpointReader
-    from lmfoundry.engine_bundle.engine_manifest import verify_weights
+    from lmfoundry.engine_bundle.engine_manifest import own_weights, verify_weights
     from lmfoundry.runtime.cpu.compiled_step import compiled_step_refusal, load_compiled_step, moe_blocks
     from lmfoundry.runtime.loader import load_causal_lm
 
@@ -56,7 +56,7 @@ def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype |
     reason = compiled_step_refusal(entry)
     if reason is None and want != torch.bfloat16:
         reason = f"the compiled step runs bfloat16 and --dtype {str(want).removeprefix('torch.')} was asked"
-    model = load_causal_lm(CheckpointReader(engine / "weights"), want)
+    model = load_causal_lm(CheckpointReader(own_weights(engine)), want)
     if reason is not None:
         log.warning("%s: %s; serving the packed eager model instead", engine, reason)
         return model

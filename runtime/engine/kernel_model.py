@@ -361,11 +361,12 @@ def load_kernel_model(engine_dir: str | Path, kernels: Any, device: torch.device
                       progress: Callable[[int], None] | None = None) -> KernelModel:
     """Read the bundle's (verified) weights onto `device` in the layout its kernels were built for."""
     from lmfoundry.checkpoint.folder import CheckpointReader
+    from lmfoundry.engine_bundle.engine_manifest import own_weights
     from lmfoundry.engine_bundle.weight_layout import ACT_ORDER_FOLD, fuse_members, tile_layer
 
     engine = Path(engine_dir)
     manifest = kernels.manifest
-    reader = CheckpointReader(engine / "weights")
+    reader = CheckpointReader(own_weights(engine))
     cfg = ModelConfig.from_dict(reader.config)
     refusal = cfg.kernel_path_refusal()  # e.g. Gemma: the fused kernels would compute another model
     if refusal is not None:
