@@ -6,8 +6,8 @@ import json
 
 import click
 
+from lmfoundry.commands.run_options import device_option, dtype_option, tp_option
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.dtypes import DTYPES
 
 
 @click.group(name="eval")
@@ -50,17 +50,10 @@ def harness_cmd(lm_eval_args: tuple[str, ...]) -> None:
               help="Window length in tokens (2 to the model's max_position_embeddings).")
 @click.option("--max-windows", type=int, default=None, help="Evaluate at most this many windows.")
 @click.option("--batch-size", default=4, show_default=True, help="Windows per forward pass (at least 1).")
-@click.option("--tp", type=int, default=1, show_default=True,
-              help="Split each model over this many processes, as `serve --tp` runs it (must divide the "
-                   "attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes; a bundle runs at "
-                   "the degree it was compiled for).")
+@tp_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per model (for scripts and CI).")
-@click.option("--device", default="cpu", show_default=True,
-              help="cpu or cuda[:N]: where an engine bundle's kernels run (checkpoints run on CPU).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-              help="Execution dtype of checkpoints on CPU. auto: bfloat16 where the CPU has bf16 arithmetic "
-                   "or runs the AVX2 bf16 kernels (quantized weights then stay packed, as `serve` runs them), float32 "
-                   "elsewhere.")
+@device_option
+@dtype_option
 @click.option("--deterministic", is_flag=True,
               help="Score the windows through the serving engine as `serve --deterministic` runs the model "
                    "(batch-invariant: the same numbers whatever --batch-size; CPU, one process).")

@@ -10,7 +10,7 @@ import sys
 import click
 
 from lmfoundry.commands.lora_options import parse_spec
-from lmfoundry.runtime.dtypes import DTYPES
+from lmfoundry.commands.run_options import device_option, dtype_option, tp_option
 
 
 @click.command("eval-gate")
@@ -30,16 +30,9 @@ from lmfoundry.runtime.dtypes import DTYPES
 @click.option("--no-cache", is_flag=True, help="Re-evaluate both models even if cached results match.")
 @click.option("--no-promotion", is_flag=True, help="Do not write the verdict into the candidate's lmfoundry.json.")
 @click.option("--quiet", is_flag=True, help="No progress bars and nothing from lm-eval: only the verdict lines.")
-@click.option("--device", default="cpu", show_default=True,
-              help="cpu or cuda[:N]: where an engine bundle (candidate or baseline) runs its compiled kernels.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-              help="Execution dtype of checkpoints on CPU, the same for both models. auto: bfloat16 where the "
-                   "CPU has bf16 arithmetic or runs the AVX2 bf16 kernels (quantized weights then stay packed), float32 "
-                   "elsewhere.")
-@click.option("--tp", type=int, default=1, show_default=True,
-              help="Split each model over this many processes, as `serve --tp` runs it (must divide the "
-                   "attention heads and MLP width; `lmfoundry plan --tp` lists the valid sizes; a bundle runs at "
-                   "the degree it was compiled for).")
+@device_option
+@dtype_option
+@tp_option
 @click.option("--deterministic", is_flag=True,
               help="Run both models as `serve --deterministic` does (batch-invariant: every score is independent of "
                    "how requests are batched), so `lm_eval --model local-completions` against `serve "
