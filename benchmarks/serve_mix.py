@@ -65,8 +65,8 @@ def run_level(concurrency: int, requests: int, max_tokens: int, threads: int, mo
     import torch
 
     from lmfoundry.benchmarking.loadgen import make_prompts
-    from lmfoundry.commands.serve import default_step_tokens
     from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+    from lmfoundry.runtime.engine.engine_config import default_step_tokens
     from lmfoundry.runtime.loader import resolve_dtype
 
     torch.set_num_threads(threads)

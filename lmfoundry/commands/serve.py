@@ -1,271 +1,19 @@
 """`lmfoundry serve`: the engine in a process of its own (it loads the checkpoint and steps with
-all of --threads), the OpenAI API in this one (uvicorn, tokenization, detokenization)."""
+all of --threads), the OpenAI API in this one (uvicorn, tokenization, detokenization). This module
+parses the flags; the runtime builds the engine (`runtime.engine.serving`, in the engine process)
+and runs the API process (`runtime.server.api_process`)."""
 
 from __future__ import annotations
 
-import math
 import os
-import signal
-import sys
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
+from lmfoundry.commands.http_options import api_options, check_server_options, http_options
+from lmfoundry.commands.run_options import device_option, dtype_option
 from lmfoundry.errors import UserError
-from lmfoundry.runtime.dtypes import DTYPES
-
-# Default step budgets (--max-num-batched-tokens). Every running stream waits for the whole step,
-# and on CPU a step's time grows with its rows long after the matrix units are busy, so past that
-# point a larger chunk only lengthens the wait (benchmarks/results/serve_peers_avx2.md measures 1024
-# against 2048); 2048 is vLLM's default, for GPUs, whose units need many more rows to be busy.
-CPU_STEP_TOKENS = 1024
-GPU_STEP_TOKENS = 2048
-# Stopping (docs/reliability.md): --shutdown-timeout for the requests in flight, then two response
-# graces (background.RESPONSE_GRACE_SECONDS) and the engine's own stop: ENGINE_STOP_SECONDS for it
-# to read the shutdown between steps, core_client.TERM_GRACE_SECONDS after SIGTERM to its group.
-DEFAULT_SHUTDOWN_TIMEOUT = 15.0  # with STOP_BOUND_SECONDS: within Kubernetes' default 30 s grace period
-ENGINE_STOP_SECONDS = 5.0
-STOP_BOUND_SECONDS = 15.0  # documented: serve exits within --shutdown-timeout + this
-
-if TYPE_CHECKING:
-    from lmfoundry.runtime.engine import EngineInfo
-    from lmfoundry.runtime.engine.engine_config import EngineConfig
-    from lmfoundry.runtime.engine.llm_engine import LLMEngine
-    from lmfoundry.runtime.server.app import ApiOptions
-
-
-def default_step_tokens(device: str) -> int:
-    """--max-num-batched-tokens when not given: smaller on CPU (`engine_config.CPU_STEP_TOKENS`
-    says why; eval runs the serving engine with the same budget)."""
-    from lmfoundry.runtime.engine.engine_config import default_step_tokens as budget
-
-    return budget(device)
-
-
-def _print_url(host: str, port: int, api_key: str | None) -> None:
-    shown = f"[{host}]" if ":" in host else host
-    click.echo(f"lmfoundry serving on http://{shown}:{port}/v1"
-               f"{' (API key required)' if api_key else ''}", err=False)
-    sys.stdout.flush()
-
-
-def _bundle_block_size(path: str) -> int:
-    from pathlib import Path
-
-    from lmfoundry.engine_bundle.engine_manifest import bundle_degree, rank_folder, read_manifest
-
-    folder = Path(path) / rank_folder(0) if bundle_degree(path) > 1 else Path(path)
-    return int(read_manifest(folder)["kv_cache"]["block_size"])
-
-
-def _compiled_step_bundle(model: str, block_size: int, verified: bool) -> str:
-    """--compile-step: the cached `--arch cpu` bundle of checkpoint `model` (built now if new, by
-    a `lmfoundry compile` child that prints its own lines and time; `serve` refused a GPU or a
-    bundle before the engine process started). `verified`: serve has just checked the files
-    against the checkpoint's lmfoundry.json, so the cache key takes the sha256s recorded there
-    instead of reading every weight a second time."""
-    from lmfoundry.runtime.cpu.step_cache import cached_cpu_engine
-
-    return str(cached_cpu_engine(model, block_size=block_size, log_line=lambda m: click.echo(m, err=True),
-                                 verified=verified)[0])
-
-
-def _compiled_step_by_default(model: str, device: str, tp: int, deterministic: bool, run_dtype: Any,
-                              lora_slots: int, speculative: str | None) -> str | None:
-    """Why `serve` builds the compiled step without being asked (None: it serves the eager model).
-
-    The eager model's 4/8-bit products run AVX-512 BF16 dot products; on a CPU with AMX the float
-    model's GEMMs, and the compiled step's (Inductor's templates), run on AMX tiles instead, and the
-    issue that asked for this default measured the compiled step there ahead of both the eager
-    quantized model and the float one. Without AMX the eager products serve faster than the
-    compiled step (benchmarks/results/serve_w4a16_avx512.md), so the default stays eager. Only
-    where nothing else needs the eager model: one CPU process, bf16, no LoRA, no speculation, not
-    --deterministic, and a checkpoint (not a bundle) whose weights are integer weight-only."""
-    import torch
-
-    from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
-    from lmfoundry.runtime.cpu import features as cpu_isa
-
-    if device != "cpu" or tp > 1 or deterministic or lora_slots or speculative is not None:
-        return None
-    if run_dtype != torch.bfloat16 or not cpu_isa.cpu_features().get("amx_bf16") or is_engine_bundle(model):
-        return None
-    if not _weight_only_integer(model):
-        return None
-    return "this CPU has AMX and the checkpoint's weights are integer weight-only"
-
-
-def _default_compiled_step(model: str, block_size: int, reason: str | None, verified: bool) -> str:
-    """MODEL, or its cached compiled-step bundle where `reason` says to build it by default. A
-    default is an optimization the user did not ask for: if the build fails (no C++ compiler,
-    a step Inductor cannot compile), serve says why in one line and serves the eager model."""
-    if reason is None:
-        return model
-    click.echo(f"serving through the compiled step: {reason} (--no-compile-step serves the eager model)", err=True)
-    try:
-        return _compiled_step_bundle(model, block_size, verified)
-    except Exception as exc:  # noqa: BLE001 - any failure of the optional build falls back, said in one line
-        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
-        click.echo(f"warning: the compiled step could not be built ({detail}); serving the eager model", err=True)
-        return model
-
-
-def serving_engine(model: str, dtype: str, config: EngineConfig, *, device: str, compile_step: bool | None,
-                   draft_model: str | None = None, verified: bool = False) -> LLMEngine:
-    """The engine `serve` runs, built in the engine process. Everything that reads the CPU or
-    needs torch is decided here and not in the API process, which then never imports torch (on
-    a CPU machine): the CPU's line, --dtype auto, the compiled step (the default's choice, and
-    the build in a child process), then the model, less the eager weights a compiled step makes
-    unused. Its lines go to the terminal the engine process shares with serve, its UserErrors to
-    serve through the engine's start-up (`core_client`)."""
-    from lmfoundry.runtime.cpu import features as cpu_isa
-    from lmfoundry.runtime.engine.llm_engine import LLMEngine
-    from lmfoundry.runtime.loader import resolve_dtype
-
-    if device == "cpu":
-        click.echo(cpu_isa.describe(dtype), err=True)
-    run_dtype = resolve_dtype(dtype, model, device)
-    if compile_step:
-        model = _compiled_step_bundle(model, config.block_size, verified)
-    elif compile_step is None:
-        reason = _compiled_step_by_default(model, device, config.tensor_parallel_size, config.deterministic, run_dtype,
-                                           config.max_loras, config.speculative)
-        model = _default_compiled_step(model, config.block_size, reason, verified)
-    engine = LLMEngine.from_pretrained(model, run_dtype, config, device=device, draft_model=draft_model)
-    engine.release_eager_weights()  # a compiled step's package holds the weights: not twice
-    return engine
-
-
-def _weight_only_integer(model: str) -> bool:
-    """Whether checkpoint folder `model` stores integer weight-only quantized linears (W4A16 / W8A16
-    style). Read from its config.json alone: a GGUF file or a built-in model name is float (their
-    conversion drops any quantization), and converting one here would load it in this process."""
-    import json
-    from pathlib import Path
-
-    from lmfoundry.quantformat.scheme import plan_from_compressed_tensors
-
-    path = Path(model) / "config.json"
-    try:
-        qcfg = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
-        plan = plan_from_compressed_tensors(qcfg) if qcfg else None
-    except (OSError, ValueError, AttributeError, UserError):  # the engine's load says what is wrong with it
-        return False
-    return plan is not None and bool(plan.groups) and all(g.scheme.format == "pack-quantized" for g in plan.groups)
-
-
-def _check_server_options(port: int, max_model_len: int | None, max_waiting: int, kv_cache_gb: float,
-                          threads: int | None, max_request_mb: float, timeout_read: float,
-                          timeout_keep_alive: float, shutdown_timeout: float) -> None:
-    """Refuse out-of-range options in one line before loading the model (--kv-cache-gb 0 used to
-    run with one block, --max-waiting -5 shrank the running capacity, nan reached the allocator)."""
-    if not 0 <= port <= 65535:
-        raise UserError(f"--port must be in [0, 65535], got {port}")
-    if max_model_len is not None and max_model_len < 2:
-        raise UserError(f"--max-model-len must be at least 2 (a prompt token and an output token), got {max_model_len}")
-    if max_waiting < 0:
-        raise UserError(f"--max-waiting must be at least 0, got {max_waiting}")
-    if threads is not None and threads < 1:
-        raise UserError(f"--threads must be at least 1, got {threads}")
-    for name, value in (("--kv-cache-gb", kv_cache_gb), ("--max-request-mb", max_request_mb),
-                        ("--timeout-read", timeout_read), ("--timeout-keep-alive", timeout_keep_alive)):
-        if not (math.isfinite(value) and value > 0):
-            raise UserError(f"{name} must be a positive number, got {value}")
-    if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
-        raise UserError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout}")
-
-
-def _check_deterministic(device: str, tp: int, compile_step: bool) -> None:
-    """Refuse --deterministic where it cannot hold, before anything loads (the engine refuses the
-    rest: a model, an --arch cpu bundle or a KV cache without batch-invariant kernels)."""
-    if device != "cpu":
-        raise UserError(f"--deterministic runs the CPU engine, not --device {device}")
-    if tp > 1:
-        raise UserError("--deterministic runs one process; drop --tp")
-    if compile_step:
-        raise UserError("--deterministic runs the eager model: a compiled step chooses its kernels by the step's "
-                        "size; drop --compile-step")
-
-
-def _note_capped_context(info: EngineInfo, max_model_len: int | None, kv_cache_gb: float) -> None:
-    """Say so when the context was capped to what the KV cache holds (as vLLM reports its estimated
-    maximum model length); an explicit --max-model-len over the capacity is refused by the engine."""
-    full = info.max_position_embeddings
-    if max_model_len is None and info.max_model_len < full:
-        click.echo(f"note: the KV cache (--kv-cache-gb {kv_cache_gb:g}) holds {info.max_model_len} tokens, "
-                   f"less than the model's context of {full}: max model len is capped to {info.max_model_len}; "
-                   f"raise --kv-cache-gb for more", err=True)
-
-
-def _http_options(command: Any) -> Any:
-    """serve's HTTP-facing flags (CORS with vLLM's names, unknown request fields, metric names,
-    /openapi.json); `_api_options` turns them into the app's `ApiOptions`."""
-    listed = "; several values: the option repeated, commas, or a JSON list as vLLM takes it"
-    options = [
-        click.option("--allowed-origins", multiple=True,
-                     help="CORS: origins whose browser pages may call the API, e.g. http://localhost:3000, or '*' "
-                          f"(default: none, no CORS; vLLM's default is '*'){listed}."),
-        click.option("--allowed-methods", multiple=True, help=f"CORS: methods allowed (default '*'){listed}."),
-        click.option("--allowed-headers", multiple=True, help=f"CORS: request headers allowed (default '*'){listed}."),
-        click.option("--allow-credentials", is_flag=True,
-                     help="CORS: allow cookies and Authorization from those origins (listed explicitly: not with '*')."),
-        click.option("--lenient-request-fields", is_flag=True,
-                     help="Log and ignore request fields this server does not know (vLLM's behaviour) instead of "
-                          "refusing the request with HTTP 400 naming them (OpenAI's), for clients that send extras."),
-        click.option("--metrics-names", type=click.Choice(["ours", "vllm", "both"]), default="both", show_default=True,
-                     help="/metrics series: ours (lmfoundry_*, what `promtool check metrics` accepts), vLLM's names "
-                          "(vllm:*, for dashboards and autoscalers built for vLLM; promtool refuses their ':') or both."),
-        click.option("--enable-openapi", is_flag=True, help="Serve the API's OpenAPI 3 schema at GET /openapi.json."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
-def _listed(values: tuple[str, ...], name: str) -> tuple[str, ...]:
-    """A repeated option's values, each a JSON list (vLLM's form) or comma-separated."""
-    import json
-
-    out: list[str] = []
-    for value in values:
-        if value.lstrip().startswith("["):
-            try:
-                items = json.loads(value)
-            except ValueError as exc:
-                raise UserError(f"{name} {value!r}: not a JSON list ({exc})") from None
-            if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-                raise UserError(f"{name} {value!r}: expected a JSON list of strings")
-            out.extend(items)
-        else:
-            out.extend(part.strip() for part in value.split(",") if part.strip())
-    return tuple(out)
-
-
-def _api_options(allowed_origins: tuple[str, ...], allowed_methods: tuple[str, ...],
-                 allowed_headers: tuple[str, ...], allow_credentials: bool, lenient_request_fields: bool,
-                 metrics_names: str, enable_openapi: bool) -> ApiOptions:
-    from lmfoundry.runtime.server.app import ApiOptions
-
-    origins = _listed(allowed_origins, "--allowed-origins")
-    for origin in origins:
-        if origin != "*" and "://" not in origin:
-            raise UserError(f"--allowed-origins {origin!r}: an origin is scheme://host[:port] (or '*')")
-    if not origins and (allowed_methods or allowed_headers or allow_credentials):
-        raise UserError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
-    if allow_credentials and "*" in origins:  # what ApiOptions refuses too, said with the flags' names
-        raise UserError("--allow-credentials with --allowed-origins '*' would let every web page send requests with "
-                        "the user's credentials; list the origins explicitly (--allowed-origins https://app.example)")
-    return ApiOptions(allowed_origins=origins, allowed_methods=_listed(allowed_methods, "--allowed-methods") or ("*",),
-                      allowed_headers=_listed(allowed_headers, "--allowed-headers") or ("*",),
-                      allow_credentials=allow_credentials, lenient_request_fields=lenient_request_fields,
-                      metrics_names=metrics_names, openapi=enable_openapi)
-
-
-def _print_runtime(name: str, info: EngineInfo) -> None:
-    """What runs, read from the loaded model (not from the flags): dtype, device, CPU path, weights."""
-    where = f"{info.device}, {info.cpu_isa} path" if info.cpu_isa else info.device
-    click.echo(f"{name}: {info.dtype} on {where}; weights {info.weight_format}", err=True)
+from lmfoundry.runtime.server.api_process import DEFAULT_SHUTDOWN_TIMEOUT, STOP_BOUND_SECONDS
 
 
 @click.command("serve")
@@ -276,10 +24,7 @@ def _print_runtime(name: str, info: EngineInfo) -> None:
 @click.option("--api-key", default=None, envvar="LMFOUNDRY_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 (env LMFOUNDRY_API_KEY).")
 @click.option("--served-model-name", default=None, help="Model id reported by /v1/models.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-              help="Execution dtype on CPU. auto: bfloat16 where the CPU has bf16 arithmetic (AVX512-BF16/AMX; "
-                   "W4A16/W8A16 weights then stay packed) or AVX2 + FMA (the runtime's kernels widen bf16 in registers), "
-                   "float32 elsewhere; an engine bundle on a GPU keeps its own.")
+@dtype_option
 @click.option("--max-model-len", type=int, default=None, help="Context length (prompt + output).")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences batched together.")
 @click.option("--max-num-batched-tokens", type=int, default=None,
@@ -294,10 +39,7 @@ def _print_runtime(name: str, info: EngineInfo) -> None:
               help="auto, float32, bfloat16, float16, int8 or fp8 (int8/fp8 need checkpoint scales).")
 @click.option("--block-size", type=int, default=None,
               help="Tokens per KV block (default 16, or the block size an engine bundle was compiled for).")
-@click.option("--device", default="cpu", show_default=True,
-              help="cpu or cuda[:N]. An engine bundle (`lmfoundry compile` output) runs its kernels there: "
-                   "shipped cubins on a matching GPU, Triton JIT otherwise, each kernel's PyTorch reference on "
-                   "CPU. A checkpoint folder or model name runs the PyTorch reference model on CPU.")
+@device_option
 @click.option("--compile-step/--no-compile-step", default=None,
               help="CPU: serve a checkpoint through its step compiled ahead of time (what `compile --arch cpu` "
                    "builds), built on first use into the cache (minutes, once per checkpoint, block size, torch "
@@ -376,7 +118,7 @@ def _print_runtime(name: str, info: EngineInfo) -> None:
               help="Largest adapter rank the slots hold; an adapter of higher rank is refused.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-@_http_options
+@http_options
 def serve(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None, dtype: str,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int | None, max_waiting: int,
           kv_cache_gb: float, kv_cache_dtype: str, block_size: int | None, device: str,
@@ -395,33 +137,24 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
     HTTP 503 and serve exits with code 1. SIGINT or SIGTERM stops it with a bounded drain
     (--shutdown-timeout), then exit code 0; before it serves (the model loading), at once, with
     exit code 128 + the signal."""
-    _check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
-                          timeout_keep_alive, shutdown_timeout)
-    api_options = _api_options(**http_flags)
+    check_server_options(port, max_model_len, max_waiting, kv_cache_gb, threads, max_request_mb, timeout_read,
+                         timeout_keep_alive, shutdown_timeout)
+    options = api_options(**http_flags)
     from lmfoundry.commands.lora_options import lora_config, parse_spec, split_positionals
 
     model, lora_modules = split_positionals(model, extra, lora_modules)
     adapter_specs = [parse_spec(v, "--lora") for v in loras] + [parse_spec(v, "--lora-modules") for v in lora_modules]
     from lmfoundry.devices import check_device
     from lmfoundry.engine_bundle.engine_manifest import is_engine_bundle
-    from lmfoundry.heap import freeze_heap
-    from lmfoundry.runtime.engine.core_client import EngineCoreClient, EngineSpec
-    from lmfoundry.runtime.engine.engine_config import EngineConfig
+    from lmfoundry.runtime.engine.core_client import EngineSpec
+    from lmfoundry.runtime.engine.engine_config import EngineConfig, default_step_tokens
+    from lmfoundry.runtime.engine.serving import bundle_block_size, check_serving, serving_engine
     from lmfoundry.runtime.placement import check_tensor_parallel
-    from lmfoundry.runtime.server.app import create_app
-    from lmfoundry.runtime.server.background import uvicorn_config
+    from lmfoundry.runtime.server.api_process import Listen, serve_api
 
     device = check_device(device)
     check_tensor_parallel(tp, device, (model,))
-    if deterministic:
-        _check_deterministic(device, tp, bool(compile_step))
-    if compile_step:  # refused here: the engine process builds it after every check below
-        if device != "cpu":
-            raise UserError("--compile-step compiles the CPU step; on a GPU serve a `lmfoundry compile` bundle")
-        if tp > 1:
-            raise UserError("--compile-step compiles one process's step; drop it with --tp")
-        if is_engine_bundle(model):
-            raise UserError(f"{model} is an engine bundle already: serve it without --compile-step")
+    check_serving(model, device, tp, compile_step, deterministic)
     if tp > 1:
         from lmfoundry.model.head_split import split_heads
         from lmfoundry.runtime.loader import whole_model_config
@@ -447,14 +180,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
             raise UserError(f"{flag} must be at least 1")
     if (speculative == "draft") != (draft_model is not None):
         raise UserError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
-    if is_engine_bundle(model):  # its paged-attention kernels were specialized for one block size
-        compiled_block = _bundle_block_size(model)
-        if block_size is not None and block_size != compiled_block:
-            raise UserError(f"{model}: the bundle was compiled for --block-size {compiled_block}; serve it with "
-                            f"that (or leave --block-size out), or compile again with --block-size {block_size}")
-        block_size = compiled_block
-    if block_size is None:
-        block_size = 16
+    block_size = bundle_block_size(model, block_size)  # a bundle's kernels were specialized for one
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     config = EngineConfig(
@@ -466,97 +192,8 @@ def serve(model: str, host: str, port: int, api_key: str | None, served_model_na
         speculative=speculative, num_speculative_tokens=num_speculative_tokens, ngram_max=ngram_max,
         tensor_parallel_size=tp, tp_backend=tp_backend, deterministic=deterministic, max_loras=lora_slots,
         max_lora_rank=max_lora_rank, lora_modules=adapters)
-    died: list[int | None] = []
-    server: Any = None
-
-    def on_engine_death(exitcode: int | None) -> None:
-        died.append(exitcode)
-        if server is not None:
-            server.should_exit = True  # in-flight requests have their 503; stop listening
-
     engine_spec = EngineSpec(serving_engine, (model, dtype, config),
                              {"device": device, "compile_step": compile_step, "draft_model": draft_model,
                               "verified": not skip_verify})
-    # Until the server runs, SIGINT and SIGTERM stop serve through the engine client's cleanup, which
-    # stops the engine process (SIGTERM's default action would end this process and orphan it), and
-    # say so in one line. SIGINT too: started in the background by a shell, serve inherits it
-    # ignored, and it would be ignored until the model had loaded (uvicorn takes it from then on).
-    # Once the server runs, both are its own (a drain, or the end of one), also while the engine
-    # stops after it. Handlers belong to the main thread (serve called from another one keeps the
-    # process's own).
-    in_main = threading.current_thread() is threading.main_thread()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-    serving: list[bool] = []
-    stopping: list[int] = []
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if serving:
-            server.handle_exit(signum, frame)
-        elif not stopping:  # later ones change nothing: the stop under way is bounded
-            stopping.append(signum)
-            raise _Stopped(signum)
-
-    for sig in handlers:
-        signal.signal(sig, on_signal)
-    try:
-        engine = EngineCoreClient(engine_spec, on_death=on_engine_death)  # loads the model in the engine process
-        try:
-            _note_capped_context(engine.info, max_model_len, kv_cache_gb)
-            _print_runtime(name, engine.info)
-            app = create_app(engine, name, api_key=api_key, aliases=(model,),
-                             max_body_bytes=int(max_request_mb * 2**20), read_timeout=timeout_read,
-                             options=api_options)
-            http = uvicorn_config(app, host, port, log_level, read_timeout=timeout_read, keep_alive=timeout_keep_alive)
-            server = _server_class(host, api_key)(http, app.state.server.drain, shutdown_timeout)
-            if died:
-                server.should_exit = True
-            freeze_heap()
-            # uvicorn in this thread: the first SIGINT/SIGTERM stops accepting and drains the requests in
-            # flight (GracefulServer), a second one fails them at once.
-            serving.append(True)
-            server.run()
-        finally:
-            engine.shutdown(ENGINE_STOP_SECONDS)
-    except _Stopped as stop:
-        click.echo(f"stopped by {signal.Signals(stop.signum).name} before serving: the engine process and its "
-                   "folder are gone", err=True)
-        sys.exit(128 + stop.signum)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-    if died and not (server.stop_signal is not None and died[0] == 128 + signal.SIGTERM):
-        # (an engine that left on SIGTERM while serve stopped too got it from a service manager)
-        raise UserError(f"the engine process died (exit code {died[0]}); the requests in flight got HTTP 503",
-                        exit_code=1)
-    if not server.started:
-        raise UserError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
-
-
-class _Stopped(BaseException):
-    """SIGINT or SIGTERM before the server runs. A BaseException, like KeyboardInterrupt: no
-    `except Exception` on the way out of the engine's start may take it for a failure and go on."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _server_class(host: str, api_key: str | None) -> Any:
-    """The server with its bounded drain (`GracefulServer`), printing the URL once it listens
-    (port 0 is resolved by then) and a line when it starts to stop."""
-    from lmfoundry.runtime.server.background import GracefulServer
-
-    class Server(GracefulServer):
-        async def startup(self, sockets=None) -> None:  # type: ignore[override]
-            await super().startup(sockets)
-            if self.started:
-                bound = self.servers[0].sockets[0].getsockname()
-                _print_url(host, bound[1], api_key)
-
-        async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
-            if self.started:
-                click.echo(f"stopping: new requests get HTTP 503; the requests in flight have up to "
-                           f"{self.shutdown_timeout:g} s to finish (signal again to end them now)", err=True)
-            await super().shutdown(sockets)
-
-    return Server
+    listen = Listen(host, port, api_key, max_request_mb, timeout_read, timeout_keep_alive, shutdown_timeout, log_level)
+    serve_api(engine_spec, name, listen, options, aliases=(model,), max_model_len=max_model_len, kv_cache_gb=kv_cache_gb)

@@ -36,7 +36,7 @@ def test_serve_cli_missing_model_is_one_line_error(tmp_path) -> None:
 def test_the_step_budget_defaults_smaller_on_cpu() -> None:
     """A CPU step's time grows with its rows past the point its matrix units are busy, and every
     running stream waits for the whole step: the CPU default chunk is half vLLM's GPU one."""
-    from lmfoundry.commands.serve import default_step_tokens
+    from lmfoundry.runtime.engine.engine_config import default_step_tokens
 
     assert default_step_tokens("cpu") == 1024
     assert default_step_tokens("cuda") == default_step_tokens("cuda:1") == 2048

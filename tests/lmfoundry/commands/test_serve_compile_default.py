@@ -12,7 +12,8 @@ import torch
 from helpers import tiny_model_folder, write_text
 
 from lmfoundry.cli import main
-from lmfoundry.commands import serve as serve_command
+from lmfoundry.runtime.cpu import step_policy
+from lmfoundry.runtime.server import api_process
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def amx(monkeypatch) -> None:
 def by_default(model: str, **overrides) -> str | None:
     args = {"device": "cpu", "tp": 1, "deterministic": False, "run_dtype": torch.bfloat16, "lora_slots": 0,
             "speculative": None, **overrides}
-    return serve_command._compiled_step_by_default(model, **args)
+    return step_policy.compiled_step_by_default(model, **args)
 
 
 def test_an_amx_cpu_compiles_a_weight_only_checkpoint(folders, amx) -> None:
@@ -63,15 +64,15 @@ def test_a_default_build_that_fails_serves_the_eager_model(folders, monkeypatch,
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler\nfound")
 
-    monkeypatch.setattr(serve_command, "_compiled_step_bundle", broken)
+    monkeypatch.setattr(step_policy, "compiled_step_bundle", broken)
     model = folders["w4a16"]
-    assert serve_command._default_compiled_step(model, 16, "reason", True) == model
+    assert step_policy.default_compiled_step(model, 16, "reason", True) == model
     err = capsys.readouterr().err
     assert "serving through the compiled step: reason" in err
     assert "could not be built (no C++ compiler found); serving the eager model" in err
-    monkeypatch.setattr(serve_command, "_compiled_step_bundle", lambda m, b, v: str(Path(m) / "bundle"))
-    assert serve_command._default_compiled_step(model, 16, "reason", True) == str(Path(model) / "bundle")
-    assert serve_command._default_compiled_step(model, 16, None, True) == model  # no reason: no build
+    monkeypatch.setattr(step_policy, "compiled_step_bundle", lambda m, b, v: str(Path(m) / "bundle"))
+    assert step_policy.default_compiled_step(model, 16, "reason", True) == str(Path(model) / "bundle")
+    assert step_policy.default_compiled_step(model, 16, None, True) == model  # no reason: no build
 
 
 class EngineHere:
@@ -103,7 +104,7 @@ def engine_here(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(core_client, "EngineCoreClient", EngineHere)
     monkeypatch.setattr(llm_engine.LLMEngine, "from_pretrained", load)
-    monkeypatch.setattr(serve_command, "_print_runtime", named)
+    monkeypatch.setattr(api_process, "print_runtime", named)
     return loaded
 
 
@@ -120,7 +121,7 @@ def test_serve_takes_the_default_and_no_compile_step_turns_it_off(folders, amx, 
         built.append((m, block_size, verified))
         return cached
 
-    monkeypatch.setattr(serve_command, "_compiled_step_bundle", build)
+    monkeypatch.setattr(step_policy, "compiled_step_bundle", build)
     with pytest.raises(SystemExit):
         main(["serve", model, "--port", "0", "--dtype", "bfloat16"])
     err = capsys.readouterr().err
@@ -139,7 +140,7 @@ def test_serve_takes_the_default_and_no_compile_step_turns_it_off(folders, amx, 
 
 def test_options_are_checked_before_a_default_build(folders, amx, monkeypatch, capsys) -> None:
     """A bad option fails at once, not after minutes of compiling."""
-    monkeypatch.setattr(serve_command, "_default_compiled_step",
+    monkeypatch.setattr(step_policy, "default_compiled_step",
                         lambda *a: pytest.fail("built before the options were checked"))
     for extra, needle in ((["--block-size", "0"], "--block-size must be at least 1"),
                           (["--draft-model", folders["float"]], "--draft-model needs --speculative draft")):
@@ -154,5 +155,5 @@ def test_gguf_files_and_builtin_names_are_not_read_for_the_default(amx, monkeypa
     from lmfoundry.checkpoint import sources
 
     monkeypatch.setattr(sources, "resolve_model", lambda *a, **k: pytest.fail("converted in the front process"))
-    assert serve_command._weight_only_integer("smollm2-135m") is False
-    assert serve_command._weight_only_integer("/nowhere/model.gguf") is False
+    assert step_policy.weight_only_integer("smollm2-135m") is False
+    assert step_policy.weight_only_integer("/nowhere/model.gguf") is False

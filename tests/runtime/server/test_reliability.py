@@ -310,11 +310,11 @@ def test_serve_kv_cache_gb_zero_is_one_line_in_a_subprocess(tmp_path) -> None:
 
 
 def test_capped_context_is_reported(capsys) -> None:
-    from lmfoundry.commands.serve import _note_capped_context
+    from lmfoundry.runtime.server.api_process import note_capped_context
 
     engine = LLMEngine(toy_model(seed=2), byte_tokenizer(), EngineConfig(num_kv_blocks=4, block_size=8))
-    _note_capped_context(engine.info, None, 0.001)
+    note_capped_context(engine.info, None, 0.001)
     err = capsys.readouterr().err
     assert "holds 32 tokens" in err and "context of 512" in err and err.count("\n") == 1
-    _note_capped_context(engine.info, 32, 0.001)  # asked for explicitly: nothing to report
+    note_capped_context(engine.info, 32, 0.001)  # asked for explicitly: nothing to report
     assert capsys.readouterr().err == ""

@@ -29,8 +29,8 @@ import pytest
 from helpers import start_serve, wait_for_url
 from toy import save_toy_checkpoint
 
-from lmfoundry.commands.serve import ENGINE_STOP_SECONDS, STOP_BOUND_SECONDS
 from lmfoundry.runtime.engine.core_client import TERM_GRACE_SECONDS
+from lmfoundry.runtime.server.api_process import ENGINE_STOP_SECONDS, STOP_BOUND_SECONDS
 from lmfoundry.runtime.server.background import RESPONSE_GRACE_SECONDS
 
 pytestmark = pytest.mark.timeout(240)
