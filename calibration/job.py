@@ -395,7 +395,7 @@ def _quantize_into(job: QuantizeJob, out: Path | None, staging: Path | None, dev
                   f"relative output error not measured ({q.method} ran no calibration data)")
     lines = [
         f"wrote {out} ({plan.format()}, {q.method} {plan.groups[0].scheme.weights.describe()}"
-        f"{', kv ' + q.kv_cache if q.kv_cache else ''})",
+        f"{', lm_head ' + q.lm_head if q.lm_head != 'float' else ''}{', kv ' + q.kv_cache if q.kv_cache else ''})",
         f"mean relative weight error {mean_err:.4f} over {len(errs)} linears; {len(report.warnings)} warning(s)",
         output_err,
         f"time {time.time() - t0:.1f} s; peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB "

@@ -382,20 +382,22 @@ def run_pipeline(
         return report
     # --- final norm and LM head
     tail = {"model.norm.weight": reader.get(["model.norm.weight"])["model.norm.weight"].to(out_dtype)}
-    if reader.has("lm_head.weight") and not config.tie_word_embeddings:
-        w = reader.get(["lm_head.weight"])["lm_head.weight"]
-        scheme = plan.scheme_for("lm_head")
-        if scheme is None:
+    head_scheme = plan.scheme_for("lm_head")
+    # a tied head that is quantized becomes a tensor of its own (the embedding stays as it is: a
+    # lookup reads one row a token, the head every row each step); `quantized_config` unties it
+    head_source = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    if head_scheme is not None or not config.tie_word_embeddings:
+        w = reader.get([head_source])[head_source]
+        if head_scheme is None:
             tail["lm_head.weight"] = w.to(out_dtype)
         else:
             from lmfoundry.quantizers.rtn import rtn_quantize_weight
 
-            check_group_size("lm_head", w.shape[1], scheme.weights)
-            qw = rtn_quantize_weight(w.float(), scheme.weights, out_dtype)
-            tail.update(encode_linear("lm_head", qw, scheme))
+            check_group_size("lm_head", w.shape[1], head_scheme.weights)
+            qw = rtn_quantize_weight(w.float(), head_scheme.weights, out_dtype)
+            tail.update(encode_linear("lm_head", qw, head_scheme))
             report.layers["lm_head"] = {"lm_head": qw.metrics, "method": "rtn (no calibration for lm_head)"}
-    elif plan.scheme_for("lm_head") is not None and config.tie_word_embeddings:
-        raise UserError("lm_head is tied to the embeddings and cannot be quantized; keep it in `ignore`")
+        del w
     writer.write_shard(_shard(config.num_layers + 1, config), tail)
     report.peak_rss_bytes = peak_rss_bytes()
     report.wall_s = time.time() - t0

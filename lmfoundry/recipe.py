@@ -84,6 +84,8 @@ def _seed(value: Any) -> str | None:
     return None if _is_int(value) and 0 <= value <= MAX_SEED else f"a whole number from 0 to {MAX_SEED}"
 
 
+LM_HEAD_CHOICES = ("float", "w8a16", "w4a16")
+
 # What each value may be; the message completes "... must be ...". Choices that the stage itself
 # checks with a good message (method, scheme, observer, kv_strategy) are only type-checked here.
 CHECKS: dict[str, dict[str, Callable[[Any], str | None]]] = {
@@ -98,6 +100,7 @@ CHECKS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "targets": lambda v: _string_list(v) or (None if v else "a non-empty list of strings"),
         "ignore": _string_list,
         "kv_cache": _optional(_one_of("int8", "fp8")),
+        "lm_head": _one_of(*LM_HEAD_CHOICES),
         "kv_strategy": _optional(_string),
         "dtype": _optional(_one_of(*DTYPES)),
         "options": _mapping,
@@ -199,6 +202,9 @@ class QuantizeSection:
     targets: list[str] = field(default_factory=lambda: ["Linear"])
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     kv_cache: str | None = None
+    # what the LM head becomes: float (it stays as the source stores it: vLLM and SGLang read it), or
+    # weight-only int8 per output channel / int4 grouped, which unties a tied head from the embedding
+    lm_head: str = "float"
     kv_strategy: str | None = "tensor"
     dtype: str | None = "auto"
     options: dict[str, Any] = field(default_factory=dict)

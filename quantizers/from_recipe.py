@@ -38,7 +38,16 @@ def build_plan(q: QuantizeSection) -> QuantizationPlan:
         # and the doctor refuses what the KV cache cannot store (check_kv_args), with its reason
         strategy = {"head": "attn_head"}.get(q.kv_strategy or "tensor", q.kv_strategy or "tensor")
         kv = QuantArgs(8, "float" if q.kv_cache == "fp8" else "int", True, cast("Strategy", strategy), None)
-    return QuantizationPlan([SchemeGroup(scheme, tuple(q.targets))], list(q.ignore), kv)
+    groups = [SchemeGroup(scheme, tuple(q.targets))]
+    ignore = list(q.ignore)
+    if q.lm_head != "float":
+        # a group of its own after the recipe's (a name outranks the class "Linear" in
+        # compressed-tensors' matching, ours included): int8 per output channel, or int4 in the
+        # recipe's groups
+        head = make_scheme(q.lm_head, group_size=q.group_size if q.lm_head == "w4a16" else 0, symmetric=True)
+        groups.append(SchemeGroup(head, ("lm_head",)))
+        ignore = [p for p in ignore if p != "lm_head"]
+    return QuantizationPlan(groups, ignore, kv)
 
 
 def build_quantizer(q: QuantizeSection, plan: QuantizationPlan) -> Quantizer:

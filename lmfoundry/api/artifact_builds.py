@@ -50,8 +50,8 @@ def quantize(model: str | Path, *, output: str | Path, method: str | None = None
              group_size: int | None = None, recipe: Recipe | str | Path | None = None, calib: str | None = None,
              num_samples: int | None = None, seq_len: int | None = None, seed: int | None = None,
              per_channel: bool | None = None, symmetric: bool | None = None, observer: str | None = None,
-             actorder: str | None = None, kv_cache: str | None = None, propagate: str | None = None,
-             moe_experts: str | None = None, dtype: str | None = None, options: Mapping[str, Any] | None = None,
+             actorder: str | None = None, kv_cache: str | None = None, lm_head: str | None = None,
+             propagate: str | None = None, moe_experts: str | None = None, dtype: str | None = None, options: Mapping[str, Any] | None = None,
              allow_pickle: bool = False, overwrite: bool = False, skip_doctor: bool = False, resume: bool = False,
              device: str = "auto", offload: str = "auto", quiet: bool = False) -> Checkpoint | None:
     """Quantize `model` (a HF folder, a .gguf file or a built-in name such as `smollm2-135m`) into
@@ -67,7 +67,7 @@ def quantize(model: str | Path, *, output: str | Path, method: str | None = None
         model, output=output, recipe=build_recipe(
             recipe, calib=calib, per_channel=per_channel, options=options, method=method, scheme=scheme,
             group_size=group_size, num_samples=num_samples, seq_len=seq_len, seed=seed, symmetric=symmetric,
-            observer=observer, actorder=actorder, kv_cache=kv_cache, propagate=propagate,
+            observer=observer, actorder=actorder, kv_cache=kv_cache, lm_head=lm_head, propagate=propagate,
             moe_experts=moe_experts, dtype=dtype),
         allow_pickle=allow_pickle, overwrite=overwrite, skip_doctor=skip_doctor, resume=resume, device=device,
         offload=offload, quiet=quiet)

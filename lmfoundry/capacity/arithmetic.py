@@ -152,11 +152,12 @@ def _shard_shapes(cfg: ModelConfig, shard: HeadSplit) -> dict[str, tuple[int, in
 
 
 def weight_bytes(
-    cfg: ModelConfig, spec: QuantSpec, tp: int = 1, quantize_lm_head: bool = False, active: bool = False
+    cfg: ModelConfig, spec: QuantSpec, tp: int = 1, quantize_lm_head: bool | QuantSpec = False, active: bool = False
 ) -> dict[str, int]:
     """Stored weight bytes on one GPU at tensor-parallel size `tp`, by part (tp=1: the whole model).
     An MoE router stays 16-bit and replicated. `active`: only the top-k experts one token reads
-    (what a batch-1 decode step streams from memory)."""
+    (what a batch-1 decode step streams from memory). `quantize_lm_head`: the head is stored as
+    `spec` (True) or as a spec of its own."""
     shard = sharding(cfg, tp)
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     shapes = _shard_shapes(cfg, shard)
@@ -180,7 +181,7 @@ def weight_bytes(
     if cfg.tie_word_embeddings:
         lm_head = 0
     elif quantize_lm_head:
-        lm_head = spec.linear_bytes(vocab_rows, h)
+        lm_head = (spec if quantize_lm_head is True else quantize_lm_head).linear_bytes(vocab_rows, h)
     else:
         lm_head = vocab_rows * h * 2
     parts = {

@@ -10,12 +10,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmfoundry.capacity.arithmetic import KV_DTYPE_BYTES, WEIGHT_PRECISIONS, QuantSpec
 from lmfoundry.checkpoint.sources import BUILTIN_MODELS
 from lmfoundry.errors import UserError
 from lmfoundry.model.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
+
+if TYPE_CHECKING:
+    from lmfoundry.quantformat.scheme import QuantArgs
 
 # Names resolved from the lmfoundry model cache instead of a path.
 # the built-in model names every verb takes (`plan` reads their converted config from the cache)
@@ -136,6 +139,7 @@ class CheckpointQuant:
     spec: QuantSpec
     quantize_lm_head: bool
     method: str
+    lm_head_spec: QuantSpec | None = None  # the LM head's own scheme, where it has one (else `spec`)
 
 
 def checkpoint_quant(raw: dict[str, Any]) -> tuple[CheckpointQuant | None, list[str]]:
@@ -185,21 +189,39 @@ def _compressed_tensors_quant(qc: dict[str, Any]) -> tuple[CheckpointQuant | Non
     if not plan.groups:
         return None, ["compressed-tensors config without weight quantization: counted as bf16"]
     notes = []
-    if len(plan.groups) > 1:
+    head = plan.scheme_for("lm_head")
+    # the LM head's own group (`quantize --lm-head`), in whichever place the file lists it
+    head_group = next((g for g in plan.groups if g.targets == ("lm_head",)), None) if len(plan.groups) > 1 else None
+    others = [i for i, g in enumerate(plan.groups) if g is not head_group]
+    if len(others) > 1:
         notes.append(f"{len(plan.groups)} quantization groups in the checkpoint; the first is used for all linears")
-    w = plan.groups[0].scheme.weights
+    block = list(qc["config_groups"].values())[others[0]]["weights"].get("block_structure")  # block-scaled FP8 only
+    main = _ct_spec(plan.groups[others[0]].scheme.weights, block)
+    if isinstance(main, str):
+        return None, [main]
+    precision, spec = main
+    head_spec = None
+    if head_group is not None:
+        found = _ct_spec(head_group.scheme.weights, None)
+        if isinstance(found, str):
+            return None, [f"lm_head: {found}"]
+        head_spec = found[1]
+    return CheckpointQuant(precision, spec, head is not None, "compressed-tensors", head_spec), notes
+
+
+def _ct_spec(w: QuantArgs, block: Any) -> tuple[str, QuantSpec] | str:
+    """(precision, QuantSpec) of one compressed-tensors group's weights, or the note saying why
+    plan cannot count them."""
     bits, kind = w.num_bits, w.type
     if kind == "float" and bits == 8:
         precision = "fp8"
     elif kind == "int" and bits in (4, 8):
         precision = f"int{bits}"
     else:
-        return None, [f"checkpoint weights are {bits}-bit {kind}: not a plan precision, use --weights"]
+        return f"checkpoint weights are {bits}-bit {kind}: not a plan precision, use --weights"
     strategy = "group" if w.strategy == "tensor_group" else str(w.strategy)  # NVFP4-style: the global scale is negligible
     if strategy not in ("tensor", "channel", "group", "block"):
-        return None, [f"checkpoint weight strategy {strategy!r} not understood: use --weights"]
-    group = next(iter(qc["config_groups"].values()))
-    block = group["weights"].get("block_structure")  # not part of QuantArgs: block-scaled FP8 only
+        return f"checkpoint weight strategy {strategy!r} not understood: use --weights"
     spec = QuantSpec(
         precision,
         bits,
@@ -210,9 +232,8 @@ def _compressed_tensors_quant(qc: dict[str, Any]) -> tuple[CheckpointQuant | Non
         g_idx=w.actorder == "dynamic",
     )
     if strategy == "block" and spec.block is None:
-        return None, ["checkpoint uses block scales without block_structure: use --weights"]
-    lm_head = plan.scheme_for("lm_head") is not None
-    return CheckpointQuant(precision, spec, lm_head, "compressed-tensors"), notes
+        return "checkpoint uses block scales without block_structure: use --weights"
+    return precision, spec
 
 
 # ---------------------------------------------------------------------------------------- bench

@@ -15,6 +15,7 @@ from lmfoundry.capacity.arithmetic import (
     UTILIZATIONS,
     WEIGHT_PRECISIONS,
     CapacityEstimate,
+    QuantSpec,
     activation_bytes,
     default_quant_specs,
     human_count,
@@ -53,9 +54,9 @@ def build_report(inp: CapacityInputs) -> dict[str, Any]:
 
     group_size = parse_group_size(inp.group_size)
     specs = default_quant_specs(group_size, inp.asymmetric)
-    quantize_lm_head = False
+    quantize_lm_head: bool | QuantSpec = False
     if ckpt is not None:
-        quantize_lm_head = ckpt.quantize_lm_head
+        quantize_lm_head = ckpt.lm_head_spec or ckpt.quantize_lm_head
         if group_size is None and not inp.asymmetric:
             specs[ckpt.precision] = ckpt.spec
     selected_w = (inp.weights or (ckpt.precision if ckpt else "bf16")).lower()
@@ -136,7 +137,7 @@ def build_report(inp: CapacityInputs) -> dict[str, Any]:
             "heads_per_gpu": shard.heads_per_rank,
             "kv_heads_per_gpu": shard.kv_heads_per_rank,
             "kv_replication": shard.kv_replication,
-            "quantize_lm_head": quantize_lm_head,
+            "quantize_lm_head": bool(quantize_lm_head),
         },
         "params": param_counts(cfg),
         "weights": weights,

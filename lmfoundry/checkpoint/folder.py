@@ -146,6 +146,8 @@ class CheckpointWriter:
 def quantized_config(source_config: dict[str, Any], plan: QuantizationPlan, dtype: torch.dtype) -> dict[str, Any]:
     cfg = dict(source_config)
     cfg["quantization_config"] = to_compressed_tensors(plan)
+    if plan.scheme_for("lm_head") is not None and cfg.get("tie_word_embeddings"):
+        cfg["tie_word_embeddings"] = False  # the quantized head is stored apart from the embedding
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     cfg.pop("dtype", None)
     return cfg

@@ -18,7 +18,7 @@ from lmfoundry.api.artifact_builds import build_recipe, run_quantize
 from lmfoundry.calibration.job import OFFLOAD_CHOICES
 from lmfoundry.errors import UserError
 from lmfoundry.quantizers.from_recipe import KV_CHOICES
-from lmfoundry.recipe import Recipe
+from lmfoundry.recipe import LM_HEAD_CHOICES, Recipe
 
 
 class WholeNumber(click.ParamType):
@@ -58,6 +58,10 @@ RECIPE_OPTIONS = [
     click.option("--observer", type=click.Choice(["minmax", "mse"]), default=None, help="Weight range statistic."),
     click.option("--actorder", type=click.Choice(["static", "dynamic"]), default=None, help="GPTQ activation order."),
     click.option("--kv-cache", type=click.Choice(KV_CHOICES), default=None, help="Also quantize the KV cache."),
+    click.option("--lm-head", type=click.Choice(LM_HEAD_CHOICES), default=None,
+                 help="Also quantize the LM head (read in full every decode step): w8a16 = int8 per output "
+                      "channel, w4a16 = int4 in --group-size groups. A tied head is stored apart from the "
+                      "embedding. transformers and lmfoundry read it; keep float for vLLM/SGLang. [float]"),
     click.option("--calib", default=None, help="Calibration text/JSONL/datasets folder or built-in name. [c4]"),
     click.option("--num-samples", type=WholeNumber(1), default=None, help="Calibration samples. [128]"),
     click.option("--seq-len", type=WholeNumber(1), default=None, help="Tokens per calibration sample. [512]"),

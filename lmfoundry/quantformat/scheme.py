@@ -169,11 +169,16 @@ class QuantizationPlan:
                 if t != "Linear" and not any(matches_any(n, (t,)) for n in module_names)]
 
     def scheme_for(self, module_name: str) -> Scheme | None:
+        """The scheme of the group whose target names the module (a name or "re:" pattern), else
+        of the first group whose target is the class "Linear": compressed-tensors' and vLLM's
+        order, so a group for `lm_head` beside a "Linear" group means the same to every reader."""
         if matches_any(module_name, self.ignore):
             return None
-        for group in self.groups:
-            if matches_any(module_name, group.targets):
-                return group.scheme
+        for by_name in (True, False):
+            for group in self.groups:
+                named = [t for t in group.targets if (t != "Linear") == by_name]
+                if matches_any(module_name, named):
+                    return group.scheme
         return None
 
     def format(self) -> str:

@@ -153,3 +153,40 @@ def test_refuses_existing_output_and_quantized_input(tmp_path):
         run_job(QuantizeJob(str(src), tmp_path / "out", rec, progress=False))
     with pytest.raises(UserError, match="already quantized"):
         run_job(QuantizeJob(str(tmp_path / "out"), tmp_path / "out2", rec, progress=False))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an untied and a tied head
+@pytest.mark.parametrize("head,group", [("w8a16", None), ("w4a16", 32)])
+def test_the_lm_head_is_quantized_apart_and_loads_in_transformers(tmp_path, arch, head, group):
+    """`lm_head`: the head becomes a group of its own in quantization_config (the linears keep
+    theirs); a tied head is written apart from the embedding, which stays float, and the config
+    unties them; transformers and our loader read the same head, the RTN of the source's."""
+    from lmfoundry.checkpoint.folder import CheckpointReader
+    from lmfoundry.quantformat.scheme import make_scheme
+    from lmfoundry.quantizers.rtn import rtn_quantize_weight
+
+    src = tiny_model_folder(tmp_path / "src", arch)
+    tied = json.loads((src / "config.json").read_text())["tie_word_embeddings"]
+    out = tmp_path / "out"
+    run_job(QuantizeJob(str(src), out, recipe(tmp_path, method="rtn", group_size=32, lm_head=head), progress=False))
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert cfg["tie_word_embeddings"] is False and "lm_head" not in qc["ignore"]
+    groups = {tuple(g["targets"]): g["weights"] for g in qc["config_groups"].values()}
+    assert groups[("Linear",)]["num_bits"] == 4 and groups[("Linear",)]["group_size"] == 32
+    assert groups[("lm_head",)]["num_bits"] == int(head[1])
+    assert groups[("lm_head",)]["strategy"] == ("channel" if group is None else "group")
+    reader = CheckpointReader(out)
+    assert reader.has("lm_head.weight_packed") and reader.has("model.embed_tokens.weight")
+
+    ours, ref, model, hf = logits_pair(out)
+    source = CheckpointReader(src)
+    head_source = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    want = rtn_quantize_weight(source.get([head_source])[head_source].float(),
+                               make_scheme(head, group_size=group or 0).weights, torch.float32)
+    assert torch.allclose(model.lm_head.weight.float(), want.dequantize(torch.float32), rtol=0, atol=1e-6)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    embed = source.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    assert torch.equal(model.model.embed_tokens.weight, embed)
+    assert torch.equal(hf.state_dict()["lm_head.weight"].float(), model.lm_head.weight.float())
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-5

@@ -12,7 +12,7 @@ from lmfoundry.recipe import CalibrationSection, QuantizeSection, Recipe
 DEFAULT_DICT = {
     "quantize": {"method": "rtn", "scheme": "w4a16", "group_size": None, "per_channel": False, "symmetric": None,
                  "observer": "minmax", "actorder": None, "targets": ["Linear"], "ignore": ["lm_head"],
-                 "kv_cache": None, "kv_strategy": "tensor", "dtype": "auto", "options": {}},
+                 "kv_cache": None, "lm_head": "float", "kv_strategy": "tensor", "dtype": "auto", "options": {}},
     "calibration": {"source": "c4", "num_samples": 128, "seq_len": 512, "seed": 0, "propagate": "quantized",
                     "batch_size": 8, "moe_experts": "all"},
 }

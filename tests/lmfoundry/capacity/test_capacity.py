@@ -325,6 +325,22 @@ def test_checkpoint_quantization_sets_default_weights(tmp_path):
     assert build_report(CapacityInputs(model=str(folder), weights="bf16"))["settings"]["weights"] == "bf16"
 
 
+def test_an_lm_head_group_of_its_own_is_counted_at_its_precision(tmp_path):
+    """`quantize --lm-head w8a16` writes the head's group after the linears' (any order is read):
+    the linears stay int4 g128, the head counts int8 per row plus one 16-bit scale a row."""
+    w4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    w8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None}
+    groups = {"group_0": {"targets": ["lm_head"], "weights": w8}, "group_1": {"targets": ["Linear"], "weights": w4}}
+    cfg = {**LLAMA3_8B, "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                "config_groups": groups, "ignore": []}}
+    ckpt, notes = checkpoint_quant(cfg)
+    assert notes == [] and ckpt.precision == "int4" and ckpt.spec.group_size == 128
+    assert ckpt.quantize_lm_head and ckpt.lm_head_spec.bits == 8 and ckpt.lm_head_spec.strategy == "channel"
+    report = build_report(CapacityInputs(model=str(write_model(tmp_path / "head-w8", cfg))))
+    vocab, hidden = LLAMA3_8B["vocab_size"], LLAMA3_8B["hidden_size"]
+    assert report["weights"]["int4"]["model_bytes"]["lm_head"] == vocab * hidden + vocab * 2
+
+
 def test_gptq_and_fp8_checkpoint_configs():
     gptq, _ = checkpoint_quant({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}})
     assert gptq.precision == "int4" and gptq.spec.g_idx and gptq.spec.zero_points

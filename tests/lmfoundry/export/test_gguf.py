@@ -92,24 +92,28 @@ def test_codes_land_in_ggml_blocks_exactly(llama_src: Path, tmp_path: Path, q: d
             assert np.array_equal(theirs, ours.numpy()), name
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-                                  pytest.param("qwen3", marks=pytest.mark.slow)])
-def test_transformers_reads_the_gguf_like_our_runtime(tmp_path: Path, arch: str) -> None:
+@pytest.mark.parametrize("arch,head", [("llama", "float"), ("llama", "w8a16"),
+                                       pytest.param("qwen2", "float", marks=pytest.mark.slow),
+                                       pytest.param("qwen2", "w8a16", marks=pytest.mark.slow),
+                                       pytest.param("qwen3", "float", marks=pytest.mark.slow)])
+def test_transformers_reads_the_gguf_like_our_runtime(tmp_path: Path, arch: str, head: str) -> None:
     """transformers dequantizes the GGUF (undoing the q/k interleave) and its logits equal our
     runtime's on the checkpoint: float32 throughout, scales rounded to fp16 on export (relative
     2^-11), so logits agree to ~1e-3 of their range and the greedy token is the same wherever the
     top two logits are further apart than twice that. Qwen2 is
     exported asymmetric (Q4_1), whose offset m = -(8 + z)·s is rounded to fp16 too: up to
-    16·s·2^-11 per weight, an eighth of the symmetric case's step precision, so 4x the bound."""
+    16·s·2^-11 per weight, an eighth of the symmetric case's step precision, so 4x the bound.
+    A quantized LM head (`lm_head`, tied in the Qwen2 source) is written as its own Q8_0 tensor."""
     from transformers import AutoModelForCausalLM
 
     from lmfoundry.runtime.loader import load_model
 
     src = _bpe_model(tmp_path / "src", arch)
-    ckpt = _quantize(src, tmp_path / "q", scheme="w4a16", group_size=32, symmetric=(arch != "qwen2"))
+    ckpt = _quantize(src, tmp_path / "q", scheme="w4a16", group_size=32, symmetric=(arch != "qwen2"), lm_head=head)
     # SmolLM2's tokenizer files under a qwen2 config.json: transformers loads them as a Qwen2
     # tokenizer, whose ids on llama.cpp's check text no known model gives, so the name is said
-    export_gguf(ckpt, tmp_path / "g" / "m.gguf", tokenizer_pre="smollm", progress=False)
+    report = export_gguf(ckpt, tmp_path / "g" / "m.gguf", tokenizer_pre="smollm", progress=False)
+    assert report.types.get("Q8_0", 0) == (head == "w8a16")
     ours, _ = load_model(str(ckpt))
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "g"), gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))

@@ -20,6 +20,7 @@ CASES = {
     "fp8-dynamic": ["--scheme", "fp8-dynamic", "--method", "fp8"],
     "w8a8+kv-int8": ["--scheme", "w8a8", "--kv-cache", "int8"],
     "w4a16+kv-fp8": ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "fp8"],
+    "w4a16+lm-head-w8a16": ["--scheme", "w4a16", "--group-size", "32", "--lm-head", "w8a16"],
 }
 
 
