@@ -216,6 +216,7 @@ def main() -> None:
         for r in rows:
             r["plan"] = [scrub(p) for p in r["plan"]]
             r["model"] = scrub(r["model"])
+            r["weights_gib"] = {scrub(k): v for k, v in r["weights_gib"].items()}
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
 
 
