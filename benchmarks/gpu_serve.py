@@ -118,7 +118,7 @@ def write_models(root: Path, p: dict, group: int = 128, seed: int = 0,
 def dense_model(folder: Path):
     """The reference `CausalLM` of a tokenizer-less folder, in bf16 on CPU."""
     from lmfoundry.checkpoint.folder import CheckpointReader
-    from lmfoundry.runtime.loader import load_causal_lm
+    from lmfoundry.runtime.checkpoint_model import load_causal_lm
 
     return load_causal_lm(CheckpointReader(folder), torch.bfloat16)
 

@@ -113,8 +113,8 @@ def build_cpu_engine(checkpoint: str | Path, output: str | Path | None = None, *
         place_files,
         source_record,
     )
+    from lmfoundry.runtime.checkpoint_model import load_causal_lm
     from lmfoundry.runtime.cpu.features import cpu_features, isa, native_bf16
-    from lmfoundry.runtime.loader import load_causal_lm
 
     t0 = time.perf_counter()
     if max_tokens < 1:

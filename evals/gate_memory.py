@@ -136,8 +136,8 @@ def model_memory(spec: str, folder: Path, config: Any, tier: Tier, run_dtype: An
     import torch
 
     from lmfoundry.evals.divergence import ROWS_AT_ONCE
+    from lmfoundry.runtime.checkpoint_model import packs_weights
     from lmfoundry.runtime.engine.engine_config import EngineConfig, default_step_tokens
-    from lmfoundry.runtime.loader import packs_weights
 
     dtype = run_dtype or torch.bfloat16
     element = torch.empty(0, dtype=dtype).element_size()

@@ -37,9 +37,9 @@ from lmfoundry.model.attention_math import AttentionSpec
 from lmfoundry.model.reference import CausalLM, DecoderLayer
 
 if TYPE_CHECKING:
-    from lmfoundry.runtime.engine.kernel_model import KernelModel
     from lmfoundry.runtime.engine.llm_engine import LLMEngine
     from lmfoundry.runtime.engine.ranks import ShardedModel
+    from lmfoundry.runtime.kernel_model import KernelModel
 
 BOS_CHOICES = ("tokenizer", "true", "false")
 
@@ -183,8 +183,8 @@ class RuntimeLM(TemplateLM):
                                           device=device)
         if tokenizer is None:
             raise UserError("the lmfoundry lm-eval model needs a tokenizer")
-        from lmfoundry.runtime.engine.kernel_model import KernelModel
         from lmfoundry.runtime.engine.ranks import ShardedModel
+        from lmfoundry.runtime.kernel_model import KernelModel
 
         # An engine bundle's kernels and a tensor-parallel model's ranks are driven through the
         # serving engine (paged cache, prefix caching of shared contexts); the reference model

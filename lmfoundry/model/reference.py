@@ -134,10 +134,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset)
         self.kv_round_trip: KVRoundTrip | None = None
-        # q/k/v as one product: set by the CPU serving swap (runtime/cpu_linears.prepack_dense_linears)
+        # q/k/v as one product: set by the CPU serving swap (runtime/cpu/dense_linears.prepack_dense_linears)
         self.qkv_proj: FusedLinear | None = None
         # rotary of q and k in one call, or None where it does not fit: set by the CPU serving swap
-        # (runtime/cpu_elementwise.swap_native_elementwise)
+        # (runtime/cpu/elementwise.swap_native_elementwise)
         self.rope: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def project_qk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,10 +221,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
         self.gelu = GELU_ACTIVATIONS.get(config.hidden_act)  # None: SiLU (Llama); "tanh"/"none": Gemma
-        # gate/up as one product: set by the CPU serving swap (runtime/cpu_linears.prepack_dense_linears)
+        # gate/up as one product: set by the CPU serving swap (runtime/cpu/dense_linears.prepack_dense_linears)
         self.gate_up_proj: FusedLinear | None = None
         # act(gate) * up in one pass, or None where it does not fit: set by the CPU serving swap
-        # (runtime/cpu_elementwise.swap_native_elementwise)
+        # (runtime/cpu/elementwise.swap_native_elementwise)
         self.act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,8 @@ def load_cpu_bundle(engine: Path, manifest: dict[str, Any], dtype: torch.dtype |
     line) the packed eager model of the same weights."""
     from lmfoundry.checkpoint.folder import CheckpointReader
     from lmfoundry.engine_bundle.engine_manifest import own_weights, verify_weights
+    from lmfoundry.runtime.checkpoint_model import load_causal_lm
     from lmfoundry.runtime.cpu.compiled_step import compiled_step_refusal, load_compiled_step, moe_blocks
-    from lmfoundry.runtime.loader import load_causal_lm
 
     entry = manifest["cpu"]
     verify_weights(engine, manifest)

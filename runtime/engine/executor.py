@@ -285,7 +285,7 @@ def is_kernel_model(model: Any) -> bool:
     """Whether `model` is an engine bundle's `KernelModel`, asked without importing that module: one
     exists only once its module is imported, and an engine serving the reference model never
     imports it, nor the Triton kernels behind it (tens of MiB resident, never launched on a CPU)."""
-    kernel_model = sys.modules.get("lmfoundry.runtime.engine.kernel_model")
+    kernel_model = sys.modules.get("lmfoundry.runtime.kernel_model")
     return kernel_model is not None and isinstance(model, kernel_model.KernelModel)
 
 

@@ -14,8 +14,8 @@ import torch
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.spec import DIVISIBILITY
 from lmfoundry.runtime.engine.engine_config import EngineConfig
-from lmfoundry.runtime.engine.kernel_model import AttentionInputs, KernelModel
 from lmfoundry.runtime.engine.step_inputs import StepInputs, padded_table
+from lmfoundry.runtime.kernel_model import AttentionInputs, KernelModel
 
 if TYPE_CHECKING:
     from lmfoundry.runtime.engine.lora_adapters import LoRAStack

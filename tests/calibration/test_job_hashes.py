@@ -314,7 +314,7 @@ def calibration_windows(folder: Path, calib: Path) -> torch.Tensor:
 
 def float64_model(folder: Path) -> torch.nn.Module:
     from lmfoundry.checkpoint.folder import CheckpointReader
-    from lmfoundry.runtime.loader import load_causal_lm
+    from lmfoundry.runtime.checkpoint_model import load_causal_lm
 
     return load_causal_lm(CheckpointReader(folder), torch.float64)
 

@@ -17,7 +17,7 @@ from lmfoundry.model.quantized_linear import build_activation_linear as build_fp
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import make_scheme
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
-from lmfoundry.runtime.loader import build_linear
+from lmfoundry.runtime.checkpoint_model import build_linear
 
 FP8_DTYPE = torch.float8_e4m3fn
 MIN_DYNAMIC_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's floor of a dynamic fp8 scale

@@ -315,7 +315,7 @@ def test_unsupported_variants_are_refused_by_name(gemma: Path) -> None:
     with pytest.raises(UserError, match="gemma3n"):
         ModelConfig.from_dict({**cfg, "model_type": "gemma3n"})
     with pytest.raises(UserError, match="compiled-kernel"):  # engine bundles: the kernels are Llama's
-        from lmfoundry.runtime.engine.kernel_model import load_kernel_model
+        from lmfoundry.runtime.kernel_model import load_kernel_model
 
         bundle = gemma.parent / "bundle"
         (bundle / "weights").mkdir(parents=True, exist_ok=True)

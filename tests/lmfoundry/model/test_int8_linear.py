@@ -18,7 +18,7 @@ from lmfoundry.model.quantized_linear import build_activation_linear as build_in
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import make_scheme, with_static_activations
 from lmfoundry.quantizers.rtn import rtn_quantize_weight
-from lmfoundry.runtime.loader import build_linear
+from lmfoundry.runtime.checkpoint_model import build_linear
 
 U = 2.0**-24
 

@@ -21,7 +21,7 @@ def test_packed_w4a16_scores_like_the_dense_dequantized_model() -> None:
     same codes and scales; only the kernels' rounding differs, well under 1 %)."""
     from lmfoundry.calibration.data import eval_token_stream
     from lmfoundry.evals.perplexity import perplexity
-    from lmfoundry.runtime import loader
+    from lmfoundry.runtime import checkpoint_model
     from lmfoundry.runtime.cpu.weight_only_linears import Int4PackLinear
 
     ckpt = w4a16_checkpoint()
@@ -30,12 +30,12 @@ def test_packed_w4a16_scores_like_the_dense_dequantized_model() -> None:
     stream, _, _ = eval_token_stream(None, tok)
     a = perplexity(packed, stream, ctx=256, max_windows=8, progress=False).ppl
     del packed
-    real = loader.packs_weights
+    real = checkpoint_model.packs_weights
     try:
-        loader.packs_weights = lambda dtype: False  # type: ignore[assignment]
+        checkpoint_model.packs_weights = lambda dtype: False  # type: ignore[assignment]
         dense, _ = load_model(ckpt, dtype=torch.bfloat16)
     finally:
-        loader.packs_weights = real  # type: ignore[assignment]
+        checkpoint_model.packs_weights = real  # type: ignore[assignment]
     b = perplexity(dense, stream, ctx=256, max_windows=8, progress=False).ppl
     assert abs(a / b - 1) < 0.01, (a, b)
 

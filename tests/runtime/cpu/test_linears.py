@@ -23,6 +23,7 @@ from lmfoundry.model.reference import MLP, Attention
 from lmfoundry.quantformat import qmath
 from lmfoundry.quantformat.quantized_weight import QuantizedWeight
 from lmfoundry.quantformat.scheme import QuantArgs, make_scheme
+from lmfoundry.runtime.checkpoint_model import build_linear
 from lmfoundry.runtime.cpu.dense_linears import (
     BlockedEmbedding,
     FusedPrepackedLinear,
@@ -45,7 +46,6 @@ from lmfoundry.runtime.cpu.weight_only_linears import (
     packed_linear,
     prepack_c_products,
 )
-from lmfoundry.runtime.loader import build_linear
 
 U = 2.0**-8
 

@@ -78,8 +78,8 @@ def test_without_the_mode_batches_change_the_logprobs(dtype) -> None:
 def test_packed_int4_weights_are_batch_invariant(tmp_path) -> None:
     """A W4A16 checkpoint (packed int4 linears, per-row kernel at every row count)."""
     from lmfoundry.checkpoint.folder import CheckpointReader
+    from lmfoundry.runtime.checkpoint_model import load_causal_lm
     from lmfoundry.runtime.cpu.weight_only_linears import Int4PackLinear
-    from lmfoundry.runtime.loader import load_causal_lm
 
     folder = write_checkpoint(tmp_path / "w4", "w4a16", bits=4, group=32, vocab=320)
     model = load_causal_lm(CheckpointReader(folder), torch.bfloat16)

@@ -32,7 +32,7 @@ from lmfoundry.kernels.dispatch import ReferenceLauncher
 from lmfoundry.kernels.spec import KernelCall
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.kernel_executor import GRAPH_BUCKETS, graph_inputs, graph_views
-from lmfoundry.runtime.engine.kernel_model import KernelModel
+from lmfoundry.runtime.kernel_model import KernelModel
 from lmfoundry.runtime.kernel_set import CubinLauncher, divisibility
 from lmfoundry.runtime.loader import load_bundle
 

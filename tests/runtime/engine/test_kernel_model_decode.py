@@ -13,7 +13,7 @@ import torch
 
 from lmfoundry.kernels import paged_attention
 from lmfoundry.kernels.dispatch import JitLauncher, is_interpreter
-from lmfoundry.runtime.engine.kernel_model import KernelModel
+from lmfoundry.runtime.kernel_model import KernelModel
 
 
 def _model(mode: str) -> KernelModel:

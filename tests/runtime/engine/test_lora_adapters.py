@@ -14,9 +14,9 @@ from toy import toy_model
 
 from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.errors import UserError
+from lmfoundry.runtime.checkpoint_model import load_causal_lm
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from lmfoundry.runtime.engine.lora_adapters import LoRAManager, LoRAStack
-from lmfoundry.runtime.loader import load_causal_lm
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 30) -> list[list[int]]:

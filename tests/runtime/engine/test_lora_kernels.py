@@ -16,8 +16,9 @@ from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.compile.bundle import build_engine
 from lmfoundry.errors import UserError
 from lmfoundry.kernels.dispatch import is_interpreter
+from lmfoundry.runtime.checkpoint_model import load_causal_lm
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.loader import load_bundle, load_causal_lm
+from lmfoundry.runtime.loader import load_bundle
 
 from .test_kernel_executor import U_BF16
 

@@ -13,8 +13,8 @@ from helpers import assert_greedy_up_to_bf16_ties, merge_lora, w4a16_checkpoint
 
 from lmfoundry.checkpoint.folder import CheckpointReader
 from lmfoundry.checkpoint.sources import resolve_model
+from lmfoundry.runtime.checkpoint_model import load_causal_lm
 from lmfoundry.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from lmfoundry.runtime.loader import load_causal_lm
 
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")

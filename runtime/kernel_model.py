@@ -123,7 +123,7 @@ class KernelModel:
     # rank's own shapes; the ranks meet after o_proj and down_proj, in the embedding and the logits.
     share: Any = None  # lmfoundry.model.tensor_parallel.RankShard
     comm: Any = None  # its Collectives
-    # LoRA adapters (`runtime.engine.lora.LoRAStack`, with a bundle compiled with --max-loras): each
+    # LoRA adapters (`runtime.engine.lora_adapters.LoRAStack`, with a bundle compiled with --max-loras): each
     # GEMM's output gets the step's per-row deltas through the bundle's shrink/expand kernels
     lora: Any = None
 
