@@ -13,7 +13,8 @@ from lmfoundry.manifest import MANIFEST, sha256_file, update_manifest
 
 
 def record_promotion(candidate: str, report: dict[str, Any], json_path: Path, md_path: Path) -> bool:
-    """Write the verdict into the candidate's lmfoundry.json (`promotion`), if it has one."""
+    """Write the verdict into the candidate's manifest (`promotion`): a checkpoint's lmfoundry.json or
+    an engine bundle's engine.json, if it has one; False when it has neither."""
     folder = Path(report["candidate"]["path"])
     bundle = is_engine_bundle(folder)
     if not (folder / MANIFEST).exists() and not bundle:
