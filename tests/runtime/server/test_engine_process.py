@@ -116,7 +116,7 @@ def test_engine_steps_in_its_own_process_and_leaves_with_the_api(tmp_path) -> No
 def test_the_api_process_never_loads_torch(tmp_path) -> None:
     """Tokenizing, validating and compiling a grammar, detokenizing and streaming logprobs all run
     in the API process without torch, whose import alone would be most of its resident memory:
-    the engine process decides everything that needs torch (`commands.serve.serving_engine`)."""
+    the engine process decides everything that needs torch (`runtime.engine.serving.serving_engine`)."""
     folder = save_toy_checkpoint(tmp_path / "toy", seed=2)
     proc = start_serve([str(folder), "--port", "0", "--max-model-len", "256", "--kv-cache-gb", "0.01",
                         "--dtype", "float32", "--skip-verify"])
