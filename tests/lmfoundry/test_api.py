@@ -154,6 +154,39 @@ def test_llm_greedy_tokens_equal_the_engines(checkpoint):
         lmfoundry.LLM(checkpoint, max_num_seq=4)
 
 
+def test_llm_greedy_tokens_equal_serves(checkpoint):
+    """The same prompts, greedy, through `LLM.generate` in this process and through `lmfoundry
+    serve`'s /v1/completions: the same text and the same log-probabilities of the chosen tokens
+    (one engine behind both; serve adds the HTTP layer and its own engine process)."""
+    import json as jsonlib
+    import urllib.request
+
+    from helpers import start_serve, stop_serve, wait_for_url
+
+    prompts: list = [[5, 6, 7, 8, 9, 10], "a cache of blocks and"]
+    greedy = lmfoundry.SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+    with lmfoundry.LLM(checkpoint, dtype="float32") as llm:
+        ours = llm.generate(prompts, greedy)
+    proc = start_serve([str(checkpoint.path), "--port", "0", "--dtype", "float32", "--max-model-len", "256",
+                        "--kv-cache-gb", "0.01"])
+    try:
+        url = wait_for_url(proc)
+        for prompt, out in zip(prompts, ours, strict=True):
+            body = {"model": checkpoint.path.name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "logprobs": 1, "ignore_eos": True}
+            req = urllib.request.Request(f"{url}/completions", data=jsonlib.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                choice = jsonlib.loads(resp.read())["choices"][0]
+            assert choice["text"] == out.outputs[0].text
+            served = choice["logprobs"]["token_logprobs"]
+            mine = [step.logprob for step in out.outputs[0].logprobs]
+            assert len(served) == len(mine) == 8
+            assert max(abs(a - b) for a, b in zip(served, mine, strict=True)) < 1e-4
+    finally:
+        stop_serve(proc)
+
+
 def _gate(tmp: Path) -> Path:
     """A gate of perplexity windows and greedy answers only: seconds on the tiny model."""
     text = tmp / "ppl.txt"
