@@ -85,6 +85,10 @@ def _seed(value: Any) -> str | None:
 
 
 LM_HEAD_CHOICES = ("float", "w8a16", "w4a16")
+# `quantize` keys added after checkpoints were published, with the value that means "as before":
+# the manifest records them only when set otherwise, so the same recipe keeps writing the same
+# lmfoundry.json (and checkpoint hash) it wrote before the key existed
+LATER_KEYS = {"lm_head": "float"}
 
 # What each value may be; the message completes "... must be ...". Choices that the stage itself
 # checks with a good message (method, scheme, observer, kv_strategy) are only type-checked here.
@@ -290,6 +294,9 @@ class Recipe:
         """The recipe as the manifest records it (without `source_file`, recorded apart)."""
         out: dict[str, Any] = {"quantize": dataclasses.asdict(self.quantize),
                                "calibration": dataclasses.asdict(self.calibration)}
+        for key, default in LATER_KEYS.items():  # at its default, a later key leaves the record as it was
+            if out["quantize"][key] == default:
+                del out["quantize"][key]
         for key in ("name", "description", "gate"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

@@ -12,7 +12,7 @@ from lmfoundry.recipe import CalibrationSection, QuantizeSection, Recipe
 DEFAULT_DICT = {
     "quantize": {"method": "rtn", "scheme": "w4a16", "group_size": None, "per_channel": False, "symmetric": None,
                  "observer": "minmax", "actorder": None, "targets": ["Linear"], "ignore": ["lm_head"],
-                 "kv_cache": None, "lm_head": "float", "kv_strategy": "tensor", "dtype": "auto", "options": {}},
+                 "kv_cache": None, "kv_strategy": "tensor", "dtype": "auto", "options": {}},
     "calibration": {"source": "c4", "num_samples": 128, "seq_len": 512, "seed": 0, "propagate": "quantized",
                     "batch_size": 8, "moe_experts": "all"},
 }
@@ -22,6 +22,20 @@ def test_defaults_are_the_manifest_dict_of_before():
     assert Recipe().to_dict() == DEFAULT_DICT
     assert list(Recipe().to_dict()["quantize"]) == list(DEFAULT_DICT["quantize"])
     assert Recipe.from_yaml(None) == Recipe()
+
+
+def test_a_later_key_is_recorded_only_when_set(tmp_path):
+    """`lm_head` came after checkpoints were published: at "float" the record is the one of before,
+    set otherwise it is recorded, and a recorded recipe reads back to the same recipe."""
+    import yaml
+
+    head = Recipe().with_overrides(lm_head="w8a16")
+    assert head.to_dict()["quantize"]["lm_head"] == "w8a16"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(head.to_dict()))
+    assert Recipe.from_yaml(path).quantize == head.quantize
+    with pytest.raises(UserError, match="quantize.lm_head must be one of float, w8a16, w4a16"):
+        Recipe().with_overrides(lm_head="w2a16")
 
 
 def test_yaml_then_flags(tmp_path):
