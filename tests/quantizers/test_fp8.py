@@ -22,7 +22,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 @pytest.fixture
 def static_scales_loader(monkeypatch):
     """The loader does not pass `input_scale` to runtime linears yet (see the issue report)."""
-    import lmfoundry.runtime.loader as loader
+    import lmfoundry.runtime.checkpoint_model as checkpoint_model
     from lmfoundry.checkpoint.folder import decode_linear
 
     def decode(tensors, scheme):
@@ -30,7 +30,7 @@ def static_scales_loader(monkeypatch):
         qw.input_scale = tensors.get("input_scale")
         return qw
 
-    monkeypatch.setattr(loader, "decode_linear", decode)
+    monkeypatch.setattr(checkpoint_model, "decode_linear", decode)
 
 
 def quantize(tmp_path, scheme, calib=True):

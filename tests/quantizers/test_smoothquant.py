@@ -22,7 +22,7 @@ from lmfoundry.runtime.loader import load_model
 def attach_input_scales(monkeypatch):
     """Until the loader passes `input_scale` to the runtime linears (see the issue report), attach
     it to the decoded weight, where the factories look for it."""
-    import lmfoundry.runtime.loader as loader
+    import lmfoundry.runtime.checkpoint_model as checkpoint_model
     from lmfoundry.checkpoint.folder import decode_linear
 
     def decode(tensors, scheme):
@@ -30,7 +30,7 @@ def attach_input_scales(monkeypatch):
         qw.input_scale = tensors.get("input_scale")
         return qw
 
-    monkeypatch.setattr(loader, "decode_linear", decode)
+    monkeypatch.setattr(checkpoint_model, "decode_linear", decode)
 
 
 def outlier_model(tmp_path, **overrides):
