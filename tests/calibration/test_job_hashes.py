@@ -405,6 +405,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the module again per CPU path; the fast tier holds the machine's own path
 @pytest.mark.parametrize("path", ["amx", "avx512", "avx2"])
 def test_every_cpu_path(path: str) -> None:
     """This module's golden cases under each path the CPU has, forced (`LMFOUNDRY_CPU_ISA`): so

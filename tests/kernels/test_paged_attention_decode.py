@@ -114,6 +114,7 @@ SLOW = [
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the interpreter at long lengths; the fast tier runs the kernel at short ones
 @pytest.mark.parametrize("dtype,cache_dtype,hq,hkv,d,page,lens,splits", SLOW)
 def test_decode_matches_reference_long(dtype, cache_dtype, hq, hkv, d, page, lens, splits, gen, device):
     check_decode(dtype, cache_dtype, hq, hkv, d, page, lens, splits, gen, device)

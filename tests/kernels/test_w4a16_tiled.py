@@ -233,6 +233,7 @@ SLOW_CASES = [
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the interpreter at large shapes; the fast tier runs the kernel at small ones
 @pytest.mark.parametrize("m,n,k,bits,group,symmetric,actorder,dtype,bias,tiles", SLOW_CASES)
 def test_tiled_kernel_larger_shapes(m, n, k, bits, group, symmetric, actorder, dtype, bias, tiles, gen, device, acc_u):
     run_and_check(m, n, k, bits, group, symmetric, actorder, dtype, bias, config(*tiles), gen, device, acc_u)

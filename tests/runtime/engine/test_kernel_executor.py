@@ -178,6 +178,7 @@ def test_interpreted_kernels_match_their_references(bundles: Bundles) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 16 tokens per scheme in the interpreter; the fast tier runs fewer
 @pytest.mark.skipif(not is_interpreter(), reason="runs the Triton kernels through the interpreter")
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_interpreted_kernels_match_their_references_16_tokens(bundles: Bundles, scheme: str) -> None:
